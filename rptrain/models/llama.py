@@ -1,0 +1,88 @@
+"""Llama-style decoder as an nn.Sequential, its presets, and size/FLOP estimates.
+
+    [TokenEmbedding, DecoderBlock x n_layers, LMHeadLoss]
+
+Feed `(input_ids, targets)`; the model returns the summed token cross entropy.
+Presets are randomly initialised; `load_weights` reads a local checkpoint.
+"""
+
+import torch
+from torch import nn
+
+from rptrain.models.llama_config import LlamaConfig
+from rptrain.models.llama_layers import DecoderBlock, Device, TokenEmbedding
+from rptrain.models.llama_loss import LMHeadLoss
+from rptrain.models.registry import register_model
+
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=8192)
+
+LLAMA_PRESETS: dict[str, dict] = {
+    # CPU tests: ffn_hidden comes out at 192.
+    "llama_tiny": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=256),
+    # GPT-2-small-sized with a Llama-2-sized vocabulary (~128M parameters).
+    "llama_125m": dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=3072,
+                       tie_embeddings=True, max_seq_len=2048),
+    # Shapes of Llama 3.2 1B / 3B and Llama 3.1 8B (no long-context rope scaling).
+    "llama_1b": dict(_LLAMA3, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192, tie_embeddings=True),
+    "llama_3b": dict(_LLAMA3, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_hidden=8192, tie_embeddings=True),
+    "llama_8b": dict(_LLAMA3, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, tie_embeddings=False),
+}
+
+
+def llama_config(name: str, **overrides) -> LlamaConfig:
+    """A preset's config with some fields replaced (e.g. vocab_size=259)."""
+    if name not in LLAMA_PRESETS:
+        raise ValueError(f"unknown llama preset {name!r}; allowed: {', '.join(LLAMA_PRESETS)}")
+    # Build from the raw fields so derived ones (ffn_hidden) follow overrides of dim.
+    return LlamaConfig(**{**LLAMA_PRESETS[name], **overrides})
+
+
+def build_llama(cfg: LlamaConfig, device: Device = None, dtype: torch.dtype | None = None) -> nn.Sequential:
+    """device="meta" allocates nothing, so even llama_8b can be built anywhere."""
+    embedding = TokenEmbedding(cfg, device, dtype)
+    blocks = [DecoderBlock(cfg, device, dtype) for _ in range(cfg.n_layers)]
+    head = LMHeadLoss(cfg, embedding.weight if cfg.tie_embeddings else None, device, dtype)
+    return nn.Sequential(embedding, *blocks, head)
+
+
+def _register(name: str) -> None:
+    @register_model(name)
+    def build(device: Device = None, dtype: torch.dtype | None = None, **overrides) -> nn.Sequential:
+        return build_llama(llama_config(name, **overrides), device, dtype)
+
+
+for _name in LLAMA_PRESETS:
+    _register(_name)
+
+
+def _layer_params(cfg: LlamaConfig) -> tuple[int, int]:
+    """(matmul weights, norm weights) of one decoder block."""
+    q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    attn = cfg.dim * q_out + 2 * cfg.dim * kv_out + q_out * cfg.dim
+    mlp = 3 * cfg.dim * cfg.ffn_hidden
+    return attn + mlp, 2 * cfg.dim
+
+
+def parameter_count(cfg: LlamaConfig) -> int:
+    """Distinct parameters (a tied embedding/head matrix counts once)."""
+    matmul, norms = _layer_params(cfg)
+    table = cfg.vocab_size * cfg.dim
+    embeddings = table if cfg.tie_embeddings else 2 * table
+    return embeddings + cfg.n_layers * (matmul + norms) + cfg.dim
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward), the usual estimate (Kaplan et al., PaLM, nanoGPT):
+
+        6 * N  +  12 * n_layers * n_heads * head_dim * seq_len
+
+    N counts the weights that take part in a matmul: every projection plus the LM
+    head (the embedding lookup costs no FLOPs and norms are negligible), so tied
+    and untied models cost the same. Each weight costs 2 FLOPs per token forward
+    and 4 backward. The second term is QK^T and attention@V (2 * 2 * T * d_attn
+    forward per layer, x3 with backward), counted over the full T x T square as
+    PaLM does, i.e. without halving for the causal mask.
+    """
+    matmul, _ = _layer_params(cfg)
+    n = cfg.n_layers * matmul + cfg.vocab_size * cfg.dim
+    return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len

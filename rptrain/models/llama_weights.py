@@ -1,0 +1,108 @@
+"""Load a local Llama checkpoint into the Sequential decoder.
+
+Accepts our own state-dict names ("0.weight", "3.wq.weight", ...) and Hugging
+Face Llama names ("model.layers.2.self_attn.q_proj.weight", ...). HF stores q/k
+projections permuted for the rotate_half rotary layout, which is the layout
+`apply_rotary` uses, so their tensors are copied without un-permuting. (Meta's
+original consolidated.*.pth files use interleaved pairs and are not supported.)
+"""
+
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+_HF_BLOCK = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "wq.weight",
+    "self_attn.k_proj.weight": "wk.weight",
+    "self_attn.v_proj.weight": "wv.weight",
+    "self_attn.o_proj.weight": "wo.weight",
+    "post_attention_layernorm.weight": "mlp_norm.weight",
+    "mlp.gate_proj.weight": "w1.weight",
+    "mlp.up_proj.weight": "w3.weight",
+    "mlp.down_proj.weight": "w2.weight",
+}
+
+
+def _from_hf_name(name: str, n_layers: int) -> str | None:
+    """Our name for an HF tensor; None for tensors to drop; unknown names pass through."""
+    head = n_layers + 1
+    if name == "model.embed_tokens.weight":
+        return "0.weight"
+    if name == "model.norm.weight":
+        return f"{head}.norm.weight"
+    if name == "lm_head.weight":
+        return f"{head}.weight"
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _HF_BLOCK:
+        return f"{int(m.group(1)) + 1}.{_HF_BLOCK[m.group(2)]}"
+    if m and m.group(2) == "self_attn.rotary_emb.inv_freq":  # derived table in old HF files
+        return None
+    return name
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """A .pt/.bin file, a .safetensors file, or a folder of .safetensors (else .bin/.pt) shards."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors")) or sorted([*path.glob("*.bin"), *path.glob("*.pt")])
+        if not files:
+            raise FileNotFoundError(f"no .safetensors, .bin or .pt files in {path}")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise FileNotFoundError(path)
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        if file.suffix == ".safetensors":
+            try:
+                from safetensors.torch import load_file
+            except ImportError:
+                raise ImportError(
+                    f"{file} is a safetensors file, which needs the optional package: pip install safetensors"
+                ) from None
+            state.update(load_file(file))
+        else:
+            state.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+    return state
+
+
+def _listing(names: list[str], limit: int = 5) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def load_weights(model: nn.Sequential, path: str | Path) -> None:
+    """Copy a checkpoint into `model` in place (casting to each parameter's dtype)."""
+    state = read_state_dict(path)
+    if any(k.startswith(("model.", "lm_head.")) for k in state):
+        n_layers = len(model) - 2
+        state = {new: t for k, t in state.items() if (new := _from_hf_name(k, n_layers)) is not None}
+
+    expected = model.state_dict(keep_vars=True)
+    # A tied embedding/head Parameter appears under two names; files may hold either.
+    groups: dict[int, list[str]] = {}
+    for name, tensor in expected.items():
+        groups.setdefault(id(tensor), []).append(name)
+    for names in groups.values():
+        present = [n for n in names if n in state]
+        if len(present) > 1 and not all(torch.equal(state[present[0]], state[n]) for n in present[1:]):
+            raise ValueError(f"checkpoint has different tensors for {present}, but the model ties them")
+        for name in names if present else []:
+            state.setdefault(name, state[present[0]])
+
+    missing = [n for n in expected if n not in state]
+    unexpected = [n for n in state if n not in expected]
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the model: "
+            f"missing {len(missing)} [{_listing(missing)}], unexpected {len(unexpected)} [{_listing(unexpected)}]"
+        )
+    wrong = [f"{n} {tuple(state[n].shape)} vs {tuple(t.shape)}" for n, t in expected.items() if state[n].shape != t.shape]
+    if wrong:
+        raise ValueError(f"checkpoint {path} has wrong shapes (file vs model): {_listing(wrong)}")
+    if any(t.is_meta for t in expected.values()):
+        raise ValueError("model is on the meta device; materialise it first, e.g. model.to_empty(device='cpu')")
+    model.load_state_dict(state)
