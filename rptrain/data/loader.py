@@ -1,0 +1,245 @@
+"""Exact, resumable, shardable batches over tensors held in memory.
+
+Everything random is a pure function of (seed, epoch, rank, batch index):
+  * sample order: torch.Generator().manual_seed(seed + epoch) -> randperm, the
+    recipe torch's DistributedSampler uses, shared by all ranks;
+  * the transform's generator for batch b: seeded from mix_seed(seed, epoch, rank, b).
+So a run stopped after batch k and resumed with epoch(e, start_batch=k+1)
+(or load_state_dict) yields bit-identical batches, with nothing to replay.
+
+Sharding follows DistributedSampler followed by DataLoader(drop_last=...):
+rank r reads positions r, r+W, r+2W, ... of the global permutation.
+  * drop_last=True: the permutation's tail is cut to a multiple of W, and each
+    rank's last partial batch is dropped;
+  * drop_last=False: the permutation is padded by wrapping around to its
+    start (a few samples appear twice per epoch), and the last partial batch
+    is kept.
+Either way every rank has the same number of batches, so collective ops in
+the training step never wait on a rank that ran out of data.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from .errors import DataError
+
+Batch = tuple[torch.Tensor, ...]
+Transform = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*values: int) -> int:
+    """Hash integers into one 63-bit seed (splitmix64 steps), so nearby inputs give unrelated streams."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (int(v) & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 31
+    return h >> 1
+
+
+def shard_indices(
+    n: int, seed: int, epoch: int, shuffle: bool, rank: int = 0, world_size: int = 1, drop_last: bool = True
+) -> torch.Tensor:
+    """This rank's sample indices for one epoch, identical to DistributedSampler's."""
+    if shuffle:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    else:
+        order = torch.arange(n)
+    if drop_last:
+        order = order[: n - n % world_size]
+    elif n % world_size:
+        pad = world_size - n % world_size
+        order = torch.cat([order, order.repeat(pad // n + 1)[:pad]])
+    return order[rank::world_size]
+
+
+class ShardedLoader:
+    """Bookkeeping shared by the loaders: shard sizes, batch count, resume position."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        shuffle: bool,
+        drop_last: bool,
+        seed: int,
+        rank: int,
+        world_size: int,
+    ) -> None:
+        if batch_size < 1:
+            raise DataError(f"batch_size={batch_size} must be >= 1")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise DataError(f"rank={rank}, world_size={world_size}: need world_size >= 1 and 0 <= rank < world_size")
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.shuffle, self.drop_last = shuffle, drop_last
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        shard = num_samples // world_size if drop_last else -(-num_samples // world_size)
+        self.shard_size = shard
+        self.num_batches = shard // batch_size if drop_last else -(-shard // batch_size)
+        if self.num_batches == 0:
+            raise DataError(
+                f"{num_samples} samples give no batch of {batch_size} per rank with world_size={world_size}: "
+                f"lower batch_size or set drop_last=false"
+            )
+        # Position of the next batch to hand out; advanced as batches are yielded.
+        self.current_epoch, self.next_batch = 0, 0
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        """This rank's indices for `epoch`, cut to whole batches when drop_last."""
+        idx = shard_indices(self.num_samples, self.seed, epoch, self.shuffle, self.rank, self.world_size, self.drop_last)
+        return idx[: self.num_batches * self.batch_size]
+
+    def _check_start(self, start_batch: int) -> None:
+        if not 0 <= start_batch <= self.num_batches:
+            raise DataError(f"start_batch={start_batch} is outside an epoch of {self.num_batches} batches")
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Batch]:
+        """One epoch, continuing from the saved position (fresh loader: epoch 0, batch 0)."""
+        return self.epoch(self.current_epoch, self.next_batch)
+
+    def state_dict(self) -> dict[str, int]:
+        epoch, batch = self.current_epoch, self.next_batch
+        if batch >= self.num_batches:  # the epoch is finished; resuming starts the next one
+            epoch, batch = epoch + 1, 0
+        return {
+            "seed": self.seed,
+            "epoch": epoch,
+            "batch": batch,
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "num_samples": self.num_samples,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        # A different batch size, world size or dataset would silently give a different order.
+        for key in ("batch_size", "world_size", "num_samples"):
+            if key in state and state[key] != getattr(self, key):
+                raise DataError(
+                    f"loader state has {key}={state[key]} but this loader has {key}={getattr(self, key)}: "
+                    f"resume with the same data and batch settings"
+                )
+        self.seed = int(state["seed"])
+        self.current_epoch, self.next_batch = int(state["epoch"]), int(state["batch"])
+        self._check_start(self.next_batch)
+
+
+class BatchLoader(ShardedLoader):
+    """Batches of equal-length tensors, e.g. (images, labels) or (inputs, targets).
+
+    for epoch in range(epochs):
+        for images, labels in loader.epoch(epoch):
+            ...
+
+    Each batch is a tuple with one tensor per input tensor. `transform`, if
+    given, is applied to the first tensor of each batch after it reached
+    `device`, as transform(x, generator) (BatchAugment fits). Tensors may
+    already live on the GPU, in which case indexing happens there.
+
+    prefetch=True prepares the next batch in one background thread while the
+    current one is used; the thread is joined when the epoch's iterator ends
+    or is closed. Off by default: indexing in-memory tensors is cheap, and a
+    thread makes failures harder to read.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor] | torch.Tensor,
+        batch_size: int,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        transform: Transform | None = None,
+        device: torch.device | str | None = None,
+        prefetch: bool = False,
+    ) -> None:
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        if not tensors:
+            raise DataError("BatchLoader needs at least one tensor")
+        sizes = [len(t) for t in tensors]
+        if len(set(sizes)) != 1:
+            raise DataError(f"BatchLoader tensors must have the same first dimension, got {sizes}")
+        super().__init__(sizes[0], batch_size, shuffle, drop_last, seed, rank, world_size)
+        self.tensors = tensors
+        self.transform = transform
+        self.device = torch.device(device) if device is not None else None
+        self.prefetch = prefetch
+
+    def transform_generator(self, epoch: int, batch: int) -> torch.Generator:
+        return torch.Generator().manual_seed(mix_seed(self.seed, epoch, self.rank, batch))
+
+    def load_batch(self, indices: torch.Tensor, epoch: int, batch: int) -> Batch:
+        """Gather rows `indices` of every tensor, move them to the device, transform."""
+        out = []
+        for t in self.tensors:
+            x = t[indices.to(t.device)]
+            if self.device is not None and x.device != self.device:
+                if self.device.type == "cuda" and x.device.type == "cpu":
+                    x = x.pin_memory()  # pinned pages let the copy below run asynchronously
+                x = x.to(self.device, non_blocking=True)
+            out.append(x)
+        if self.transform is not None:
+            out[0] = self.transform(out[0], self.transform_generator(epoch, batch))
+        return tuple(out)
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
+        """Yield batches start_batch..len(self)-1 of `epoch`, tracking the position for state_dict()."""
+        self._check_start(start_batch)
+        order = self.indices(epoch)
+        bs = self.batch_size
+        make = lambda b: self.load_batch(order[b * bs : (b + 1) * bs], epoch, b)  # noqa: E731
+        batches = range(start_batch, self.num_batches)
+        source = _prefetched(make, batches) if self.prefetch else (make(b) for b in batches)
+        try:
+            for b, batch in zip(batches, source):
+                self.current_epoch, self.next_batch = epoch, b + 1
+                yield batch
+        finally:
+            source.close()
+
+
+def _prefetched(make: Callable[[int], Batch], batches: range) -> Iterator[Batch]:
+    """Run make(b) for each b one step ahead in a background thread; joined on exit."""
+    q: queue.Queue = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def work() -> None:
+        for b in batches:
+            try:
+                item = (make(b), None)
+            except BaseException as err:  # handed to the consumer, which re-raises it
+                item = (None, err)
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    pass
+            if stop.is_set() or item[1] is not None:
+                return
+
+    thread = threading.Thread(target=work, name="rptrain-prefetch", daemon=True)
+    thread.start()
+    try:
+        for _ in batches:
+            batch, err = q.get()
+            if err is not None:
+                raise err
+            yield batch
+    finally:
+        stop.set()
+        thread.join()
