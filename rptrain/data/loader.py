@@ -106,14 +106,18 @@ class ShardedLoader:
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
         raise NotImplementedError
 
+    def position(self) -> tuple[int, int]:
+        """(epoch, batch) of the next batch to hand out."""
+        if self.next_batch >= self.num_batches:  # the epoch is finished; go on with the next one
+            return self.current_epoch + 1, 0
+        return self.current_epoch, self.next_batch
+
     def __iter__(self) -> Iterator[Batch]:
-        """One epoch, continuing from the saved position (fresh loader: epoch 0, batch 0)."""
-        return self.epoch(self.current_epoch, self.next_batch)
+        """The rest of the current epoch from the saved position (fresh loader: all of epoch 0)."""
+        return self.epoch(*self.position())
 
     def state_dict(self) -> dict[str, int]:
-        epoch, batch = self.current_epoch, self.next_batch
-        if batch >= self.num_batches:  # the epoch is finished; resuming starts the next one
-            epoch, batch = epoch + 1, 0
+        epoch, batch = self.position()
         return {
             "seed": self.seed,
             "epoch": epoch,
