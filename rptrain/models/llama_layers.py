@@ -16,7 +16,6 @@ from rptrain.models.llama_config import LlamaConfig
 Device = torch.device | str | None
 Batch = tuple[torch.Tensor, torch.Tensor | None]
 
-# enable_gqa lets SDPA broadcast the kv heads itself instead of us copying them.
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
@@ -68,7 +67,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     n_rep = q.size(1) // k.size(1)
     if n_rep == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if _SDPA_HAS_GQA:
+    # enable_gqa saves copying the kv heads, but on CUDA only the flash and cuDNN
+    # kernels take it, and they need half precision; in float32 it would fall back
+    # to the math kernel, which builds the whole T x T score matrix (seen on torch 2.11).
+    if _SDPA_HAS_GQA and q.dtype in (torch.float16, torch.bfloat16):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     # Query head i reads kv head i // n_rep, the same grouping enable_gqa uses.
     k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
