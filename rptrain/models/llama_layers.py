@@ -16,6 +16,7 @@ from rptrain.models.llama_config import LlamaConfig
 Device = torch.device | str | None
 Batch = tuple[torch.Tensor, torch.Tensor | None]
 
+# SDPA learnt enable_gqa in torch 2.5; pyproject allows 2.4.
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
