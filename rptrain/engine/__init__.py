@@ -1,0 +1,7 @@
+"""The RoundPipe-style dispatch pipeline engine."""
+from .config import RoundPipeRunConfig
+from .plan import ExecutePlan, LayerCost, plan_stages
+from .roundpipe import OptimizerCtx, RoundPipe
+from .scaler import GradScaler
+
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "ExecutePlan", "LayerCost", "plan_stages"]

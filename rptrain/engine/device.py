@@ -1,0 +1,208 @@
+"""The device interface the executor runs on: three streams, events, copies, RNG state and timers.
+
+``CudaDevice`` overlaps uploads, compute and downloads on separate CUDA streams ordered by events.
+``CpuDevice`` runs the same calls inline: its streams are no-ops, its events are always complete
+and its "uploads" hand back the host tensor itself, so the executor's logic runs unchanged in CI.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+STREAMS = ("compute", "upload", "download")
+
+
+class _DoneEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class Device:
+    """One worker. ``index`` is its place in the engine's device list."""
+
+    is_cuda = False
+
+    def __init__(self, index: int, torch_device: torch.device):
+        self.index = index
+        self.torch_device = torch_device
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.torch_device})"
+
+    def stream(self, name: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def record(self, name: str) -> Any:
+        return _DoneEvent()
+
+    def wait(self, name: str, event: Any) -> None:
+        pass
+
+    def upload(self, host: Tensor) -> Tensor:
+        """Bring a host tensor here; call inside ``stream("upload")``. On the CPU it is the same tensor."""
+        return host
+
+    def copy_to_host(self, dst: Tensor, src: Tensor) -> None:
+        """Copy ``src`` into the host tensor ``dst``; call inside ``stream("download")``."""
+        dst.copy_(src)
+
+    def receive(self, value: Any, event: Any, source: Optional["Device"]) -> Any:
+        """Make tensors produced on ``source`` (None: the host) usable on this device's compute stream."""
+        from .batching import map_tensors
+
+        return map_tensors(lambda t: t.to(self.torch_device), value)
+
+    def keep_alive(self, tensor: Tensor, stream: str) -> None:
+        """Tell the allocator ``tensor`` is used on ``stream`` so its memory is not reused too early."""
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return torch.zeros(numel, dtype=dtype, device=self.torch_device)
+
+    def rng_state(self) -> Tensor:
+        return torch.get_rng_state()
+
+    @contextlib.contextmanager
+    def replay_rng(self, state: Optional[Tensor]) -> Iterator[None]:
+        """Run the block from ``state`` and leave the generator as it was before."""
+        if state is None:
+            yield
+            return
+        saved = self.rng_state()
+        self._set_rng_state(state)
+        try:
+            yield
+        finally:
+            self._set_rng_state(saved)
+
+    def _set_rng_state(self, state: Tensor) -> None:
+        torch.set_rng_state(state)
+
+    def timer(self) -> Any:
+        return time.perf_counter()
+
+    def elapsed(self, start: Any, stop: Any) -> float:
+        """Seconds between two ``timer()`` marks; valid after ``synchronize()``."""
+        return stop - start
+
+    def synchronize(self) -> None:
+        pass
+
+    def memory_cap(self) -> Optional[int]:
+        return None
+
+
+class CpuDevice(Device):
+    def __init__(self, index: int = 0):
+        super().__init__(index, torch.device("cpu"))
+
+
+class CudaDevice(Device):
+    is_cuda = True
+
+    def __init__(self, index: int, cuda_index: int):
+        super().__init__(index, torch.device("cuda", cuda_index))
+        with torch.cuda.device(self.torch_device):
+            self.streams = {name: torch.cuda.Stream() for name in STREAMS}
+
+    def stream(self, name: str) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.streams[name])
+
+    def record(self, name: str) -> torch.cuda.Event:
+        return self.streams[name].record_event()
+
+    def wait(self, name: str, event: Any) -> None:
+        if isinstance(event, torch.cuda.Event):
+            self.streams[name].wait_event(event)
+
+    def upload(self, host: Tensor) -> Tensor:
+        return host.to(self.torch_device, non_blocking=True)
+
+    def copy_to_host(self, dst: Tensor, src: Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def receive(self, value: Any, event: Any, source: Optional[Device]) -> Any:
+        from .batching import map_tensors
+
+        if source is self:
+            return value  # same compute stream: already ordered
+        compute = self.streams["compute"]
+
+        def move(t: Tensor) -> Tensor:
+            if t.device == self.torch_device:
+                self.wait("compute", event)
+                t.record_stream(compute)
+                return t
+            if t.device.type == "cuda":
+                # The peer copy runs on the source device's current stream: order it after the producer.
+                src_stream = torch.cuda.current_stream(t.device)
+                if isinstance(event, torch.cuda.Event):
+                    src_stream.wait_event(event)
+                moved = t.to(self.torch_device, non_blocking=True)
+                t.record_stream(src_stream)
+                return moved
+            if not t.is_pinned():
+                t = t.pin_memory()
+            return t.to(self.torch_device, non_blocking=True)
+
+        with torch.cuda.stream(compute):
+            return map_tensors(move, value)
+
+    def keep_alive(self, tensor: Tensor, stream: str) -> None:
+        tensor.record_stream(self.streams[stream])
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return torch.zeros(numel, dtype=dtype, device=self.torch_device)
+
+    def rng_state(self) -> Tensor:
+        return torch.cuda.get_rng_state(self.torch_device)
+
+    def _set_rng_state(self, state: Tensor) -> None:
+        torch.cuda.set_rng_state(state, self.torch_device)
+
+    def timer(self) -> Any:
+        return self.streams["compute"].record_event(torch.cuda.Event(enable_timing=True))
+
+    def elapsed(self, start: Any, stop: Any) -> float:
+        return start.elapsed_time(stop) / 1000.0
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+    def memory_cap(self) -> Optional[int]:
+        free, _ = torch.cuda.mem_get_info(self.torch_device)
+        return int(0.85 * (free + torch.cuda.memory_reserved(self.torch_device)))
+
+
+def make_devices(spec: Any = None) -> list[Device]:
+    """``None``: every visible GPU, else the CPU. Or a list such as ``["cuda:0", "cuda:1"]`` or
+    ``["cpu", "cpu"]`` (several CPU workers exercise the multi-device schedule without a GPU)."""
+    if spec is None:
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            spec = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        else:
+            spec = ["cpu"]
+    if isinstance(spec, (str, torch.device)):
+        spec = [spec]
+    devices: list[Device] = []
+    for i, item in enumerate(spec):
+        dev = torch.device(item)
+        if dev.type == "cpu":
+            devices.append(CpuDevice(i))
+        elif dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {item!r} requested but CUDA is not available")
+            devices.append(CudaDevice(i, dev.index if dev.index is not None else torch.cuda.current_device()))
+        else:
+            raise ValueError(f"unsupported device {item!r}: use 'cpu' or 'cuda[:N]'")
+    if not devices:
+        raise ValueError("devices must name at least one device")
+    if len({d.is_cuda for d in devices}) > 1:
+        raise ValueError("devices must be all CPU or all CUDA")
+    return devices

@@ -1,0 +1,444 @@
+"""Runs a schedule (a list of jobs) on the devices.
+
+One job = one stage on one device for every microbatch: bind the stage's weights (uploaded on the
+upload stream while the previous job computes), run the microbatches on the compute stream, then
+send gradients (and changed buffers) home on the download stream. Results pass between jobs
+through a mailbox keyed by (job, microbatch) with the event that marks them ready, so devices
+never wait on a global barrier. With one device the jobs run inline in the calling thread; with
+several, each device gets a thread for the call.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .batching import iter_tensors, map_tensors
+from .device import Device
+from .host import GradBuffer, HostState
+from .layout import FlatLayout, Range, Slot
+from .replica import Shell
+from .scaler import recording_scalers
+from .schedule import Job, JobKind
+
+
+class Args(NamedTuple):
+    """The first layer's input: the call's positional and keyword arguments."""
+
+    args: tuple
+    kwargs: dict
+
+
+def call_layer(module: torch.nn.Module, x: Any) -> Any:
+    return module(*x.args, **x.kwargs) if isinstance(x, Args) else module(x)
+
+
+def float_tensors(value: Any) -> list[Tensor]:
+    return [t for t in iter_tensors(value) if t.is_floating_point()]
+
+
+def make_leaves(value: Any, requires_grad: bool) -> Any:
+    """Cut ``value`` from any graph; floating tensors become leaves that collect gradients."""
+    return map_tensors(lambda t: t.detach().requires_grad_(requires_grad and t.is_floating_point()), value)
+
+
+class PassFailed(RuntimeError):
+    """Another device's job failed; this one stops."""
+
+
+class Mailbox:
+    def __init__(self, state: "PassState"):
+        self._items: dict[tuple[int, int], tuple[Any, Any, Optional[Device]]] = {}
+        self._cond = threading.Condition()
+        self._state = state
+
+    def put(self, job: int, micro: int, value: Any, event: Any, device: Optional[Device]) -> None:
+        with self._cond:
+            self._items[(job, micro)] = (value, event, device)
+            self._cond.notify_all()
+
+    def take(self, job: int, micro: int) -> tuple[Any, Any, Optional[Device]]:
+        with self._cond:
+            while (job, micro) not in self._items:
+                if self._state.error is not None:
+                    raise PassFailed("stopped because another device failed")
+                self._cond.wait(timeout=0.5)
+            return self._items.pop((job, micro))
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+@dataclass
+class PassState:
+    """Everything one call's jobs share."""
+
+    jobs: Sequence[Job]
+    num_microbatch: int
+    first_inputs: Sequence[Any]  # per microbatch: Args for forward kinds, output gradients for backward
+    version: int  # which compute copy the weights come from
+    labels: Sequence[Any] = ()
+    loss_fn: Optional[Callable] = None
+    grad_buffer: Optional[GradBuffer] = None
+    preserve_rng: bool = True
+    want_outputs: bool = False
+    output_device: torch.device = torch.device("cpu")
+    input_requires_grad: bool = False
+    check_finite: bool = False
+    profile: bool = False
+    # Carried from a recorded forward into its backward.
+    saved: dict = field(default_factory=dict)  # (layer, micro) -> (value, event, device)
+    rng: dict = field(default_factory=dict)  # (layer, micro) -> generator state
+    # Results.
+    losses: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+    input_grads: list = field(default_factory=list)
+    scalers: dict = field(default_factory=dict)  # GradScaler -> scale used
+    nonfinite: dict = field(default_factory=dict)  # device index -> bool tensor
+    deferred_adds: list = field(default_factory=list)  # (host dst, staged src) added after the sync
+    timings: list = field(default_factory=list)  # (job, device, start mark, stop mark)
+    saved_bytes: dict = field(default_factory=dict)  # layer -> bytes of one microbatch's graph
+    activation_bytes: dict = field(default_factory=dict)  # layer -> bytes of one microbatch's output
+    error: Optional[BaseException] = None
+
+    def __post_init__(self) -> None:
+        self.chain = Mailbox(self)
+        self.prefetched: dict[int, Any] = {}
+        self.buffer_events: list[Any] = []
+        self.lock = threading.Lock()
+        n = self.num_microbatch
+        self.losses, self.outputs, self.input_grads = [None] * n, [None] * n, [None] * n
+
+    def fail(self, error: BaseException) -> None:
+        with self.lock:
+            if self.error is None or isinstance(self.error, PassFailed):
+                self.error = error
+        self.chain.wake()
+
+
+class StageTensors:
+    """Device tensors holding some ranges of a flat layout, and views of single slots in them."""
+
+    def __init__(self, layout: FlatLayout, pieces: list[tuple[Range, Tensor]], event: Any = None):
+        self.layout = layout
+        self.pieces = pieces
+        self.event = event
+
+    def view(self, slot: Slot) -> Tensor:
+        for r, t in self.pieces:
+            if r.key == slot.key and r.start <= slot.offset < r.stop:
+                start = slot.offset - r.start
+                return t[start : start + slot.numel].view(slot.shape)
+        raise KeyError(f"slot {slot.index} is not part of this stage")
+
+
+class Executor:
+    def __init__(self, layers: Sequence[torch.nn.Module], host: HostState, devices: Sequence[Device]):
+        self.layers = layers
+        self.host = host
+        self.devices = devices
+        self._shells: dict[tuple[int, int], Shell] = {}
+        self._resident: dict[int, dict[int, StageTensors]] = {}  # device -> version -> whole model
+        self._resident_lock = threading.Lock()
+        self.resident = False  # keep the whole compute copy on every GPU
+
+    # ----------------------------------------------------------------------------- running a call
+    def run(self, state: PassState) -> None:
+        by_device: dict[int, list[Job]] = {}
+        for job in state.jobs:
+            by_device.setdefault(job.device, []).append(job)
+        state.next_on_device = {}
+        for jobs in by_device.values():
+            for a, b in zip(jobs, jobs[1:]):
+                state.next_on_device[a.index] = b
+        if len(by_device) == 1:
+            try:
+                for job in state.jobs:
+                    self._run_job(job, state)
+            except BaseException as e:
+                state.fail(e)
+        else:
+            threads = [
+                threading.Thread(target=self._worker, args=(jobs, state), name=f"rptrain-device{d}", daemon=True)
+                for d, jobs in by_device.items()
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                while t.is_alive():
+                    t.join(timeout=0.5)
+        for index in by_device:
+            self.devices[index].synchronize()
+        if state.error is not None:
+            raise state.error
+        for dst, src in state.deferred_adds:
+            dst.add_(src)
+
+    def _worker(self, jobs: list[Job], state: PassState) -> None:
+        try:
+            for job in jobs:
+                self._run_job(job, state)
+        except BaseException as e:  # re-raised by run() in the caller's thread
+            state.fail(e)
+
+    def _shell(self, device: Device, layer: int) -> Shell:
+        key = (device.index, layer)
+        if key not in self._shells:
+            self._shells[key] = Shell(self.layers[layer], self.host.params, self.host.buffer_layout, layer)
+        return self._shells[key]
+
+    # ----------------------------------------------------------------------------- tensors of a job
+    def _weights(self, device: Device, job: Job, version: int) -> StageTensors:
+        layout = self.host.params
+        if not device.is_cuda:
+            flats = self.host.compute[version % 2]
+            return StageTensors(layout, [(Range(k, 0, t.numel()), t) for k, t in flats.items()])
+        if self.resident:
+            return self.resident_copy(device, version)
+        with device.stream("upload"):
+            pieces = [(r, device.upload(self.host.compute_range(version, r))) for r in layout.ranges(job.start, job.stop)]
+            return StageTensors(layout, pieces, device.record("upload"))
+
+    def resident_copy(self, device: Device, version: int) -> StageTensors:
+        """The whole compute copy ``version`` on ``device``, uploading it if nobody has yet."""
+        with self._resident_lock:
+            copies = self._resident.setdefault(device.index, {})
+            found = copies.get(version)
+            if found is None:
+                with device.stream("upload"):
+                    pieces = [
+                        (Range(k, 0, t.numel()), device.upload(t)) for k, t in self.host.compute[version % 2].items()
+                    ]
+                    found = StageTensors(self.host.params, pieces, device.record("upload"))
+                copies[version] = found
+                for old in [v for v in copies if v < version - 1]:
+                    del copies[old]
+            return found
+
+    def prefetch_resident(self, version: int) -> None:
+        if self.resident:
+            for device in self.devices:
+                self.resident_copy(device, version)
+
+    def drop_resident(self) -> None:
+        with self._resident_lock:
+            self._resident.clear()
+
+    def _buffers(self, device: Device, job: Job, scratch: bool, state: PassState) -> StageTensors:
+        layout = self.host.buffer_layout
+        ranges = layout.ranges(job.start, job.stop)
+        if not device.is_cuda:
+            pieces = [(r, self.host.buffer_range(r)) for r in ranges]
+            if scratch:  # a recompute must not update running statistics twice
+                pieces = [(r, t.clone()) for r, t in pieces]
+            return StageTensors(layout, pieces)
+        with device.stream("upload"):
+            for event in state.buffer_events:  # statistics written back by earlier jobs of this call
+                device.wait("upload", event)
+            pieces = [(r, device.upload(self.host.buffer_range(r))) for r in ranges]
+            return StageTensors(layout, pieces, device.record("upload"))
+
+    # ----------------------------------------------------------------------------- one job
+    def _run_job(self, job: Job, state: PassState) -> None:
+        device = self.devices[job.device]
+        weights = state.prefetched.pop(job.index, None) or self._weights(device, job, state.version)
+        following = state.next_on_device.get(job.index)
+        if following is not None and device.is_cuda and not self.resident:
+            state.prefetched[following.index] = self._weights(device, following, state.version)
+        buffers = self._buffers(device, job, scratch=job.kind is JobKind.BACKWARD, state=state)
+        shells = [self._shell(device, i) for i in range(job.start, job.stop)]
+        buffer_versions = _buffer_versions(shells)
+        with device.stream("compute"):
+            device.wait("compute", weights.event)
+            device.wait("compute", buffers.event)
+            grads = None
+            if job.kind is not JobKind.FORWARD:
+                ranges = self.host.params.ranges(job.start, job.stop)
+                grads = StageTensors(self.host.params, [(r, device.zeros(r.numel, self.host.params.dtypes[r.key])) for r in ranges])
+            modules = [s.bind(weights.view, buffers.view, grads.view if grads else None) for s in shells]
+            start_mark = device.timer() if state.profile else None
+            run = {JobKind.FORWARD: self._forward, JobKind.FUSED: self._fused, JobKind.BACKWARD: self._backward}[job.kind]
+            try:
+                for micro in range(state.num_microbatch):
+                    if job.index == 0:
+                        value, event, source = state.first_inputs[micro], None, None
+                    else:
+                        value, event, source = state.chain.take(job.index - 1, micro)
+                    value = device.receive(value, event, source)
+                    result = run(job, modules, value, micro, state, device)
+                    state.chain.put(job.index, micro, result, device.record("compute"), device)
+                buffers_changed = _buffer_versions(shells) != buffer_versions
+            finally:
+                for s in shells:
+                    s.release()
+            if state.profile:
+                state.timings.append((job, device, start_mark, device.timer()))
+            if grads is not None:
+                self._send_grads(device, job, grads, state)
+            if job.kind is not JobKind.BACKWARD and device.is_cuda and buffers_changed:
+                self._send_buffers(device, buffers, state)
+        for _, t in weights.pieces + buffers.pieces:
+            device.keep_alive(t, "compute")
+
+    def _run_layers(self, modules: list, job: Job, a: int, b: int, x: Any, micro: int, state: PassState, device: Device, saves: tuple = ()) -> Any:
+        for i in range(a, b):
+            if i in saves:
+                state.saved[(i, micro)] = (x, device.record("compute"), device)
+                if state.preserve_rng:
+                    state.rng[(i, micro)] = device.rng_state()
+            x = call_layer(modules[i - job.start], x)
+        return x
+
+    def _forward(self, job: Job, modules: list, x: Any, micro: int, state: PassState, device: Device) -> Any:
+        with torch.no_grad():
+            out = self._run_layers(modules, job, job.start, job.stop, x, micro, state, device, job.checkpoints)
+        if state.profile:
+            state.activation_bytes[job.start] = max(state.activation_bytes.get(job.start, 0), sum(t.nbytes for t in iter_tensors(out)))
+        if job.index == len(state.jobs) - 1:  # the call's output
+            state.outputs[micro] = self._to_output(device, out, state)
+        return out
+
+    def _fused(self, job: Job, modules: list, x: Any, micro: int, state: PassState, device: Device) -> Any:
+        needs_input_grad = job.index > 0 or state.input_requires_grad
+        label = device.receive(state.labels[micro], None, None)
+        with torch.enable_grad(), _SavedBytes(state, job.start, weights=modules) as counter:
+            leaves = make_leaves(x, needs_input_grad)
+            out = self._run_layers(modules, job, job.start, job.stop, leaves, micro, state, device)
+            with recording_scalers(state.scalers):
+                loss = state.loss_fn(out, label)
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+                raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+            counter.stop()
+            if loss.requires_grad:
+                loss.backward()
+        state.losses[micro] = loss.detach().reshape(())
+        if state.want_outputs:
+            state.outputs[micro] = self._to_output(device, map_tensors(Tensor.detach, out), state)
+        return [t.grad for t in float_tensors(leaves)] if needs_input_grad else None
+
+    def _backward(self, job: Job, modules: list, grads: Any, micro: int, state: PassState, device: Device) -> Any:
+        starts = job.checkpoints or (job.start,)
+        segments = list(zip(starts, list(starts[1:]) + [job.stop]))
+        for a, b in reversed(segments):
+            saved, event, source = state.saved.pop((a, micro))
+            x = device.receive(saved, event, source)
+            needs_input_grad = a > 0 or state.input_requires_grad
+            with torch.enable_grad(), device.replay_rng(state.rng.pop((a, micro), None)), _SavedBytes(state, a, weights=modules):
+                leaves = make_leaves(x, needs_input_grad)
+                out = self._run_layers(modules, job, a, b, leaves, micro, state, device)
+                pairs = [(o, g) for o, g in zip(float_tensors(out), grads or ()) if g is not None and o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            grads = [t.grad for t in float_tensors(leaves)] if needs_input_grad else None
+        if job.start == 0:
+            state.input_grads[micro] = grads
+        return grads
+
+    def _to_output(self, device: Device, value: Any, state: PassState) -> Any:
+        target = state.output_device
+        if not device.is_cuda or target == device.torch_device:
+            return map_tensors(lambda t: t.to(target), value)
+        ready = device.record("compute")
+        with device.stream("download"):
+            device.wait("download", ready)
+
+            def move(t: Tensor) -> Tensor:
+                device.keep_alive(t, "download")
+                return t.to(target, non_blocking=True)
+
+            return map_tensors(move, value)
+
+    # ----------------------------------------------------------------------------- sending results home
+    def _send_grads(self, device: Device, job: Job, grads: StageTensors, state: PassState) -> None:
+        """Gradients to the open window's fp32 buffer: copied where it is still empty, else added."""
+        buffer = state.grad_buffer
+        layout = self.host.params
+        if state.check_finite:
+            for _, g in grads.pieces:
+                bad = ~torch.isfinite(g).all()
+                previous = state.nonfinite.get(device.index)
+                state.nonfinite[device.index] = bad if previous is None else previous | bad
+        ready = device.record("compute")
+        with device.stream("download"):
+            device.wait("download", ready)
+            for r, g in grads.pieces:
+                g32 = g.float()
+                device.keep_alive(g, "download")
+                with state.lock:
+                    runs = _fresh_runs(layout, buffer, r)
+                for lo, hi, fresh in runs:
+                    dst = buffer.flat[layout.base[r.key] + lo : layout.base[r.key] + hi]
+                    src = g32[lo - r.start : hi - r.start]
+                    if fresh:
+                        device.copy_to_host(dst, src)
+                    else:
+                        staged = torch.empty(hi - lo, dtype=torch.float32, pin_memory=device.is_cuda)
+                        device.copy_to_host(staged, src)
+                        state.deferred_adds.append((dst, staged))
+
+    def _send_buffers(self, device: Device, buffers: StageTensors, state: PassState) -> None:
+        ready = device.record("compute")
+        with device.stream("download"):
+            device.wait("download", ready)
+            for r, t in buffers.pieces:
+                device.copy_to_host(self.host.buffer_range(r), t)
+                device.keep_alive(t, "download")
+            state.buffer_events.append(device.record("download"))
+
+
+def _buffer_versions(shells: list[Shell]) -> list[int]:
+    """In-place updates (BatchNorm statistics) bump these counters."""
+    return [b._version for s in shells for b, _ in s.buffers]
+
+
+def _fresh_runs(layout: FlatLayout, buffer: GradBuffer, r: Range) -> list[tuple[int, int, bool]]:
+    """Split range ``r`` into runs of slots that are empty (copy) or already hold gradients (add)."""
+    runs: list[tuple[int, int, bool]] = []
+    for slot in layout.slots_in_range(r):
+        fresh = not buffer.written[slot.index]
+        buffer.written[slot.index] = True
+        if runs and runs[-1][2] == fresh and runs[-1][1] == slot.offset:
+            runs[-1] = (runs[-1][0], slot.offset + slot.numel, fresh)
+        else:
+            runs.append((slot.offset, slot.offset + slot.numel, fresh))
+    return runs
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward in a block (only when profiling)."""
+
+    def __init__(self, state: PassState, layer: int, weights: list):
+        self.state, self.layer = state, layer
+        self.active = state.profile
+        self.seen: set[int] = set()
+        self.total = 0
+        if self.active:
+            self.exclude = {p.untyped_storage().data_ptr() for m in weights for p in m.parameters()}
+
+    def _pack(self, t: Tensor) -> Tensor:
+        if self.active:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.seen and ptr not in self.exclude:
+                self.seen.add(ptr)
+                self.total += t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self) -> "_SavedBytes":
+        if self.state.profile:
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            self.hooks.__enter__()
+        return self
+
+    def stop(self) -> None:
+        self.active = False
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.state.profile:
+            self.hooks.__exit__(*exc)
+            previous = self.state.saved_bytes.get(self.layer, 0)
+            self.state.saved_bytes[self.layer] = max(previous, self.total)

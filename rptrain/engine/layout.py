@@ -1,0 +1,131 @@
+"""Where each parameter (or buffer) of the model lives inside a few flat tensors, one per dtype.
+
+Tensors are numbered in layer order, so the tensors of a run of layers occupy one contiguous range
+of each flat tensor and a stage moves with one copy per dtype. A tensor shared by several layers
+(tied weights) gets one slot, owned by the first layer that has it; later layers refer back to it,
+which adds a second range to their stages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class Slot:
+    index: int
+    key: str  # which flat tensor: the dtype's name
+    offset: int
+    numel: int
+    shape: torch.Size
+    requires_grad: bool
+    owner: int  # first layer holding this tensor
+
+
+@dataclass(frozen=True)
+class Range:
+    key: str
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def _dtype_key(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class FlatLayout:
+    def __init__(self, named_tensors_per_layer: Sequence[Iterable[tuple[str, Tensor]]]):
+        self.slots: list[Slot] = []
+        self.layer_slots: list[list[tuple[str, int]]] = []
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.sizes: dict[str, int] = {}
+        seen: dict[int, int] = {}
+        for layer, named in enumerate(named_tensors_per_layer):
+            entries = []
+            for name, tensor in named:
+                if id(tensor) not in seen:
+                    key = _dtype_key(tensor.dtype)
+                    self.dtypes[key] = tensor.dtype
+                    offset = self.sizes.get(key, 0)
+                    slot = Slot(len(self.slots), key, offset, tensor.numel(), tensor.shape, tensor.requires_grad, layer)
+                    self.sizes[key] = offset + tensor.numel()
+                    seen[id(tensor)] = slot.index
+                    self.slots.append(slot)
+                entries.append((name, seen[id(tensor)]))
+            self.layer_slots.append(entries)
+        # Offsets of each flat tensor inside one concatenation of all of them (the master copy's layout).
+        self.base: dict[str, int] = {}
+        total = 0
+        for key, size in self.sizes.items():
+            self.base[key] = total
+            total += size
+        self.total = total
+        self._range_cache: dict[tuple[int, int], list[Range]] = {}
+        self._slots_cache: dict[Range, list[Slot]] = {}
+
+    @classmethod
+    def of_parameters(cls, layers: Sequence[nn.Module]) -> "FlatLayout":
+        return cls([list(m.named_parameters(remove_duplicate=False)) for m in layers])
+
+    @classmethod
+    def of_buffers(cls, layers: Sequence[nn.Module]) -> "FlatLayout":
+        return cls([list(m.named_buffers(remove_duplicate=False)) for m in layers])
+
+    def slots_of(self, start: int, stop: int) -> list[Slot]:
+        indices = sorted({i for layer in range(start, stop) for _, i in self.layer_slots[layer]})
+        return [self.slots[i] for i in indices]
+
+    def ranges(self, start: int, stop: int) -> list[Range]:
+        """Contiguous ranges covering every tensor of layers [start, stop)."""
+        cached = self._range_cache.get((start, stop))
+        if cached is not None:
+            return cached
+        slots = sorted(self.slots_of(start, stop), key=lambda s: (s.key, s.offset))
+        merged: list[Range] = []
+        for s in slots:
+            if s.numel == 0:
+                continue
+            if merged and merged[-1].key == s.key and merged[-1].stop == s.offset:
+                merged[-1] = Range(s.key, merged[-1].start, s.offset + s.numel)
+            else:
+                merged.append(Range(s.key, s.offset, s.offset + s.numel))
+        self._range_cache[(start, stop)] = merged
+        return merged
+
+    def slots_in_range(self, r: Range) -> list[Slot]:
+        """Slots inside range ``r``, by offset (cached: called for every gradient download)."""
+        found = self._slots_cache.get(r)
+        if found is None:
+            found = sorted(
+                (s for s in self.slots if s.key == r.key and r.start <= s.offset < r.stop and s.numel > 0),
+                key=lambda s: s.offset,
+            )
+            self._slots_cache[r] = found
+        return found
+
+    def nbytes(self, start: int, stop: int) -> int:
+        return sum(r.numel * self.dtypes[r.key].itemsize for r in self.ranges(start, stop))
+
+    def allocate(self, pin_memory: bool = False) -> dict[str, Tensor]:
+        return {
+            key: torch.empty(size, dtype=self.dtypes[key], pin_memory=pin_memory) for key, size in self.sizes.items()
+        }
+
+    def view(self, flats: dict[str, Tensor], slot: Slot, base: int = 0) -> Tensor:
+        """``slot`` as a tensor of its shape inside ``flats[slot.key]``, which starts at element ``base``."""
+        start = slot.offset - base
+        return flats[slot.key][start : start + slot.numel].view(slot.shape)
+
+    def master_view(self, master: Tensor, slot: Slot) -> Tensor:
+        start = self.base[slot.key] + slot.offset
+        return master[start : start + slot.numel].view(slot.shape)
+
+    def master_range(self, master: Tensor, r: Range) -> Tensor:
+        return master[self.base[r.key] + r.start : self.base[r.key] + r.stop]

@@ -1,0 +1,179 @@
+"""Execution plans: which layers form each stage. Pure Python, no torch.
+
+A plan has forward stages and backward stages, both contiguous runs of layers covering the model.
+Their last stage is the same and runs fused: forward, loss and backward of that stage in one job,
+with no recompute. The other backward stages recompute their forward from saved inputs.
+
+``plan_stages`` picks the boundaries: balance stage times under a memory cap per device, with the
+largest fused last stage that fits (every layer in it is one recompute saved).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+Stages = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class ExecutePlan:
+    """Stage boundaries as ``((start, stop), ...)`` runs of layer indices.
+
+    ``ExecutePlan.from_cuts(10, forward=[4, 7], backward=[2, 7])`` splits 10 layers into forward
+    stages [0,4) [4,7) [7,10) and backward stages [0,2) [2,7) [7,10).
+    """
+
+    forward: Stages
+    backward: Stages
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "forward", tuple(tuple(s) for s in self.forward))
+        object.__setattr__(self, "backward", tuple(tuple(s) for s in self.backward))
+        for name in ("forward", "backward"):
+            stages = getattr(self, name)
+            if not stages:
+                raise ValueError(f"ExecutePlan.{name} needs at least one stage")
+            if stages[0][0] != 0:
+                raise ValueError(f"ExecutePlan.{name} must start at layer 0, got {stages[0]}")
+            for (a, b), (c, _) in zip(stages, stages[1:] + ((stages[-1][1], None),)):
+                if not (isinstance(a, int) and isinstance(b, int)) or b <= a:
+                    raise ValueError(f"ExecutePlan.{name} has an empty or reversed stage ({a}, {b})")
+                if c != b:
+                    raise ValueError(f"ExecutePlan.{name} stages must be contiguous: ({a}, {b}) is followed by a stage starting at {c}")
+        if self.forward[-1] != self.backward[-1]:
+            raise ValueError(
+                f"ExecutePlan: the last forward stage {self.forward[-1]} and the last backward stage "
+                f"{self.backward[-1]} must be the same (it runs forward, loss and backward fused)"
+            )
+        if self.forward[-1][1] != self.backward[-1][1]:
+            raise ValueError("ExecutePlan: forward and backward stages must cover the same layers")
+
+    @property
+    def num_layers(self) -> int:
+        return self.forward[-1][1]
+
+    @classmethod
+    def from_cuts(cls, num_layers: int, forward: Sequence[int] = (), backward: Optional[Sequence[int]] = None) -> "ExecutePlan":
+        def stages(cuts: Sequence[int]) -> Stages:
+            points = [0, *cuts, num_layers]
+            return tuple(zip(points[:-1], points[1:]))
+
+        return cls(stages(forward), stages(forward if backward is None else backward))
+
+    @classmethod
+    def single_stage(cls, num_layers: int) -> "ExecutePlan":
+        return cls.from_cuts(num_layers)
+
+    @classmethod
+    def per_layer(cls, num_layers: int) -> "ExecutePlan":
+        return cls.from_cuts(num_layers, range(1, num_layers))
+
+    def check_layers(self, num_layers: int) -> None:
+        if self.num_layers != num_layers:
+            raise ValueError(f"ExecutePlan covers {self.num_layers} layers but the model has {num_layers}")
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What the planner knows about one layer. Times are for one call (all microbatches)."""
+
+    param_bytes: int
+    grad_bytes: int
+    forward_time: float
+    backward_time: float  # excluding the recompute
+    activation_bytes: int = 0  # one microbatch's output
+    saved_bytes: int = 0  # one microbatch's autograd graph
+
+
+def forward_memory(costs: Sequence[LayerCost], a: int, b: int) -> int:
+    """Weights twice (the next stage uploads while this one runs) plus one microbatch in flight."""
+    weights = sum(c.param_bytes for c in costs[a:b])
+    live = max(c.activation_bytes for c in costs[a:b]) * 2
+    return 2 * weights + live
+
+
+def backward_memory(costs: Sequence[LayerCost], a: int, b: int) -> int:
+    """Weights twice, gradients plus their fp32 copy for download, one microbatch's graph."""
+    weights = sum(c.param_bytes for c in costs[a:b])
+    grads = sum(c.grad_bytes for c in costs[a:b])
+    graph = sum(c.saved_bytes + c.activation_bytes for c in costs[a:b])
+    return 2 * weights + 3 * grads + graph
+
+
+def _min_parts(costs: list[float], fits, a: int, b: int, limit: float) -> Optional[list[int]]:
+    """Greedy cut points splitting [a, b) into the fewest parts of cost <= limit that fit."""
+    cuts, start, total = [], a, 0.0
+    for i in range(a, b):
+        if i > start and (total + costs[i] > limit or not fits(start, i + 1)):
+            cuts.append(i)
+            start, total = i, 0.0
+        if not fits(start, i + 1):
+            return None  # a single layer does not fit
+        total += costs[i]
+    return cuts
+
+
+def _partition(costs: list[float], fits, a: int, b: int, min_parts: int) -> list[int]:
+    """Cut points splitting [a, b) into at least ``min_parts`` parts, minimising the costliest part."""
+    if b - a <= 0:
+        return []
+    min_parts = min(min_parts, b - a)
+    fewest = _min_parts(costs, fits, a, b, float("inf"))
+    if fewest is None:
+        raise ValueError("a single layer does not fit in the device memory cap; give the engine more memory or split the layer")
+    lo, hi = max(costs[a:b]), sum(costs[a:b])
+    best = fewest
+    for _ in range(60):  # bisection on the costliest part
+        mid = (lo + hi) / 2
+        cuts = _min_parts(costs, fits, a, b, mid)
+        if cuts is not None and len(cuts) + 1 <= max(min_parts, len(fewest) + 1):
+            best, hi = cuts, mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * max(hi, 1e-30):
+            break
+    cuts = list(best)
+    # Split the largest parts until there are enough of them (splitting never raises the maximum).
+    while len(cuts) + 1 < min_parts:
+        points = [a, *cuts, b]
+        widest = max(range(len(points) - 1), key=lambda k: (points[k + 1] - points[k] > 1, sum(costs[points[k] : points[k + 1]])))
+        lo_i, hi_i = points[widest], points[widest + 1]
+        half, acc, cut = sum(costs[lo_i:hi_i]) / 2, 0.0, lo_i + 1
+        for i in range(lo_i, hi_i - 1):
+            acc += costs[i]
+            cut = i + 1
+            if acc >= half:
+                break
+        cuts = sorted(cuts + [cut])
+    return cuts
+
+
+def plan_stages(costs: Sequence[LayerCost], num_devices: int = 1, memory_cap: Optional[int] = None) -> ExecutePlan:
+    """Choose stage boundaries for ``costs`` on ``num_devices`` devices of ``memory_cap`` bytes each."""
+    n = len(costs)
+    if n == 0:
+        raise ValueError("the model has no layers")
+    costs = list(costs)
+
+    def fits_fwd(a: int, b: int) -> bool:
+        return memory_cap is None or forward_memory(costs, a, b) <= memory_cap
+
+    def fits_bwd(a: int, b: int) -> bool:
+        return memory_cap is None or backward_memory(costs, a, b) <= memory_cap
+
+    fwd_cost = [c.forward_time for c in costs]
+    bwd_cost = [c.forward_time + c.backward_time for c in costs]  # recompute + backward
+    fused_cost = [c.forward_time + c.backward_time for c in costs]
+
+    # The fused last stage: as long as it fits, and with several devices no more than their share.
+    share = sum(fused_cost) / num_devices if num_devices > 1 else float("inf")
+    start = n - 1
+    if not fits_bwd(start, n):
+        raise ValueError(f"the last layer alone does not fit in the device memory cap of {memory_cap} bytes")
+    while start > 0 and fits_bwd(start - 1, n) and sum(fused_cost[start - 1 : n]) <= share:
+        start -= 1
+    min_parts = max(num_devices - 1, 1)
+    fwd_cuts = _partition(fwd_cost, fits_fwd, 0, start, min_parts)
+    bwd_cuts = _partition(bwd_cost, fits_bwd, 0, start, min_parts)
+    tail = [start] if start > 0 else []
+    return ExecutePlan.from_cuts(n, fwd_cuts + tail, bwd_cuts + tail)

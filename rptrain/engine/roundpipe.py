@@ -1,0 +1,497 @@
+"""RoundPipe: the user-facing engine object.
+
+Master weights live on the host in ``optim_dtype``; two compute copies in the model's dtype let the
+optimizer thread write version v+1 while a call reads version v. Versions are numbered in the
+order the optimizer thread writes them: every ``step()`` and every ``synchronize()`` writes one.
+
+Staleness: after ``step(is_async=True)`` the next call uses the weights written by the step before
+it, so the gradient of iteration k is computed at the weights after max(k-1, 0) steps; after
+``step(is_async=False)`` or ``synchronize()`` the next call uses the newest weights.
+
+Gradients go to one of two fp32 buffers: the open window's. ``step()`` hands the window's buffer
+to the optimizer thread (as the master parameters' ``.grad``) and the next call opens the other
+one, so the next iteration's backward overlaps the optimizer step.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections import namedtuple
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .batching import iter_tensors, merge_outputs, split_inputs, split_label
+from .config import RoundPipeRunConfig, ResolvedRunConfig, resolve
+from .device import make_devices
+from .executor import Args, Executor, PassState, float_tensors
+from .host import GradBuffer, HostState
+from .plan import ExecutePlan, LayerCost, plan_stages
+from .scaler import register_step_queue, step_context
+from .schedule import JobKind, backward_schedule, forward_schedule, training_schedule
+from .worker import TaskThread, Ticket
+
+_optimizer_ctx = threading.local()
+IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+
+class OptimizerCtx:
+    """Inside this block ``RoundPipe.parameters()`` yields the master parameters an optimizer must own."""
+
+    def __enter__(self) -> "OptimizerCtx":
+        _optimizer_ctx.depth = getattr(_optimizer_ctx, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _optimizer_ctx.depth -= 1
+
+
+def _in_optimizer_ctx() -> bool:
+    return getattr(_optimizer_ctx, "depth", 0) > 0
+
+
+def _same_storage(t: Optional[Tensor], flat: Tensor) -> bool:
+    return t is not None and t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+class RoundPipe(nn.Module):
+    def __init__(
+        self,
+        model: nn.Sequential,
+        optim_dtype: torch.dtype = torch.float32,
+        model_run_config: Optional[RoundPipeRunConfig] = None,
+        devices: Any = None,
+    ):
+        super().__init__()
+        if not isinstance(model, nn.Sequential):
+            raise TypeError(f"RoundPipe needs an nn.Sequential (one element per pipeline layer), got {type(model).__name__}")
+        if len(model) == 0:
+            raise ValueError("RoundPipe needs a non-empty nn.Sequential")
+        if not (isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point):
+            raise TypeError(f"optim_dtype must be a floating-point torch.dtype, got {optim_dtype!r}")
+        if model_run_config is not None and not isinstance(model_run_config, RoundPipeRunConfig):
+            raise TypeError(f"model_run_config must be a RoundPipeRunConfig, got {type(model_run_config).__name__}")
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.device.type != "cpu":
+                raise ValueError(f"RoundPipe takes a model on the CPU; {name!r} is on {t.device}")
+        self.model = model
+        self._layers = list(model)
+        self._run_config = model_run_config or RoundPipeRunConfig()
+        if self._run_config.execute_plan is not None:
+            self._run_config.execute_plan.check_layers(len(self._layers))
+        self._devices = make_devices(devices)
+        self._cuda = self._devices[0].is_cuda
+        self._host = HostState(self._layers, optim_dtype, pin_memory=self._cuda)
+        self._executor = Executor(self._layers, self._host, self._devices)
+        self._optimizer_thread = TaskThread("rptrain-optimizer")
+        weakref.finalize(self, self._optimizer_thread.close)
+        register_step_queue(self)
+        self._plan: Optional[ExecutePlan] = None
+        self._tickets: dict[int, Ticket] = {}  # version -> the task writing it
+        self._written = 0  # newest version submitted
+        self._required = 0  # version the next call uses
+        self._shown = 0  # version the user's model parameters point at
+        self._last_step_version = 0
+        self._window = 0  # which gradient buffer the open window accumulates into
+        self._window_open = False
+        self._window_scalers: dict = {}
+
+    # ----------------------------------------------------------------------------- nn.Module surface
+    def _apply(self, fn: Callable, recurse: bool = True) -> "RoundPipe":
+        raise RuntimeError("RoundPipe decides where weights live: do not call .to()/.cuda()/.half() on it; build the model in the dtype you want before wrapping it")
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """Names as in the wrapped Sequential. Inside ``OptimizerCtx``: the master parameters."""
+        originals = self.model.named_parameters(prefix=prefix, remove_duplicate=remove_duplicate)
+        if not _in_optimizer_ctx():
+            yield from originals
+            return
+        master = {id(p): m for p, m in zip(self._host.user_params, self._host.master_params)}
+        for name, p in originals:
+            yield name, master[id(p)]
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    @property
+    def devices(self) -> list:
+        return [d.torch_device for d in self._devices]
+
+    @property
+    def plan(self) -> Optional[ExecutePlan]:
+        """The plan the planner chose (None until the first training call has been measured)."""
+        return self._plan
+
+    # ----------------------------------------------------------------------------- calls
+    def forward(self, *args: Any, run_config: Optional[RoundPipeRunConfig] = None, **kwargs: Any) -> Any:
+        self._raise_step_errors()
+        cfg = self._resolve(run_config)
+        micro = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
+        plan = self._forward_plan(cfg)
+        if cfg.requires_grad and torch.is_grad_enabled():
+            flat_inputs = list(iter_tensors((args, kwargs)))
+            return _RecordedPipeline.run(self, cfg, plan, micro, flat_inputs)
+        version = self._use_version()
+        state = PassState(
+            forward_schedule(plan, len(self._devices)), cfg.num_microbatch, [Args(a, k) for a, k in micro], version,
+            output_device=cfg.output_device,
+        )
+        self._executor.run(state)
+        return merge_outputs(state.outputs, cfg.merge_output)
+
+    def forward_backward(
+        self,
+        input_args: Any = (),
+        input_kwargs: Optional[dict] = None,
+        label: Any = None,
+        loss_fn: Optional[Callable] = None,
+        return_outputs: bool = False,
+        run_config: Optional[RoundPipeRunConfig] = None,
+    ) -> Any:
+        """Forward, ``loss_fn(outputs, label)`` and backward over every microbatch.
+
+        Returns the sum of the microbatch losses (and the merged outputs if ``return_outputs``).
+        Gradients accumulate in fp32 on the host until the next ``step()``.
+        """
+        self._raise_step_errors()
+        args, kwargs = _check_inputs(input_args, input_kwargs)
+        if loss_fn is None or not callable(loss_fn):
+            raise TypeError("forward_backward needs loss_fn: a callable (outputs, label) -> scalar tensor")
+        cfg = self._resolve(run_config)
+        micro = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
+        labels = split_label(label, cfg.num_microbatch, cfg.split_label)
+        plan, profile = self._training_plan(cfg)
+        version = self._use_version()
+        buffer = self._open_window()
+        state = PassState(
+            training_schedule(plan, len(self._devices), cfg.recompute_grain), cfg.num_microbatch,
+            [Args(a, k) for a, k in micro], version, labels=labels, loss_fn=loss_fn, grad_buffer=buffer,
+            preserve_rng=cfg.preserve_rng_state, want_outputs=return_outputs, output_device=cfg.output_device,
+            profile=profile,
+        )
+        self._run_training_pass(state)
+        if profile:
+            self._plan_from(state)
+        losses = [loss.to(cfg.output_device) for loss in state.losses]
+        loss = torch.stack(losses).sum()
+        if return_outputs:
+            return loss, merge_outputs(state.outputs, cfg.merge_output)
+        return loss
+
+    def _run_training_pass(self, state: PassState) -> None:
+        try:
+            self._executor.run(state)
+        except BaseException as e:
+            state.grad_buffer.reset()
+            if hasattr(e, "add_note"):
+                e.add_note("rptrain: the gradients accumulated since the last step() were discarded")
+            raise
+        found_inf = any(bool(flag) for flag in state.nonfinite.values())
+        for scaler, scale in state.scalers.items():
+            scaler._observe(found_inf)
+            _, earlier = self._window_scalers.get(scaler, (scale, False))
+            self._window_scalers[scaler] = (scale, earlier or found_inf)
+
+    def step(self, step_fn: Callable[[], Any], is_async: bool = True) -> None:
+        """Run ``step_fn`` (e.g. ``scaler.step(opt); opt.zero_grad()``) on the optimizer thread with
+        the gradients accumulated since the last step as the master parameters' ``.grad``."""
+        self._raise_step_errors()
+        if not callable(step_fn):
+            raise TypeError(f"step() needs a callable, got {type(step_fn).__name__}")
+        buffer = self._host.grads[self._window] if self._window_open else None
+        scalers, self._window_scalers = self._window_scalers, {}
+        self._window_open = False
+        version = self._submit(functools.partial(self._run_step, step_fn, buffer, scalers))
+        previous, self._last_step_version = self._last_step_version, version
+        if is_async:
+            self._required = max(self._required, previous)
+            if buffer is not None:
+                self._window = 1 - self._window
+        else:
+            self._wait_version(version)
+            self._required = version
+            if buffer is not None and not buffer.free.is_set():
+                self._window = 1 - self._window
+
+    def synchronize(self) -> None:
+        """Wait for queued steps and make the compute copy equal to the master copy."""
+        self._drain()
+        version = self._submit(self._host_refresh)
+        self._wait_version(version)
+        self._required = self._last_step_version = version
+        self._use_version()
+
+    def wait_for_steps(self) -> None:
+        """Wait for queued optimizer work without raising its errors (GradScaler.update uses it)."""
+        for ticket in list(self._tickets.values()):
+            ticket.wait()
+
+    def close(self) -> None:
+        """Stop the optimizer thread and free device memory; the object is not usable afterwards."""
+        self.wait_for_steps()
+        self._optimizer_thread.close()
+        self._executor.drop_resident()
+
+    # ----------------------------------------------------------------------------- state dicts
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        """Master weights (``optim_dtype``) and buffers under the wrapped Sequential's names."""
+        self._drain()
+        master = {id(p): m for p, m in zip(self._host.user_params, self._host.master_params)}
+        return {k: master.get(id(t), t).detach() for k, t in self.model.state_dict(keep_vars=True).items()}
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False) -> IncompatibleKeys:
+        self._drain()
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"load_state_dict needs a dict, got {type(state_dict).__name__}")
+        master = {id(p): m for p, m in zip(self._host.user_params, self._host.master_params)}
+        targets = {k: master.get(id(t), t) for k, t in self.model.state_dict(keep_vars=True).items()}
+        missing = [k for k in targets if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in targets]
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                           f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+        for key, value in state_dict.items():
+            if key in targets:
+                if not isinstance(value, Tensor):
+                    raise TypeError(f"load_state_dict: {key!r} is a {type(value).__name__}, expected a tensor")
+                if value.shape != targets[key].shape:
+                    raise ValueError(f"load_state_dict: {key!r} has shape {tuple(value.shape)}, the model expects {tuple(targets[key].shape)}")
+        with torch.no_grad():
+            for key, value in state_dict.items():
+                if key in targets:
+                    targets[key].copy_(value)
+        self.synchronize()
+        return IncompatibleKeys(missing, unexpected)
+
+    # ----------------------------------------------------------------------------- versions
+    def _submit(self, task: Callable[[int], None]) -> int:
+        version = self._written + 1
+        self._written = version
+        self._tickets[version] = self._optimizer_thread.submit(functools.partial(task, version))
+        return version
+
+    def _wait_version(self, version: int) -> None:
+        ticket = self._tickets.get(version)
+        if ticket is not None:
+            ticket.wait()
+            self._raise_step_errors()
+
+    def _raise_step_errors(self) -> None:
+        for version, ticket in sorted(self._tickets.items()):
+            if ticket.done():
+                del self._tickets[version]
+                if ticket.error is not None:
+                    raise RuntimeError(f"the optimizer step failed on the optimizer thread: {ticket.error!r}") from ticket.error
+
+    def _drain(self) -> None:
+        self.wait_for_steps()
+        self._raise_step_errors()
+
+    def _use_version(self) -> int:
+        version = self._required
+        self._wait_version(version)
+        if self._shown != version:
+            self._host.show_version(version)
+            self._shown = version
+        return version
+
+    # ----------------------------------------------------------------------------- the optimizer thread
+    def _run_step(self, step_fn: Callable[[], Any], buffer: Optional[GradBuffer], scalers: dict, version: int) -> None:
+        try:
+            self._bind_master_grads(buffer)
+            with step_context(scalers):
+                step_fn()
+        finally:
+            if buffer is not None:
+                buffer.held = any(_same_storage(p.grad, buffer.flat) for p in self._host.master_params)
+                if not buffer.held:
+                    buffer.free.set()
+            self._host_refresh(version)
+
+    def _host_refresh(self, version: int) -> None:
+        self._host.write_compute(version)
+        self._executor.prefetch_resident(version)
+
+    def _bind_master_grads(self, buffer: Optional[GradBuffer]) -> None:
+        """Master ``.grad`` := views of ``buffer`` for every slot that got a gradient this window."""
+        layout = self._host.params
+        held = [b for b in self._host.grads if b is not buffer and getattr(b, "held", False)]
+        for slot, p in zip(layout.slots, self._host.master_params):
+            if not slot.requires_grad:
+                continue
+            if buffer is not None and buffer.written[slot.index]:
+                view = layout.master_view(buffer.flat, slot)
+                if p.grad is not None:
+                    view.add_(p.grad)  # zero_grad() was not called: gradients keep accumulating
+                p.grad = view
+            elif any(_same_storage(p.grad, b.flat) for b in held):
+                p.grad = p.grad.clone()  # keep the user's gradient but let its buffer go
+        for b in held:
+            b.held = False
+            b.free.set()
+
+    def _open_window(self) -> GradBuffer:
+        buffer = self._host.grad_buffer(self._window)
+        if not self._window_open:
+            while not buffer.free.wait(timeout=0.5):
+                self._raise_step_errors()
+            buffer.free.clear()
+            buffer.reset()
+            self._window_open = True
+        return buffer
+
+    # ----------------------------------------------------------------------------- plans
+    def _resolve(self, run_config: Optional[RoundPipeRunConfig]) -> ResolvedRunConfig:
+        cfg = resolve(self._run_config.override(run_config), len(self._devices) + 1 if self._cuda else 1)
+        if cfg.execute_plan is not None:
+            cfg.execute_plan.check_layers(len(self._layers))
+        return cfg
+
+    def _static_costs(self) -> list[LayerCost]:
+        layout = self._host.params
+        costs = []
+        for i in range(len(self._layers)):
+            nbytes = layout.nbytes(i, i + 1)
+            grad_bytes = sum(s.numel * layout.dtypes[s.key].itemsize for s in layout.slots_of(i, i + 1) if s.requires_grad)
+            costs.append(LayerCost(nbytes, grad_bytes, float(nbytes + 1), 2.0 * (nbytes + 1)))
+        return costs
+
+    def _training_plan(self, cfg: ResolvedRunConfig) -> tuple[ExecutePlan, bool]:
+        if cfg.execute_plan is not None:
+            return cfg.execute_plan, False
+        if self._plan is None:
+            if self._cuda:  # measure every layer once (one layer per stage always fits), then plan
+                return ExecutePlan.per_layer(len(self._layers)), True
+            self._plan = plan_stages(self._static_costs(), len(self._devices))
+        return self._plan, False
+
+    def _forward_plan(self, cfg: ResolvedRunConfig) -> ExecutePlan:
+        if cfg.execute_plan is not None:
+            return cfg.execute_plan
+        if self._plan is None and not self._cuda:
+            self._plan = plan_stages(self._static_costs(), len(self._devices))
+        return self._plan or ExecutePlan.per_layer(len(self._layers))
+
+    def _plan_from(self, state: PassState) -> None:
+        """Turn a measured one-layer-per-stage call into layer costs and a plan."""
+        forward: dict[int, float] = {}
+        backward: dict[int, float] = {}
+        for job, device, start, stop in state.timings:
+            seconds = device.elapsed(start, stop)
+            if job.kind is JobKind.FORWARD:
+                forward[job.start] = seconds
+            elif job.kind is JobKind.FUSED:
+                forward[job.start], backward[job.start] = seconds / 3, 2 * seconds / 3
+            else:
+                backward[job.start] = seconds
+        base = self._static_costs()
+        costs = [
+            LayerCost(
+                c.param_bytes, c.grad_bytes, forward.get(i, 0.0) + 1e-7,
+                max(backward.get(i, 0.0) - forward.get(i, 0.0), 0.0) + 1e-7,
+                state.activation_bytes.get(i, 0), state.saved_bytes.get(i, 0),
+            )
+            for i, c in enumerate(base)
+        ]
+        cap = min(d.memory_cap() or 0 for d in self._devices) or None
+        self._plan = plan_stages(costs, len(self._devices), cap)
+        total_weights = sum(c.param_bytes for c in costs)
+        self._executor.resident = cap is not None and 2 * total_weights <= 0.2 * cap
+        if self._executor.resident:
+            self._executor.prefetch_resident(self._required)
+
+
+def _check_inputs(input_args: Any, input_kwargs: Optional[dict]) -> tuple[tuple, dict]:
+    if isinstance(input_args, Tensor):
+        input_args = (input_args,)
+    if not isinstance(input_args, (tuple, list)):
+        raise TypeError(f"input_args must be a tuple of the first layer's positional inputs, got {type(input_args).__name__}")
+    if input_kwargs is None:
+        input_kwargs = {}
+    if not isinstance(input_kwargs, dict):
+        raise TypeError(f"input_kwargs must be a dict, got {type(input_kwargs).__name__}")
+    if not any(True for _ in iter_tensors((input_args, input_kwargs))):
+        raise ValueError("forward_backward got no input tensors")
+    return tuple(input_args), dict(input_kwargs)
+
+
+class _RecordedPipeline(torch.autograd.Function):
+    """``model(x)`` with grad enabled: the pipeline forward now, its backward when autograd asks."""
+
+    @staticmethod
+    def run(engine: RoundPipe, cfg: ResolvedRunConfig, plan: ExecutePlan, micro: list, flat_inputs: list) -> Any:
+        holder: dict = {}
+        flat_out = _RecordedPipeline.apply(engine, cfg, plan, micro, holder, *flat_inputs)
+        return holder["rebuild"](flat_out)
+
+    @staticmethod
+    def forward(ctx: Any, engine: RoundPipe, cfg: ResolvedRunConfig, plan: ExecutePlan, micro: list, holder: dict, *flat_inputs: Tensor) -> Any:
+        version = engine._use_version()
+        needs_input_grad = any(t.requires_grad for t in flat_inputs)
+        state = PassState(
+            forward_schedule(plan, len(engine._devices), save_for_backward=True, grain=cfg.recompute_grain),
+            cfg.num_microbatch, [Args(a, k) for a, k in micro], version,
+            preserve_rng=cfg.preserve_rng_state, output_device=cfg.output_device, input_requires_grad=needs_input_grad,
+        )
+        engine._executor.run(state)
+        merged = merge_outputs(state.outputs, cfg.merge_output)
+        outputs = float_tensors(merged)
+        per_micro = [float_tensors(o) for o in state.outputs]
+        ctx.engine, ctx.cfg, ctx.plan, ctx.state, ctx.version = engine, cfg, plan, state, version
+        ctx.split_sizes = [[t.shape[0] if t.dim() else None for t in o] for o in per_micro]
+        ctx.num_inputs = len(flat_inputs)
+        ctx.input_positions = _float_positions(list(flat_inputs), micro)
+
+        def rebuild(flat: Any) -> Any:
+            flat = list(flat) if isinstance(flat, (tuple, list)) else [flat]
+            it = iter(flat)
+            from .batching import map_tensors
+
+            return map_tensors(lambda t: next(it) if t.is_floating_point() else t, merged)
+
+        holder["rebuild"] = rebuild
+        return tuple(t.detach() for t in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Tensor) -> Any:
+        engine: RoundPipe = ctx.engine
+        if engine._required != ctx.version:
+            raise RuntimeError("RoundPipe: backward() must run before the next step()/synchronize() of the same model")
+        grads_per_micro = []
+        for m, sizes in enumerate(ctx.split_sizes):
+            offsets = [sum(s[i] for s in ctx.split_sizes[:m]) if sizes[i] is not None else None for i in range(len(sizes))]
+            grads_per_micro.append(
+                [None if g is None else (g.narrow(0, off, size) if size is not None else g) for g, off, size in zip(grad_outputs, offsets, sizes)]
+            )
+        buffer = engine._open_window()
+        first_device = len(ctx.state.jobs)
+        state = PassState(
+            backward_schedule(ctx.plan, len(engine._devices), ctx.cfg.recompute_grain, first_device),
+            ctx.cfg.num_microbatch, grads_per_micro, ctx.version, grad_buffer=buffer,
+            preserve_rng=ctx.cfg.preserve_rng_state, input_requires_grad=any(ctx.needs_input_grad[5:]),
+        )
+        state.saved, state.rng = ctx.state.saved, ctx.state.rng
+        engine._run_training_pass(state)
+        input_grads: list = [None] * ctx.num_inputs
+        for position, (k, was_split) in ctx.input_positions.items():
+            if not ctx.needs_input_grad[5 + position]:
+                continue
+            pieces = [g[k] if g is not None else None for g in state.input_grads]
+            if all(p is not None for p in pieces):
+                input_grads[position] = torch.cat(pieces) if was_split else torch.stack(pieces).sum(0)
+        return (None, None, None, None, None, *input_grads)
+
+
+def _float_positions(flat_inputs: list, micro: list) -> dict[int, tuple[int, bool]]:
+    """For each floating input tensor: its index among the first layer's floating inputs, and
+    whether it was split across microbatches (its gradient is concatenated, else summed)."""
+    firsts = list(iter_tensors(Args(*micro[0])))
+    positions, k = {}, 0
+    for i, (whole, first) in enumerate(zip(flat_inputs, firsts)):
+        if whole.is_floating_point():
+            positions[i] = (k, len(micro) > 1 and first.shape != whole.shape)
+            k += 1
+    return positions

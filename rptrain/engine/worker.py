@@ -1,0 +1,69 @@
+"""A single background thread that runs queued tasks in order: the optimizer thread.
+
+Started on first use (importing rptrain starts no threads) and stopped by ``close()`` or when its
+owner is garbage-collected. A task's exception is kept with its ticket and re-raised in the
+caller's thread by whoever waits on the ticket.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Optional
+
+
+class Ticket:
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def finish(self, error: Optional[BaseException] = None) -> None:
+        self.error = error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        while not self._done.wait(timeout=0.5):  # short waits keep Ctrl-C responsive
+            pass
+
+
+class TaskThread:
+    def __init__(self, name: str):
+        self._name = name
+        self._queue: "queue.Queue[Optional[tuple[Callable[[], None], Ticket]]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def submit(self, task: Callable[[], None]) -> Ticket:
+        ticket = Ticket()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=_loop, args=(self._queue,), name=self._name, daemon=True)
+                self._thread.start()
+            self._queue.put((task, ticket))
+        return ticket
+
+    def close(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._queue.put(None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+
+def _loop(tasks: "queue.Queue") -> None:
+    # Holds only the queue, not the engine, so an unused engine can be garbage-collected.
+    while True:
+        item = tasks.get()
+        if item is None:
+            return
+        task, ticket = item
+        try:
+            task()
+        except BaseException as e:  # handed to the caller through the ticket
+            ticket.finish(e)
+        else:
+            ticket.finish()
+        del task, item
