@@ -1,0 +1,71 @@
+"""Plain-PyTorch references the engine is compared against.
+
+``Reference`` trains a compute copy (the model's dtype) whose gradients feed an fp32 master copy
+with ``torch.optim.Adam`` — the same math the engine does, written the obvious way. Microbatches
+run one after another with gradients accumulating in the compute copy, so BatchNorm sees the same
+microbatches as in the engine. With ``delayed=True`` the compute copy trails the master by one
+step: the gradient of iteration k is taken at the weights after max(k-1, 0) steps.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from rptrain.engine.batching import split_sizes
+
+
+def split(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    return list(torch.split(t, split_sizes(t.shape[0], n)))
+
+
+class Reference:
+    def __init__(self, model: nn.Module, lr: float = 1e-2, delayed: bool = False, betas=(0.9, 0.999), weight_decay: float = 0.0):
+        self.compute = copy.deepcopy(model)
+        self.master = copy.deepcopy(model).float()
+        self.opt = torch.optim.Adam(self.master.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        self.delayed = delayed
+
+    def forward_backward(self, x: Any, y: torch.Tensor, n: int, loss_fn: Callable, call: Optional[Callable] = None) -> float:
+        """Accumulate gradients of one batch in ``n`` microbatches; returns the summed loss."""
+        call = call or (lambda model, xm: model(xm))
+        xs = split(x, n) if isinstance(x, torch.Tensor) else x
+        total = 0.0
+        for xm, ym in zip(xs, split(y, n)):
+            loss = loss_fn(call(self.compute, xm), ym)
+            loss.backward()
+            total += loss.item()
+        return total
+
+    def step(self, before: Optional[Callable] = None) -> None:
+        """Move the accumulated gradients to the master copy, step, and refresh the compute copy."""
+        for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
+            pm.grad = None if pc.grad is None else pc.grad.float()
+            pc.grad = None
+        previous = [p.detach().clone() for p in self.master.parameters()]
+        if before is not None:
+            before(self.opt)
+        self.opt.step()
+        self.opt.zero_grad()
+        source = previous if self.delayed else [p.detach() for p in self.master.parameters()]
+        with torch.no_grad():
+            for pc, value in zip(self.compute.parameters(), source):
+                pc.copy_(value)
+
+    def state(self) -> dict:
+        """Master parameters and compute-copy buffers, keyed like ``RoundPipe.state_dict()``."""
+        out = {}
+        master = dict(self.master.named_parameters(remove_duplicate=False))
+        for name, t in self.compute.state_dict(keep_vars=True).items():
+            out[name] = master[name].detach() if name in master else t.detach()
+        return out
+
+
+def assert_state_close(actual: dict, expected: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        a, e = actual[name], expected[name]
+        assert a.dtype == e.dtype or a.is_floating_point(), name
+        torch.testing.assert_close(a.to(e.dtype), e, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")

@@ -1,0 +1,384 @@
+"""The engine trains exactly like plain PyTorch (tests/reference.py), on CPU and, through `device`, CUDA.
+
+Tolerances: fp32 models rtol 1e-5 (microbatch sums and the fused vs foreach Adam kernels differ
+only in rounding); fp16 compute with fp32 master: rtol/atol 2e-3 on the fp32 master weights.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from reference import Reference, assert_state_close, split
+from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from rptrain.optim import Adam
+
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def convnet(dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.Dropout(dropout),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )
+
+
+def make_engine(model: nn.Module, lr: float = 1e-2, **kw):
+    engine = RoundPipe(copy.deepcopy(model), **kw)
+    with OptimizerCtx():
+        opt = Adam(engine.parameters(), lr=lr)
+    return engine, opt
+
+
+def train_both(model, batches, n, plan=None, delayed=False, loss_fn=None, grain=None, devices=None, lr=1e-2):
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    engine, opt = make_engine(model, lr=lr, devices=devices)
+    ref = Reference(model, lr=lr, delayed=delayed)
+    cfg = RoundPipeRunConfig(num_microbatch=n, execute_plan=plan, recompute_grain=grain)
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+
+    for x, y in batches:
+        loss = engine.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=cfg)
+        engine.step(step, is_async=delayed)
+        expected = ref.forward_backward(x, y, n, loss_fn)
+        ref.step()
+        assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    engine.synchronize()
+    return engine, ref
+
+
+def image_batches(count=4, batch=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(count)]
+
+
+def vector_batches(count=4, batch=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 8, generator=g), torch.randint(0, 4, (batch,), generator=g)) for _ in range(count)]
+
+
+PLANS_7 = [
+    None,  # the planner's choice
+    ExecutePlan.single_stage(7),
+    ExecutePlan.per_layer(7),
+    ExecutePlan.from_cuts(7, forward=[2, 5], backward=[1, 3, 5]),  # different forward and backward boundaries
+]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("plan", PLANS_7, ids=["auto", "single", "per_layer", "split_boundaries"])
+def test_mlp_sync_matches_pytorch(n, plan):
+    engine, ref = train_both(mlp(), vector_batches(), n, plan=plan)
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+@pytest.mark.parametrize("plan", [ExecutePlan.single_stage(7), ExecutePlan.from_cuts(7, [3, 5], [2, 5])], ids=["single", "multi"])
+def test_mlp_async_matches_one_step_delay(plan):
+    engine, ref = train_both(mlp(), vector_batches(count=6), 2, plan=plan, delayed=True)
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+def test_async_is_really_one_step_stale():
+    """Guard against a reference that accidentally agrees with anything: sync and async differ."""
+    sync_engine, _ = train_both(mlp(), vector_batches(count=3), 1)
+    async_engine, _ = train_both(mlp(), vector_batches(count=3), 1, delayed=True)
+    a, b = sync_engine.state_dict()["0.weight"], async_engine.state_dict()["0.weight"]
+    assert (a - b).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_convnet_batchnorm_matches_pytorch_including_running_stats(n):
+    plan = ExecutePlan.from_cuts(10, forward=[3, 6], backward=[2, 6])
+    engine, ref = train_both(convnet(), image_batches(), n, plan=plan)
+    assert_state_close(engine.state_dict(), ref.state())  # running_mean/var/num_batches_tracked included
+    # Eval forward uses the running statistics, like PyTorch in eval mode.
+    x = torch.randn(5, 3, 8, 8)
+    engine.eval()
+    ref.compute.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), ref.compute(x), rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_recompute_replays_rng():
+    """A recomputed stage with Dropout must draw the same mask as its forward did."""
+    plan = ExecutePlan.from_cuts(10, forward=[4, 8], backward=[4, 8])  # Dropout (layer 6) is recomputed
+    batches = image_batches(count=3)
+    torch.manual_seed(123)
+    engine, opt = make_engine(convnet(dropout=0.5))
+    ref = Reference(convnet(dropout=0.5))
+    cfg = RoundPipeRunConfig(num_microbatch=1, execute_plan=plan)
+    for x, y in batches:
+        torch.manual_seed(7)
+        engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss(), run_config=cfg)
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        torch.manual_seed(7)
+        ref.forward_backward(x, y, 1, nn.CrossEntropyLoss())
+        ref.step()
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+def test_dropout_without_rng_replay_differs():
+    """Sanity check of the test above: with preserve_rng_state=False the masks differ."""
+    plan = ExecutePlan.from_cuts(10, forward=[4, 8], backward=[4, 8])
+    x, y = image_batches(count=1)[0]
+    grads = []
+    for preserve in (True, False):
+        engine, _ = make_engine(convnet(dropout=0.5))
+        torch.manual_seed(7)
+        cfg = RoundPipeRunConfig(num_microbatch=1, execute_plan=plan, preserve_rng_state=preserve)
+        engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss(), run_config=cfg)
+        grads.append(engine._host.grads[0].flat.clone())
+    assert not torch.allclose(grads[0], grads[1])
+
+
+def test_uneven_microbatches():
+    batches = vector_batches(count=3, batch=7)  # 7 = 3 + 2 + 2
+    engine, ref = train_both(mlp(), batches, 3, plan=ExecutePlan.from_cuts(7, [2, 4], [2, 4]))
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+class MixInput(nn.Module):
+    """A first layer with positional, nested and keyword inputs, returning a nested output."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(8, 16)
+
+    def forward(self, x, pair, scale=None, extra=None):
+        h = self.a(x) + self.b(pair[0] * pair[1])
+        return {"h": h * scale, "skip": (x, extra["offset"])}
+
+
+class UseNested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+
+    def forward(self, d):
+        x, offset = d["skip"]
+        return (self.lin(torch.relu(d["h"])) + x + offset, offset)
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, t):
+        return self.lin(t[0])
+
+
+def nested_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(MixInput(), UseNested(), Head())
+
+
+@pytest.mark.parametrize("plan", [ExecutePlan.per_layer(3), ExecutePlan.single_stage(3)], ids=["per_layer", "single"])
+def test_kwargs_and_nested_inputs(plan):
+    g = torch.Generator().manual_seed(3)
+    engine, opt = make_engine(nested_model())
+    ref = Reference(nested_model())
+    scale = torch.tensor(0.5)  # 0-dim: handed to every microbatch
+    for _ in range(3):
+        x, p0, p1 = (torch.randn(6, 8, generator=g) for _ in range(3))
+        offset = torch.randn(6, 8, generator=g)
+        y = torch.randint(0, 4, (6,), generator=g)
+        loss = engine.forward_backward(
+            input_args=(x, (p0, p1)), input_kwargs={"scale": scale, "extra": {"offset": offset}}, label=y,
+            loss_fn=nn.CrossEntropyLoss(), run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
+        )
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        expected = 0.0
+        for xm, p0m, p1m, om, ym in zip(split(x, 2), split(p0, 2), split(p1, 2), split(offset, 2), split(y, 2)):
+            out = ref.compute[2](ref.compute[1](ref.compute[0](xm, (p0m, p1m), scale=scale, extra={"offset": om})))
+            l = nn.CrossEntropyLoss()(out, ym)
+            l.backward()
+            expected += l.item()
+        ref.step()
+        assert loss.item() == pytest.approx(expected, rel=1e-5)
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+def test_gradient_accumulation_over_two_calls():
+    batches = vector_batches(count=4)
+    plan = ExecutePlan.from_cuts(7, [3], [3])
+    engine, opt = make_engine(mlp())
+    ref = Reference(mlp())
+    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+    for (x1, y1), (x2, y2) in zip(batches[::2], batches[1::2]):
+        for x, y in ((x1, y1), (x2, y2)):
+            engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss(), run_config=cfg)
+            ref.forward_backward(x, y, 2, nn.CrossEntropyLoss())
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        ref.step()
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_synchronize_between_backward_and_step_keeps_gradients(is_async):
+    batches = vector_batches(count=4)
+    engine, opt = make_engine(mlp())
+    ref = Reference(mlp(), delayed=is_async)
+    for i, (x, y) in enumerate(batches):
+        engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss())
+        if i == 2:
+            engine.synchronize()  # waits for the pending step, refreshes weights; gradients stay
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
+        ref.forward_backward(x, y, 1, nn.CrossEntropyLoss())
+        ref.step()  # still one step stale after synchronize(): iteration 3 runs at the weights after 2 steps
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+def test_user_keeps_gradients_without_zero_grad():
+    """Without zero_grad() the master gradients keep accumulating, as in PyTorch."""
+    batches = vector_batches(count=3)
+    engine, opt = make_engine(mlp(), lr=1e-3)
+    master = copy.deepcopy(mlp())
+    ropt = torch.optim.Adam(master.parameters(), lr=1e-3)
+    for x, y in batches:
+        engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss())
+        engine.step(opt.step, is_async=False)
+        nn.CrossEntropyLoss()(master(x), y).backward()
+        ropt.step()
+    engine.synchronize()
+    for name, p in master.named_parameters():
+        torch.testing.assert_close(engine.state_dict()[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_fp16_model_fp32_master():
+    model = convnet().half()
+    plan = ExecutePlan.from_cuts(10, [3, 6], [2, 6])
+    batches = [(x.half(), y) for x, y in image_batches(count=3)]
+    loss_fn = lambda out, y: nn.functional.cross_entropy(out.float(), y)
+    engine, opt = make_engine(model)
+    ref = Reference(model)
+    for x, y in batches:
+        loss = engine.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        expected = ref.forward_backward(x, y, 2, loss_fn)
+        ref.step()
+        assert loss.item() == pytest.approx(expected, rel=2e-3)
+    engine.synchronize()
+    state = engine.state_dict()
+    assert state["0.weight"].dtype == torch.float32  # master copy
+    assert_state_close(state, ref.state(), rtol=2e-3, atol=2e-3)
+    # After synchronize() the compute copy is the master cast to fp16.
+    assert engine.model[0].weight.dtype == torch.float16
+    torch.testing.assert_close(engine.model[0].weight, state["0.weight"].half(), rtol=0, atol=0)
+
+
+def test_layer_grain_recompute():
+    engine, ref = train_both(convnet(), image_batches(), 2, plan=ExecutePlan.from_cuts(10, [4, 7], [3, 7]), grain="layer")
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+def test_several_cpu_devices_match_one():
+    """Three CPU workers, each with its own thread, run the round-robin schedule."""
+    plan = ExecutePlan.from_cuts(10, [2, 4, 6, 8], [3, 5, 8])
+    one, _ = train_both(convnet(), image_batches(), 3, plan=plan)
+    three, ref = train_both(convnet(), image_batches(), 3, plan=plan, devices=["cpu", "cpu", "cpu"])
+    assert_state_close(three.state_dict(), ref.state())
+    assert_state_close(three.state_dict(), one.state_dict(), rtol=0, atol=0)
+
+
+class Embed(nn.Module):
+    def __init__(self, shared: nn.Parameter):
+        super().__init__()
+        self.weight = shared
+
+    def forward(self, ids):
+        return self.weight[ids].mean(1)
+
+
+class Unembed(nn.Module):
+    def __init__(self, shared: nn.Parameter):
+        super().__init__()
+        self.weight = shared
+
+    def forward(self, h):
+        return h @ self.weight.t()
+
+
+def tied_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    shared = nn.Parameter(torch.randn(12, 16) * 0.1)
+    return nn.Sequential(Embed(shared), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), Unembed(shared))
+
+
+@pytest.mark.parametrize("plan", [ExecutePlan.single_stage(5), ExecutePlan.from_cuts(5, [2, 4], [1, 4])], ids=["single", "multi"])
+def test_tied_weights(plan):
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 12, (6, 3), generator=g), torch.randint(0, 12, (6,), generator=g)) for _ in range(3)]
+    engine, ref = train_both(tied_model(), batches, 2, plan=plan)
+    state = engine.state_dict()
+    assert state["0.weight"] is state["4.weight"] or torch.equal(state["0.weight"], state["4.weight"])
+    assert_state_close(state, ref.state())
+
+
+def test_frozen_parameters_stay_put():
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    engine, ref = train_both(model, vector_batches(count=2), 2)
+    assert_state_close(engine.state_dict(), ref.state())
+    torch.testing.assert_close(engine.state_dict()["0.weight"], model[0].weight.detach())
+
+
+@pytest.mark.parametrize("plan", [ExecutePlan.single_stage(7), ExecutePlan.from_cuts(7, [2, 5], [1, 3, 5])], ids=["single", "multi"])
+def test_forward_with_autograd_backward(plan):
+    """``loss = f(model(x)); loss.backward()`` runs the pipeline backward, input gradients included."""
+    engine, opt = make_engine(mlp())
+    ref = Reference(mlp())
+    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+    for x, y in vector_batches(count=3):
+        x1 = x.clone().requires_grad_(True)
+        out = engine(x1, run_config=cfg)
+        loss = nn.functional.cross_entropy(out, y, reduction="sum")
+        loss.backward()
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        x2 = x.clone().requires_grad_(True)
+        ref_loss = nn.functional.cross_entropy(ref.compute(x2), y, reduction="sum")
+        ref_loss.backward()
+        ref.step()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-6)
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+def test_eval_forward_matches_and_uses_output_device():
+    engine, _ = make_engine(convnet())
+    x = torch.randn(7, 3, 8, 8)
+    ref = convnet()
+    engine.eval()
+    ref.eval()
+    with torch.no_grad():
+        out = engine(x, run_config=RoundPipeRunConfig(num_microbatch=3))
+    assert out.device.type == "cpu"
+    torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-6)
+
+
+def test_return_outputs_are_merged_in_order():
+    engine, _ = make_engine(mlp())
+    x, y = vector_batches(count=1, batch=7)[0]
+    loss, out = engine.forward_backward(
+        input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss(), return_outputs=True, run_config=RoundPipeRunConfig(num_microbatch=3)
+    )
+    torch.testing.assert_close(out, mlp()(x), rtol=1e-5, atol=1e-6)
+    assert not out.requires_grad
