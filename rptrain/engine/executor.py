@@ -88,7 +88,6 @@ class PassState:
     want_outputs: bool = False
     output_device: torch.device = torch.device("cpu")
     input_requires_grad: bool = False
-    check_finite: bool = False
     profile: bool = False
     # Carried from a recorded forward into its backward.
     saved: dict = field(default_factory=dict)  # (layer, micro) -> (value, event, device)
@@ -358,7 +357,7 @@ class Executor:
         """Gradients to the open window's fp32 buffer: copied where it is still empty, else added."""
         buffer = state.grad_buffer
         layout = self.host.params
-        if state.check_finite:
+        if state.scalers:  # a GradScaler scaled this call's loss: it needs the inf/NaN verdict
             for _, g in grads.pieces:
                 bad = ~torch.isfinite(g).all()
                 previous = state.nonfinite.get(device.index)

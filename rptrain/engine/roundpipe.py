@@ -85,7 +85,7 @@ class RoundPipe(nn.Module):
         self._cuda = self._devices[0].is_cuda
         self._host = HostState(self._layers, optim_dtype, pin_memory=self._cuda)
         self._executor = Executor(self._layers, self._host, self._devices)
-        self._optimizer_thread = TaskThread("rptrain-optimizer")
+        self._optimizer_thread = TaskThread(f"rptrain-optimizer-{id(self):x}")
         weakref.finalize(self, self._optimizer_thread.close)
         register_step_queue(self)
         self._plan: Optional[ExecutePlan] = None
