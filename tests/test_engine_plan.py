@@ -1,0 +1,134 @@
+"""The pure-Python parts: plans, the planner, schedules, flat layouts and microbatch splitting."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from rptrain.engine.batching import merge_outputs, split_inputs, split_label, split_sizes
+from rptrain.engine.layout import FlatLayout, Range
+from rptrain.engine.plan import ExecutePlan, LayerCost, backward_memory, forward_memory, plan_stages
+from rptrain.engine.schedule import JobKind, backward_schedule, forward_schedule, training_schedule
+
+
+def uniform(n: int, param_bytes: int = 100, time: float = 1.0, act: int = 10, saved: int = 50) -> list[LayerCost]:
+    return [LayerCost(param_bytes, param_bytes, time, 2 * time, act, saved) for _ in range(n)]
+
+
+def test_plan_from_cuts_and_views():
+    plan = ExecutePlan.from_cuts(6, forward=[2, 4], backward=[1, 4])
+    assert plan.forward == ((0, 2), (2, 4), (4, 6))
+    assert plan.backward == ((0, 1), (1, 4), (4, 6))
+    assert ExecutePlan.single_stage(3).forward == ((0, 3),)
+    assert ExecutePlan.per_layer(3).backward == ((0, 1), (1, 2), (2, 3))
+
+
+def test_planner_without_cap_on_one_device_is_one_fused_stage():
+    assert plan_stages(uniform(8)) == ExecutePlan.single_stage(8)
+
+
+def test_planner_respects_memory_cap_and_fuses_the_largest_tail():
+    costs = uniform(10)
+    cap = backward_memory(costs, 7, 10)  # three layers fit a backward stage, not four
+    plan = plan_stages(costs, 1, cap)
+    assert plan.forward[-1] == plan.backward[-1] == (7, 10)
+    for a, b in plan.forward:
+        assert forward_memory(costs, a, b) <= cap
+    for a, b in plan.backward:
+        assert backward_memory(costs, a, b) <= cap
+    # Forward stages hold less (no gradients, no graph) so there are fewer of them.
+    assert len(plan.forward) <= len(plan.backward)
+
+
+def test_planner_balances_measured_times():
+    times = [1, 1, 1, 1, 8, 1, 1, 1, 1, 1, 1, 1]
+    costs = [LayerCost(100, 100, t, 2 * t) for t in times]
+    plan = plan_stages(costs, num_devices=4)
+    assert len(plan.forward) >= 4  # enough jobs for every device
+    stage_times = [sum(times[a:b]) for a, b in plan.forward[:-1]]
+    assert max(stage_times) <= 8 + 1  # the heavy layer gets (nearly) a stage of its own
+
+
+def test_planner_rejects_a_layer_that_cannot_fit():
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_stages(uniform(3, param_bytes=1000), 1, memory_cap=100)
+
+
+def test_training_schedule_round_robin_and_checkpoints():
+    plan = ExecutePlan.from_cuts(6, forward=[2, 4], backward=[1, 4])
+    jobs = training_schedule(plan, num_devices=2)
+    assert [(j.kind, j.start, j.stop, j.device) for j in jobs] == [
+        (JobKind.FORWARD, 0, 2, 0),
+        (JobKind.FORWARD, 2, 4, 1),
+        (JobKind.FUSED, 4, 6, 0),
+        (JobKind.BACKWARD, 1, 4, 1),
+        (JobKind.BACKWARD, 0, 1, 0),
+    ]
+    # Forward jobs keep the inputs of the backward stages they contain.
+    assert jobs[0].checkpoints == (0, 1) and jobs[1].checkpoints == ()
+    assert jobs[3].checkpoints == (1,) and jobs[4].checkpoints == (0,)
+
+
+def test_layer_grain_checkpoints_every_layer():
+    plan = ExecutePlan.from_cuts(5, forward=[3], backward=[3])
+    jobs = training_schedule(plan, 1, grain="layer")
+    assert jobs[0].checkpoints == (0, 1, 2)
+    assert jobs[-1].kind is JobKind.BACKWARD and jobs[-1].checkpoints == (0, 1, 2)
+
+
+def test_forward_and_backward_schedules_for_autograd():
+    plan = ExecutePlan.from_cuts(4, forward=[2], backward=[1, 2])
+    fwd = forward_schedule(plan, 3, save_for_backward=True)
+    assert [j.checkpoints for j in fwd] == [(0, 1), (2,)]
+    bwd = backward_schedule(plan, 3, first_device=len(fwd))
+    assert [(j.start, j.stop, j.device) for j in bwd] == [(2, 4, 2), (1, 2, 0), (0, 1, 1)]
+    assert all(j.kind is JobKind.FORWARD and not j.checkpoints for j in forward_schedule(plan, 1))
+
+
+def test_flat_layout_ranges_and_tied_slots():
+    shared = nn.Parameter(torch.zeros(4, 3))
+    layers = [nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 4).half(), nn.Module()]
+    layers[3].w = shared
+    layers[0].tied = shared
+    layout = FlatLayout.of_parameters(layers)
+    assert layout.sizes == {"float32": 12 + 4 + 12, "float16": 16 + 4}
+    # Layer 3 owns nothing new: its only tensor lives in layer 0's range.
+    assert layout.ranges(3, 4) == [Range("float32", 16, 28)]
+    assert layout.ranges(0, 1) == [Range("float32", 0, 28)]
+    assert layout.ranges(2, 3) == [Range("float16", 0, 20)]
+    assert layout.ranges(1, 2) == []
+    assert layout.base == {"float32": 0, "float16": 28} and layout.total == 48
+    assert [s.index for s in layout.slots_in_range(Range("float32", 0, 28))] == [0, 1, 2]
+
+
+def test_split_sizes_are_balanced():
+    assert split_sizes(7, 3) == [3, 2, 2]
+    assert split_sizes(8, 4) == [2, 2, 2, 2]
+
+
+def test_split_inputs_nested_and_replicated():
+    x = torch.arange(10).view(5, 2)
+    mask = torch.ones(3, 3)  # not batch-sized: replicated
+    parts = split_inputs((x, {"m": mask, "pair": (x, 7)}), {"scale": torch.tensor(2.0)}, 2)
+    assert len(parts) == 2
+    (a0, k0), (a1, k1) = parts
+    assert a0[0].shape[0] == 3 and a1[0].shape[0] == 2
+    assert a0[1]["m"] is mask and a0[1]["pair"][1] == 7
+    assert torch.equal(torch.cat([a0[1]["pair"][0], a1[1]["pair"][0]]), x)
+    assert k1["scale"].item() == 2.0
+
+
+def test_split_errors_name_the_problem():
+    with pytest.raises(ValueError, match="num_microbatch=3 is larger than the batch size 2"):
+        split_inputs((torch.zeros(2, 1),), {}, 3)
+    with pytest.raises(ValueError, match="empty"):
+        split_label(torch.zeros(0), 1)
+    with pytest.raises(ValueError, match="split_input returned 1 microbatches"):
+        split_inputs((torch.zeros(4),), {}, 2, custom=lambda a, k, n: [(a, k)])
+
+
+def test_merge_outputs():
+    assert torch.equal(merge_outputs([torch.ones(2, 1), torch.zeros(1, 1)]), torch.tensor([[1.0], [1.0], [0.0]]))
+    merged = merge_outputs([(torch.ones(1), {"s": torch.tensor(1.0)}), (torch.ones(2), {"s": torch.tensor(2.0)})])
+    assert merged[0].shape == (3,) and torch.equal(merged[1]["s"], torch.tensor([1.0, 2.0]))
+    assert merge_outputs([1, 2], custom=sum) == 3
