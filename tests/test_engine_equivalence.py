@@ -84,8 +84,15 @@ def test_mlp_sync_matches_pytorch(n, plan):
     assert_state_close(engine.state_dict(), ref.state())
 
 
+@pytest.fixture(params=["inline", "thread"])
+def optimizer_thread(request, monkeypatch):
+    """CPU engines step inline by default; the real optimizer thread must give the same numbers."""
+    if request.param == "thread":
+        monkeypatch.setenv("RPTRAIN_CPU_OPTIMIZER_THREAD", "1")
+
+
 @pytest.mark.parametrize("plan", [ExecutePlan.single_stage(7), ExecutePlan.from_cuts(7, [3, 5], [2, 5])], ids=["single", "multi"])
-def test_mlp_async_matches_one_step_delay(plan):
+def test_mlp_async_matches_one_step_delay(plan, optimizer_thread):
     engine, ref = train_both(mlp(), vector_batches(count=6), 2, plan=plan, delayed=True)
     assert_state_close(engine.state_dict(), ref.state())
 
@@ -231,7 +238,7 @@ def test_gradient_accumulation_over_two_calls():
 
 
 @pytest.mark.parametrize("is_async", [False, True])
-def test_synchronize_between_backward_and_step_keeps_gradients(is_async):
+def test_synchronize_between_backward_and_step_keeps_gradients(is_async, optimizer_thread):
     batches = vector_batches(count=4)
     engine, opt = make_engine(mlp())
     ref = Reference(mlp(), delayed=is_async)
@@ -246,7 +253,7 @@ def test_synchronize_between_backward_and_step_keeps_gradients(is_async):
     assert_state_close(engine.state_dict(), ref.state())
 
 
-def test_user_keeps_gradients_without_zero_grad():
+def test_user_keeps_gradients_without_zero_grad(optimizer_thread):
     """Without zero_grad() the master gradients keep accumulating, as in PyTorch."""
     batches = vector_batches(count=3)
     engine, opt = make_engine(mlp(), lr=1e-3)

@@ -133,7 +133,10 @@ def test_error_on_one_of_several_devices_does_not_hang():
         engine.forward_backward((X,), label=Y, loss_fn=CE, run_config=cfg)
 
 
-def test_optimizer_thread_error_reaches_the_caller_once():
+@pytest.mark.parametrize("thread", ["inline", "thread"])
+def test_optimizer_thread_error_reaches_the_caller_once(thread, monkeypatch):
+    if thread == "thread":
+        monkeypatch.setenv("RPTRAIN_CPU_OPTIMIZER_THREAD", "1")
     engine, opt = engine_and_opt()
 
     def bad_step():
@@ -156,7 +159,13 @@ def _alive(name: str) -> bool:
     return any(t.name == name and t.is_alive() for t in threading.enumerate())
 
 
-def test_close_stops_the_optimizer_thread():
+@pytest.fixture
+def threaded(monkeypatch):
+    """CPU engines run steps inline unless asked for the thread: here the thread is the subject."""
+    monkeypatch.setenv("RPTRAIN_CPU_OPTIMIZER_THREAD", "1")
+
+
+def test_close_stops_the_optimizer_thread(threaded):
     engine, opt = engine_and_opt()
     name = f"rptrain-optimizer-{id(engine):x}"
     assert not _alive(name)  # started on first use only
@@ -167,7 +176,7 @@ def test_close_stops_the_optimizer_thread():
     assert not _alive(name)
 
 
-def test_garbage_collected_engine_stops_its_thread():
+def test_garbage_collected_engine_stops_its_thread(threaded):
     import gc
     import time
 

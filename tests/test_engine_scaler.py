@@ -77,7 +77,10 @@ class ScaledReference:
 
 @pytest.mark.parametrize("is_async", [False, True])
 @pytest.mark.parametrize("clip", [None, 1.0])
-def test_engine_scaler_matches_hand_written_reference(is_async, clip):
+@pytest.mark.parametrize("thread", ["inline", "thread"])
+def test_engine_scaler_matches_hand_written_reference(is_async, clip, thread, monkeypatch):
+    if thread == "thread":
+        monkeypatch.setenv("RPTRAIN_CPU_OPTIMIZER_THREAD", "1")
     init_scale, interval = 2.0**10, 1  # the scale changes every step, so a stale unscale would show
     engine = RoundPipe(model16())
     with OptimizerCtx():

@@ -23,6 +23,7 @@ from .layout import FlatLayout, Range, Slot
 from .replica import Shell
 from .scaler import recording_scalers
 from .schedule import Job, JobKind
+from .trace import span
 
 
 class Args(NamedTuple):
@@ -157,7 +158,8 @@ class Executor:
         if len(by_device) == 1:
             try:
                 for job in state.jobs:
-                    self._run_job(job, state)
+                    with span(f"issue {job.kind.value} {job.start}:{job.stop}"):
+                        self._run_job(job, state)
             except BaseException as e:
                 state.fail(e)
         else:
@@ -170,8 +172,9 @@ class Executor:
             for t in threads:
                 while t.is_alive():
                     t.join(timeout=0.5)
-        for index in by_device:
-            self.devices[index].synchronize()
+        with span("wait_devices"):
+            for index in by_device:
+                self.devices[index].synchronize()
         if state.error is not None:
             raise state.error
         for dst, src in state.deferred_adds:

@@ -15,6 +15,7 @@ one, so the next iteration's backward overlaps the optimizer step.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import weakref
 from collections import namedtuple
@@ -31,6 +32,7 @@ from .host import GradBuffer, HostState
 from .plan import ExecutePlan, LayerCost, plan_stages
 from .scaler import register_step_queue, step_context
 from .schedule import JobKind, backward_schedule, forward_schedule, training_schedule
+from .trace import span
 from .worker import TaskThread, Ticket
 
 _optimizer_ctx = threading.local()
@@ -85,7 +87,11 @@ class RoundPipe(nn.Module):
         self._cuda = self._devices[0].is_cuda
         self._host = HostState(self._layers, optim_dtype, pin_memory=self._cuda)
         self._executor = Executor(self._layers, self._host, self._devices)
-        self._optimizer_thread = TaskThread(f"rptrain-optimizer-{id(self):x}")
+        # Without a GPU the optimizer and the compute share the cores, and a second thread of
+        # OpenMP work makes every small op pay a thread wake-up (3x slower on 2 cores): there
+        # the step runs inline when submitted. The staleness rules are the same either way.
+        inline = not self._cuda and os.environ.get("RPTRAIN_CPU_OPTIMIZER_THREAD") != "1"
+        self._optimizer_thread = TaskThread(f"rptrain-optimizer-{id(self):x}", inline=inline)
         weakref.finalize(self, self._optimizer_thread.close)
         register_step_queue(self)
         self._plan: Optional[ExecutePlan] = None
@@ -183,7 +189,8 @@ class RoundPipe(nn.Module):
 
     def _run_training_pass(self, state: PassState) -> None:
         try:
-            self._executor.run(state)
+            with span("forward_backward"):
+                self._executor.run(state)
         except BaseException as e:
             state.grad_buffer.reset()
             if hasattr(e, "add_note"):
@@ -292,7 +299,8 @@ class RoundPipe(nn.Module):
 
     def _use_version(self) -> int:
         version = self._required
-        self._wait_version(version)
+        with span("wait_weights"):
+            self._wait_version(version)
         if self._shown != version:
             self._host.show_version(version)
             self._shown = version
@@ -301,8 +309,9 @@ class RoundPipe(nn.Module):
     # ----------------------------------------------------------------------------- the optimizer thread
     def _run_step(self, step_fn: Callable[[], Any], buffer: Optional[GradBuffer], scalers: dict, version: int) -> None:
         try:
-            self._bind_master_grads(buffer)
-            with step_context(scalers):
+            with span("bind_grads"):
+                self._bind_master_grads(buffer)
+            with step_context(scalers), span("step_fn"):
                 step_fn()
         finally:
             if buffer is not None:
@@ -312,8 +321,10 @@ class RoundPipe(nn.Module):
             self._host_refresh(version)
 
     def _host_refresh(self, version: int) -> None:
-        self._host.write_compute(version)
-        self._executor.prefetch_resident(version)
+        with span("write_compute_copy"):
+            self._host.write_compute(version)
+        with span("upload_resident"):
+            self._executor.prefetch_resident(version)
 
     def _bind_master_grads(self, buffer: Optional[GradBuffer]) -> None:
         """Master ``.grad`` := views of ``buffer`` for every slot that got a gradient this window."""

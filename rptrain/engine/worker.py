@@ -2,7 +2,8 @@
 
 Started on first use (importing rptrain starts no threads) and stopped by ``close()`` or when its
 owner is garbage-collected. A task's exception is kept with its ticket and re-raised in the
-caller's thread by whoever waits on the ticket.
+caller's thread by whoever waits on the ticket. With ``inline=True`` tasks run in the submitting
+thread instead (same tickets, same error handling).
 """
 from __future__ import annotations
 
@@ -29,14 +30,18 @@ class Ticket:
 
 
 class TaskThread:
-    def __init__(self, name: str):
+    def __init__(self, name: str, inline: bool = False):
         self._name = name
+        self._inline = inline
         self._queue: "queue.Queue[Optional[tuple[Callable[[], None], Ticket]]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
 
     def submit(self, task: Callable[[], None]) -> Ticket:
         ticket = Ticket()
+        if self._inline:
+            _run(task, ticket)
+            return ticket
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=_loop, args=(self._queue,), name=self._name, daemon=True)
@@ -59,11 +64,14 @@ def _loop(tasks: "queue.Queue") -> None:
         item = tasks.get()
         if item is None:
             return
-        task, ticket = item
-        try:
-            task()
-        except BaseException as e:  # handed to the caller through the ticket
-            ticket.finish(e)
-        else:
-            ticket.finish()
-        del task, item
+        _run(*item)
+        del item
+
+
+def _run(task: Callable[[], None], ticket: Ticket) -> None:
+    try:
+        task()
+    except BaseException as e:  # handed to the caller through the ticket
+        ticket.finish(e)
+    else:
+        ticket.finish()

@@ -1,0 +1,45 @@
+"""Shared helpers for the benchmarks: one JSON line per measurement, honest clocks."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+
+def emit(**fields: Any) -> None:
+    print(json.dumps(fields, sort_keys=False), flush=True)
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="CI size: checks the script runs, measures nothing useful")
+    return p
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(step: Callable[[int], Any], steps: int, warmup: int, device: str, finish: Callable[[], Any] = lambda: None) -> float:
+    """Seconds per step over ``steps`` after ``warmup``; the clock stops after a device sync."""
+    for i in range(warmup):
+        step(i)
+    finish()
+    sync(device)
+    start = time.perf_counter()
+    for i in range(steps):
+        step(warmup + i)
+    finish()
+    sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def die(message: str) -> None:
+    print(message, file=sys.stderr)
+    sys.exit(2)

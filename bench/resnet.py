@@ -1,0 +1,133 @@
+"""Tutorial ResNet-34 training throughput: plain PyTorch vs the engine, same batch, same data.
+
+plain:   fp32 weights on the GPU, autocast fp16, fused Adam on the GPU, torch GradScaler.
+rptrain: the tutorial's semantics: fp16 compute copy, fp32 master + Adam on the CPU (async step),
+         rptrain GradScaler, forward_backward with the default microbatches and return_outputs.
+Both call loss.item() every step, as the tutorial does. Data sits in pinned host memory.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common import emit, parser, time_steps
+from rptrain import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from rptrain.engine import trace
+from rptrain.models import build_model
+from rptrain.optim import Adam
+
+
+def batches(count: int, batch: int, size: int, dtype: torch.dtype, pin: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        x = torch.randn(batch, 3, size, size, generator=g).to(dtype)
+        y = torch.randint(0, 100, (batch,), generator=g)
+        out.append((x.pin_memory(), y.pin_memory()) if pin else (x, y))
+    return out
+
+
+def plain(args, model_kwargs):
+    device = args.device
+    model = build_model("resnet34", **model_kwargs).to(device)
+    opt = torch.optim.Adam(model.parameters(), fused=device == "cuda")
+    scaler = torch.amp.GradScaler(device, enabled=device == "cuda")
+    criterion = nn.CrossEntropyLoss()
+    data = batches(4, args.batch, args.size, torch.float32, device == "cuda")
+
+    def step(i: int) -> None:
+        x, y = data[i % len(data)]
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast(device, dtype=torch.float16, enabled=device == "cuda"):
+            loss = criterion(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+
+    return time_steps(step, args.steps, args.warmup, device)
+
+
+def engine(args, model_kwargs):
+    dtype = torch.float16 if args.device == "cuda" else torch.float32
+    model = RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32)
+    with OptimizerCtx():
+        optimizer = Adam(model.parameters())
+    scaler = GradScaler(enabled=args.device == "cuda")
+    criterion = nn.CrossEntropyLoss()
+    data = batches(4, args.batch, args.size, dtype, args.device == "cuda")
+    n = torch.cuda.device_count() + 1 if args.device == "cuda" else 1
+    cfg = RoundPipeRunConfig(num_microbatch=args.microbatches) if args.microbatches else None
+
+    def optimizer_step() -> None:
+        scaler.step(optimizer)
+        optimizer.zero_grad()
+
+    def step(i: int) -> None:
+        x, y = data[i % len(data)]
+        loss, outputs = model.forward_backward(
+            input_args=(x,), label=y, return_outputs=True, run_config=cfg,
+            loss_fn=lambda out, lab: scaler.scale(criterion(out.float(), lab)) / n,
+        )
+        model.step(optimizer_step)
+        scaler.update()
+        loss.item()
+        outputs.max(1)
+
+    seconds = time_steps(step, args.steps, args.warmup, args.device, finish=model.wait_for_steps)
+    if args.trace:
+        trace.clear()
+        trace.enable()
+        for i in range(5):
+            step(i)
+        model.wait_for_steps()
+        trace.enable(False)
+        summarize_trace(trace.spans())
+    plan = model.plan
+    emit(bench="resnet34_plan", forward_stages=len(plan.forward) if plan else None, backward_stages=len(plan.backward) if plan else None)
+    model.close()
+    return seconds
+
+
+def summarize_trace(spans) -> None:
+    """Per span name: total ms over the traced steps, and how much the optimizer thread overlapped."""
+    totals: dict[tuple[str, str], float] = {}
+    for name, thread, start, stop in spans:
+        key = (name.split(" ")[0] if name.startswith("issue") else name, "optimizer" if "optimizer" in thread else "main")
+        totals[key] = totals.get(key, 0.0) + (stop - start) * 1e3
+    for (name, thread), ms in sorted(totals.items(), key=lambda kv: -kv[1]):
+        emit(bench="resnet34_trace", span=name, thread=thread, total_ms=round(ms, 2))
+    fb = [(s, e) for n, t, s, e in spans if n == "forward_backward"]
+    opt = [(s, e) for n, t, s, e in spans if n == "step_fn"]
+    overlap = sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in opt for s2, e2 in fb)
+    busy = sum(e - s for s, e in opt)
+    emit(bench="resnet34_trace", what="optimizer_step_overlapped_with_forward_backward", fraction=round(overlap / busy, 3) if busy else None)
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--size", type=int, default=32)
+    p.add_argument("--microbatches", type=int, default=None)
+    p.add_argument("--impl", choices=["plain", "rptrain", "both"], default="both")
+    p.add_argument("--trace", action="store_true")
+    args = p.parse_args()
+    model_kwargs = {}
+    if args.tiny:
+        args.batch, args.steps, args.warmup, args.size = 4, 2, 1, 8
+        model_kwargs = dict(widths=(8, 16, 32, 64), stem_channels=8)
+    results = {}
+    for impl, fn in (("plain", plain), ("rptrain", engine)):
+        if args.impl in (impl, "both"):
+            seconds = fn(args, model_kwargs)
+            results[impl] = args.batch / seconds
+            emit(bench="resnet34", impl=impl, device=args.device, batch=args.batch, step_ms=round(seconds * 1e3, 3), images_per_s=round(results[impl], 1))
+    if len(results) == 2:
+        emit(bench="resnet34", what="rptrain_over_plain", ratio=round(results["rptrain"] / results["plain"], 3))
+
+
+if __name__ == "__main__":
+    main()
