@@ -14,7 +14,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from rptrain.engine.batching import split_sizes
+from rptrain.engine.batching import map_tensors, split_sizes
+
+# The engine runs on the GPU when there is one; the reference's compute copy runs there too.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def split(t: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -22,8 +25,9 @@ def split(t: torch.Tensor, n: int) -> list[torch.Tensor]:
 
 
 class Reference:
-    def __init__(self, model: nn.Module, lr: float = 1e-2, delayed: bool = False, betas=(0.9, 0.999), weight_decay: float = 0.0):
-        self.compute = copy.deepcopy(model)
+    def __init__(self, model: nn.Module, lr: float = 1e-2, delayed: bool = False, betas=(0.9, 0.999), weight_decay: float = 0.0, device: str = DEVICE):
+        self.device = device
+        self.compute = copy.deepcopy(model).to(device)
         self.master = copy.deepcopy(model).float()
         self.opt = torch.optim.Adam(self.master.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
         self.delayed = delayed
@@ -31,6 +35,7 @@ class Reference:
     def forward_backward(self, x: Any, y: torch.Tensor, n: int, loss_fn: Callable, call: Optional[Callable] = None) -> float:
         """Accumulate gradients of one batch in ``n`` microbatches; returns the summed loss."""
         call = call or (lambda model, xm: model(xm))
+        x, y = map_tensors(lambda t: t.to(self.device), (x, y))
         xs = split(x, n) if isinstance(x, torch.Tensor) else x
         total = 0.0
         for xm, ym in zip(xs, split(y, n)):
@@ -42,7 +47,7 @@ class Reference:
     def step(self, before: Optional[Callable] = None) -> None:
         """Move the accumulated gradients to the master copy, step, and refresh the compute copy."""
         for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
-            pm.grad = None if pc.grad is None else pc.grad.float()
+            pm.grad = None if pc.grad is None else pc.grad.float().cpu()
             pc.grad = None
         previous = [p.detach().clone() for p in self.master.parameters()]
         if before is not None:
@@ -59,7 +64,7 @@ class Reference:
         out = {}
         master = dict(self.master.named_parameters(remove_duplicate=False))
         for name, t in self.compute.state_dict(keep_vars=True).items():
-            out[name] = master[name].detach() if name in master else t.detach()
+            out[name] = master[name].detach() if name in master else t.detach().cpu()
         return out
 
 

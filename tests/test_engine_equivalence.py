@@ -115,7 +115,7 @@ def test_convnet_batchnorm_matches_pytorch_including_running_stats(n):
     engine.eval()
     ref.compute.eval()
     with torch.no_grad():
-        torch.testing.assert_close(engine(x), ref.compute(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(engine(x), ref.compute(x.to(ref.device)).cpu(), rtol=1e-5, atol=1e-6)
 
 
 def test_dropout_recompute_replays_rng():
@@ -198,7 +198,7 @@ def nested_model() -> nn.Sequential:
 def test_kwargs_and_nested_inputs(plan):
     g = torch.Generator().manual_seed(3)
     engine, opt = make_engine(nested_model())
-    ref = Reference(nested_model())
+    ref = Reference(nested_model(), device="cpu")
     scale = torch.tensor(0.5)  # 0-dim: handed to every microbatch
     for _ in range(3):
         x, p0, p1 = (torch.randn(6, 8, generator=g) for _ in range(3))
@@ -296,13 +296,18 @@ def test_layer_grain_recompute():
     assert_state_close(engine.state_dict(), ref.state())
 
 
-def test_several_cpu_devices_match_one():
-    """Three CPU workers, each with its own thread, run the round-robin schedule."""
+MULTI = [["cpu", "cpu", "cpu"]] + ([["cuda:0", "cuda:0"]] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("devices", MULTI, ids=lambda d: f"{len(d)}x{d[0]}")
+def test_several_devices_match_one(devices):
+    """Several workers, each with its own thread (and, on CUDA, its own streams), run the
+    round-robin schedule; cross-device hand-offs are ordered by events."""
     plan = ExecutePlan.from_cuts(10, [2, 4, 6, 8], [3, 5, 8])
-    one, _ = train_both(convnet(), image_batches(), 3, plan=plan)
-    three, ref = train_both(convnet(), image_batches(), 3, plan=plan, devices=["cpu", "cpu", "cpu"])
-    assert_state_close(three.state_dict(), ref.state())
-    assert_state_close(three.state_dict(), one.state_dict(), rtol=0, atol=0)
+    one, _ = train_both(convnet(), image_batches(), 3, plan=plan, devices=devices[:1])
+    several, ref = train_both(convnet(), image_batches(), 3, plan=plan, devices=devices)
+    assert_state_close(several.state_dict(), ref.state())
+    assert_state_close(several.state_dict(), one.state_dict(), rtol=0, atol=0)
 
 
 class Embed(nn.Module):
@@ -351,7 +356,7 @@ def test_frozen_parameters_stay_put():
 def test_forward_with_autograd_backward(plan):
     """``loss = f(model(x)); loss.backward()`` runs the pipeline backward, input gradients included."""
     engine, opt = make_engine(mlp())
-    ref = Reference(mlp())
+    ref = Reference(mlp(), device="cpu")
     cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
     for x, y in vector_batches(count=3):
         x1 = x.clone().requires_grad_(True)

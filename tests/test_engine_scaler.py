@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from reference import split
+from reference import DEVICE, split
 from rptrain import ExecutePlan, GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.optim import Adam
 
@@ -37,7 +37,7 @@ class ScaledReference:
     """fp16 compute copy, fp32 master, loss scaling by hand, optionally one step stale."""
 
     def __init__(self, model, delayed, init_scale, growth_interval):
-        self.compute, self.master = copy.deepcopy(model), copy.deepcopy(model).float()
+        self.compute, self.master = copy.deepcopy(model).to(DEVICE), copy.deepcopy(model).float()
         self.opt = torch.optim.Adam(self.master.parameters(), lr=1e-2)
         self.delayed = delayed
         self.scale, self.tracker, self.interval = init_scale, 0, growth_interval
@@ -46,11 +46,11 @@ class ScaledReference:
     def iteration(self, x, y, n, clip=None):
         scale = self.scale
         self.scales_used.append(scale)
-        for xm, ym in zip(split(x, n), split(y, n)):
+        for xm, ym in zip(split(x.to(DEVICE), n), split(y.to(DEVICE), n)):
             (loss_fn(self.compute(xm), ym) * scale).backward()
         grads = []
         for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
-            pm.grad = pc.grad.float()
+            pm.grad = pc.grad.float().cpu()
             pc.grad = None
             grads.append(pm.grad)
         found_inf = any(not torch.isfinite(g).all() for g in grads)
