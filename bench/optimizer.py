@@ -67,6 +67,31 @@ def engine_step(model: nn.Sequential, dtype: torch.dtype, width: int, repeats: i
     return {name: statistics.median(v) for name, v in per_span.items()}
 
 
+def flat_vs_per_tensor(shapes: list[torch.Size], repeats: int) -> None:
+    """torch's fused Adam called once per tensor (what torch.optim.Adam does) vs once on one flat tensor."""
+    params = [torch.randn(s) for s in shapes]
+    grads = [torch.randn(s) * 1e-3 for s in shapes]
+    states = [[torch.zeros(s) for s in shapes] for _ in range(2)]
+    steps = [torch.zeros(()) for _ in shapes]
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+    flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in (params, grads, *states)]
+    one_step = [torch.zeros(())]
+    timings = {}
+    for name, call in (
+        ("per_tensor", lambda: torch._fused_adam_(params, grads, states[0], states[1], [], steps, **kw)),
+        ("flat", lambda: torch._fused_adam_([flat[0]], [flat[1]], [flat[2]], [flat[3]], [], one_step, **kw)),
+    ):
+        call()
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - t0)
+        timings[name] = statistics.median(samples)
+    emit(bench="optimizer_layout", tensors=len(shapes), params=sum(s.numel() for s in shapes),
+         per_tensor_ms=round(timings["per_tensor"] * 1e3, 2), flat_ms=round(timings["flat"] * 1e3, 2))
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--params", type=float, nargs="+", default=[21.3e6, 302e6])
@@ -77,6 +102,10 @@ def main() -> None:
         args.params, args.repeats = [2e6], 2
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     emit(bench="optimizer", threads=torch.get_num_threads())
+    from rptrain.models import build_model
+
+    resnet = build_model("resnet34", widths=(8, 16, 32, 64)) if args.tiny else build_model("resnet34")
+    flat_vs_per_tensor([p.shape for p in resnet.parameters()], args.repeats)
     for n in args.params:
         model = layers_for(int(n), width)
         count = sum(p.numel() for p in model.parameters())

@@ -51,7 +51,7 @@ def plain(args, model_kwargs):
 
 def engine(args, model_kwargs):
     dtype = torch.float16 if args.device == "cuda" else torch.float32
-    model = RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32)
+    model = RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32, cuda_graphs=not args.no_graphs)
     with OptimizerCtx():
         optimizer = Adam(model.parameters())
     scaler = GradScaler(enabled=args.device == "cuda")
@@ -114,7 +114,9 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--impl", choices=["plain", "rptrain", "both"], default="both")
     p.add_argument("--trace", action="store_true")
+    p.add_argument("--no-graphs", action="store_true")
     args = p.parse_args()
+    torch.backends.cudnn.benchmark = True  # both sides pick their fastest convolutions
     model_kwargs = {}
     if args.tiny:
         args.batch, args.steps, args.warmup, args.size = 4, 2, 1, 8
@@ -124,7 +126,8 @@ def main() -> None:
         if args.impl in (impl, "both"):
             seconds = fn(args, model_kwargs)
             results[impl] = args.batch / seconds
-            emit(bench="resnet34", impl=impl, device=args.device, batch=args.batch, step_ms=round(seconds * 1e3, 3), images_per_s=round(results[impl], 1))
+            emit(bench="resnet34", impl=impl, device=args.device, batch=args.batch, microbatches=args.microbatches if impl == "rptrain" else 1,
+                 cuda_graphs=not args.no_graphs if impl == "rptrain" else None, step_ms=round(seconds * 1e3, 3), images_per_s=round(results[impl], 1))
     if len(results) == 2:
         emit(bench="resnet34", what="rptrain_over_plain", ratio=round(results["rptrain"] / results["plain"], 3))
 

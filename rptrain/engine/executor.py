@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .batching import iter_tensors, map_tensors
 from .device import Device
+from .graphs import StageGraphs, signature
 from .host import GradBuffer, HostState
 from .layout import FlatLayout, Range, Slot
 from .replica import Shell
@@ -106,6 +107,7 @@ class PassState:
     error: Optional[BaseException] = None
 
     def __post_init__(self) -> None:
+        self.graphs: Optional[StageGraphs] = None
         self.chain = Mailbox(self)
         self.prefetched: dict[int, Any] = {}
         self.buffer_events: list[Any] = []
@@ -136,15 +138,27 @@ class StageTensors:
         raise KeyError(f"slot {slot.index} is not part of this stage")
 
 
+class _Resident:
+    """The whole compute copy on one GPU: upload slots by version, and the live copy jobs read."""
+
+    def __init__(self) -> None:
+        self.staged: dict[int, StageTensors] = {}
+        self.live: Optional[list[tuple[Range, Tensor]]] = None
+        self.live_version: Optional[int] = None
+
+
 class Executor:
     def __init__(self, layers: Sequence[torch.nn.Module], host: HostState, devices: Sequence[Device]):
         self.layers = layers
         self.host = host
         self.devices = devices
         self._shells: dict[tuple[int, int], Shell] = {}
-        self._resident: dict[int, dict[int, StageTensors]] = {}  # device -> version -> whole model
+        self._resident: dict[int, _Resident] = {}
         self._resident_lock = threading.Lock()
+        self._static_buffers: dict[tuple[int, int, int], StageTensors] = {}
+        self._graphs: dict[int, StageGraphs] = {}
         self.resident = False  # keep the whole compute copy on every GPU
+        self.cuda_graphs = False  # replay fused stages as CUDA graphs (needs resident weights)
 
     # ----------------------------------------------------------------------------- running a call
     def run(self, state: PassState) -> None:
@@ -200,26 +214,43 @@ class Executor:
             flats = self.host.compute[version % 2]
             return StageTensors(layout, [(Range(k, 0, t.numel()), t) for k, t in flats.items()])
         if self.resident:
-            return self.resident_copy(device, version)
+            return self._live_weights(device, version)
         with device.stream("upload"):
             pieces = [(r, device.upload(self.host.compute_range(version, r))) for r in layout.ranges(job.start, job.stop)]
             return StageTensors(layout, pieces, device.record("upload"))
 
     def resident_copy(self, device: Device, version: int) -> StageTensors:
-        """The whole compute copy ``version`` on ``device``, uploading it if nobody has yet."""
+        """Compute copy ``version`` uploaded to ``device`` (the optimizer thread calls this as soon
+        as it has written the version, so the upload overlaps the running call)."""
         with self._resident_lock:
-            copies = self._resident.setdefault(device.index, {})
-            found = copies.get(version)
+            resident = self._resident.setdefault(device.index, _Resident())
+            found = resident.staged.get(version)
             if found is None:
                 with device.stream("upload"):
                     pieces = [
                         (Range(k, 0, t.numel()), device.upload(t)) for k, t in self.host.compute[version % 2].items()
                     ]
                     found = StageTensors(self.host.params, pieces, device.record("upload"))
-                copies[version] = found
-                for old in [v for v in copies if v < version - 1]:
-                    del copies[old]
+                resident.staged[version] = found
+                for old in [v for v in resident.staged if v < version - 1]:
+                    del resident.staged[old]
             return found
+
+    def _live_weights(self, device: Device, version: int) -> StageTensors:
+        """The copy jobs read: always the same memory (CUDA graphs rely on it), refreshed from the
+        upload slot when the version changes."""
+        staged = self.resident_copy(device, version)
+        resident = self._resident[device.index]
+        if resident.live is None:
+            resident.live = [(r, torch.empty_like(t)) for r, t in staged.pieces]
+        if resident.live_version != version:
+            with device.stream("compute"):
+                device.wait("compute", staged.event)
+                for (_, live), (_, t) in zip(resident.live, staged.pieces):
+                    live.copy_(t)
+                    device.keep_alive(t, "compute")
+            resident.live_version = version
+        return StageTensors(self.host.params, resident.live)
 
     def prefetch_resident(self, version: int) -> None:
         if self.resident:
@@ -229,8 +260,10 @@ class Executor:
     def drop_resident(self) -> None:
         with self._resident_lock:
             self._resident.clear()
+        self._static_buffers.clear()
+        self._graphs.clear()
 
-    def _buffers(self, device: Device, job: Job, scratch: bool, state: PassState) -> StageTensors:
+    def _buffers(self, device: Device, job: Job, scratch: bool, state: PassState, static: bool = False) -> StageTensors:
         layout = self.host.buffer_layout
         ranges = layout.ranges(job.start, job.stop)
         if not device.is_cuda:
@@ -241,7 +274,15 @@ class Executor:
         with device.stream("upload"):
             for event in state.buffer_events:  # statistics written back by earlier jobs of this call
                 device.wait("upload", event)
-            pieces = [(r, device.upload(self.host.buffer_range(r))) for r in ranges]
+            if not static:
+                pieces = [(r, device.upload(self.host.buffer_range(r))) for r in ranges]
+            else:  # a recorded graph reads and updates these very tensors
+                key = (device.index, job.start, job.stop)
+                if key not in self._static_buffers:
+                    self._static_buffers[key] = StageTensors(layout, [(r, device.upload(self.host.buffer_range(r))) for r in ranges])
+                pieces = self._static_buffers[key].pieces
+                for r, t in pieces:
+                    t.copy_(self.host.buffer_range(r), non_blocking=True)
             return StageTensors(layout, pieces, device.record("upload"))
 
     # ----------------------------------------------------------------------------- one job
@@ -251,7 +292,8 @@ class Executor:
         following = state.next_on_device.get(job.index)
         if following is not None and device.is_cuda and not self.resident:
             state.prefetched[following.index] = self._weights(device, following, state.version)
-        buffers = self._buffers(device, job, scratch=job.kind is JobKind.BACKWARD, state=state)
+        graphed = job.kind is JobKind.FUSED and self.cuda_graphs and self.resident and device.is_cuda and not state.profile
+        buffers = self._buffers(device, job, scratch=job.kind is JobKind.BACKWARD, state=state, static=graphed)
         shells = [self._shell(device, i) for i in range(job.start, job.stop)]
         buffer_versions = _buffer_versions(shells)
         with device.stream("compute"):
@@ -264,6 +306,8 @@ class Executor:
             modules = [s.bind(weights.view, buffers.view, grads.view if grads else None) for s in shells]
             start_mark = device.timer() if state.profile else None
             run = {JobKind.FORWARD: self._forward, JobKind.FUSED: self._fused, JobKind.BACKWARD: self._backward}[job.kind]
+            if job.kind is JobKind.FUSED:  # one fused job per call, so no other thread touches this
+                state.graphs = self._graphs.setdefault(device.index, StageGraphs(device.torch_device)) if graphed else None
             try:
                 for micro in range(state.num_microbatch):
                     if job.index == 0:
@@ -309,7 +353,12 @@ class Executor:
         label = device.receive(state.labels[micro], None, None)
         with torch.enable_grad(), _SavedBytes(state, job.start, weights=modules) as counter:
             leaves = make_leaves(x, needs_input_grad)
-            out = self._run_layers(modules, job, job.start, job.stop, leaves, micro, state, device)
+            key = None if state.graphs is None else signature(leaves)
+            if key is not None:
+                key = (job.start, job.stop, tuple(m.training for layer in modules for m in layer.modules()), key)
+                out = state.graphs.run(key, modules, leaves, call_layer)
+            else:
+                out = self._run_layers(modules, job, job.start, job.stop, leaves, micro, state, device)
             with recording_scalers(state.scalers):
                 loss = state.loss_fn(out, label)
             if not isinstance(loss, Tensor) or loss.numel() != 1:
@@ -320,7 +369,9 @@ class Executor:
                 loss.backward()
         state.losses[micro] = loss.detach().reshape(())
         if state.want_outputs:
-            state.outputs[micro] = self._to_output(device, map_tensors(Tensor.detach, out), state)
+            # A graph's outputs live in memory its next replay overwrites: copy them first.
+            keep = (lambda t: t.detach().clone()) if key is not None else Tensor.detach
+            state.outputs[micro] = self._to_output(device, map_tensors(keep, out), state)
         return [t.grad for t in float_tensors(leaves)] if needs_input_grad else None
 
     def _backward(self, job: Job, modules: list, grads: Any, micro: int, state: PassState, device: Device) -> Any:

@@ -23,6 +23,7 @@ class GradBuffer:
 
     def __init__(self, layout: FlatLayout, pin_memory: bool):
         self.flat = torch.empty(layout.total, dtype=torch.float32, pin_memory=pin_memory)
+        self.views = [layout.master_view(self.flat, slot) for slot in layout.slots]  # master .grad per slot
         self.written = [False] * len(layout.slots)
         self.free = threading.Event()  # set when nothing (optimizer .grad views) refers to it
         self.free.set()

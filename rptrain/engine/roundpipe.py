@@ -65,7 +65,11 @@ class RoundPipe(nn.Module):
         optim_dtype: torch.dtype = torch.float32,
         model_run_config: Optional[RoundPipeRunConfig] = None,
         devices: Any = None,
+        cuda_graphs: bool = True,
     ):
+        """``devices``: None (every GPU, else the CPU) or a list like ``["cuda:0", "cuda:1"]``.
+        ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
+        resident on the GPU (layers that cannot be captured fall back to eager, with a warning)."""
         super().__init__()
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"RoundPipe needs an nn.Sequential (one element per pipeline layer), got {type(model).__name__}")
@@ -87,6 +91,12 @@ class RoundPipe(nn.Module):
         self._cuda = self._devices[0].is_cuda
         self._host = HostState(self._layers, optim_dtype, pin_memory=self._cuda)
         self._executor = Executor(self._layers, self._host, self._devices)
+        if self._cuda:
+            # Small models stay on every GPU (uploaded once per version, not once per stage).
+            cap = min(d.memory_cap() or 0 for d in self._devices)
+            weights = sum(t.numel() * t.element_size() for t in self._host.compute[0].values())
+            self._executor.resident = 2 * weights <= 0.2 * cap
+            self._executor.cuda_graphs = bool(cuda_graphs)
         # Without a GPU the optimizer and the compute share the cores, and a second thread of
         # OpenMP work makes every small op pay a thread wake-up (3x slower on 2 cores): there
         # the step runs inline when submitted. The staleness rules are the same either way.
@@ -334,7 +344,7 @@ class RoundPipe(nn.Module):
             if not slot.requires_grad:
                 continue
             if buffer is not None and buffer.written[slot.index]:
-                view = layout.master_view(buffer.flat, slot)
+                view = buffer.views[slot.index]
                 if p.grad is not None:
                     view.add_(p.grad)  # zero_grad() was not called: gradients keep accumulating
                 p.grad = view
@@ -409,10 +419,6 @@ class RoundPipe(nn.Module):
         ]
         cap = min(d.memory_cap() or 0 for d in self._devices) or None
         self._plan = plan_stages(costs, len(self._devices), cap)
-        total_weights = sum(c.param_bytes for c in costs)
-        self._executor.resident = cap is not None and 2 * total_weights <= 0.2 * cap
-        if self._executor.resident:
-            self._executor.prefetch_resident(self._required)
 
 
 def _check_inputs(input_args: Any, input_kwargs: Optional[dict]) -> tuple[tuple, dict]:
