@@ -1,0 +1,1 @@
+"""The rptrain command line (a thin Hydra entry point over rptrain.train)."""

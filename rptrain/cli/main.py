@@ -1,0 +1,48 @@
+"""`rptrain`: the Hydra entry point (console script rptrain = rptrain.cli.main:main).
+
+    rptrain model=resnet34 data=cifar100            one run under outputs/DATE/TIME/
+    rptrain -m run_config.num_microbatch=1,2,4      a sweep, every job in this process
+    rptrain --cfg job                               the composed config
+
+Every job is composed and checked first (preflight.py), so a bad command line costs one
+line on stderr and exit code 2 instead of Hydra's multi-line report and a stray run directory.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import hydra
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from rptrain.train.errors import USER_ERRORS
+from rptrain.train.schema import register_configs
+
+from .errors import describe
+from .job import fail, run_job
+from .preflight import CONFIG_NAME, CONFIG_PATH, preflight
+
+register_configs()
+
+
+@hydra.main(config_path=CONFIG_PATH, config_name=CONFIG_NAME, version_base="1.3")
+def _app(cfg: DictConfig) -> dict:
+    return run_job(cfg)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        preflight(argv)
+    except (*USER_ERRORS, HydraException, OmegaConfBaseException) as err:
+        fail(describe(err), to_log=False)
+    sys.argv = [sys.argv[0] or "rptrain", *argv]
+    GlobalHydra.instance().clear()
+    _app()
+
+
+if __name__ == "__main__":
+    main()

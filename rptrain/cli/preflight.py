@@ -1,0 +1,108 @@
+"""Compose and check every job of a command line before Hydra starts.
+
+Hydra reports a bad override with a multi-line message and exit code 1, after it may already
+have created the run directory. Here each job's config (each combination of a -m sweep) is
+composed with the same search path as the app, then checked: values (schema and
+rptrain.train.validate), the dataset, the resume checkpoint (against the model built on the
+meta device, so no memory is spent) and the output directory. Any problem raises with a
+one-line message before a directory exists.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+from pathlib import Path
+from typing import Optional
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import create_automatic_config_search_path, get_args_parser
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.config_search_path import SearchPathQuery
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
+from omegaconf import DictConfig, open_dict
+
+from rptrain.train.checkpoint import load_checkpoint
+from rptrain.train.model import LM, build_model, fingerprint, model_kind
+from rptrain.train.precision import torch_dtype
+from rptrain.train.resume import resolve_resume
+from rptrain.train.run_config import build_run_config
+from rptrain.train.validate import check_inputs, check_writable, validate_config
+
+CONFIG_PATH = "pkg://rptrain.conf"
+CONFIG_NAME = "config"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    return get_args_parser().parse_args(argv)
+
+
+def job_overrides(args: argparse.Namespace) -> list[list[str]]:
+    """One override list per job: the cartesian product of a -m sweep, or the command line as is."""
+    if not args.multirun:
+        return [list(args.overrides)]
+    parsed = OverridesParser.create().parse_overrides(args.overrides)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def _hydra(args: argparse.Namespace) -> Hydra:
+    search_path = create_automatic_config_search_path(None, None, args.config_path or CONFIG_PATH)
+    if args.config_dir is not None:
+        # Where hydra.main puts --config-dir: before the structured configs.
+        search_path.prepend("command-line", f"file://{os.path.abspath(args.config_dir)}", anchor=SearchPathQuery(provider="schema"))
+    GlobalHydra.instance().clear()
+    return Hydra.create_main_hydra2(task_name="rptrain", config_search_path=search_path)
+
+
+def preflight(argv: list[str]) -> None:
+    """Raise (ConfigError, DataError, CheckpointError or Hydra's own) if any job would fail to start."""
+    args = parse_args(argv)
+    if args.help or args.hydra_help or args.info or args.shell_completion:
+        return  # Hydra answers these without running anything
+    if args.config_path and not (args.config_path.startswith("pkg://") or os.path.isabs(args.config_path)):
+        return  # a path relative to the calling file: only hydra.main can resolve it
+    running = args.cfg is None
+    try:
+        hydra = _hydra(args)
+        for overrides in job_overrides(args):
+            cfg = hydra.compose_config(args.config_name or CONFIG_NAME, overrides, run_mode=RunMode.RUN, with_log_configuration=False)
+            job_cfg = _without_hydra(cfg)  # what the job itself will see
+            validate_config(job_cfg)
+            if running:
+                check_job(job_cfg, overrides, cfg.hydra, multirun=args.multirun)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _without_hydra(cfg: DictConfig) -> DictConfig:
+    job_cfg = copy.copy(cfg)
+    with open_dict(job_cfg):
+        del job_cfg["hydra"]
+    return job_cfg
+
+
+def check_job(cfg: DictConfig, overrides: list[str], hydra_cfg: DictConfig, multirun: bool) -> None:
+    check_inputs(cfg)
+    key, directory = ("hydra.sweep.dir", hydra_cfg.sweep.dir) if multirun else ("hydra.run.dir", hydra_cfg.run.dir)
+    check_writable(Path(directory), key)
+    dtype = torch_dtype(cfg.precision.compute_dtype)
+    model = build_model(cfg, dtype, device="meta", vocab_size=_data_vocab(cfg))
+    build_run_config(cfg.run_config, len(model))
+    run_dir: Optional[Path] = None if multirun else Path(hydra_cfg.run.dir)
+    resume = resolve_resume(cfg.trainer.resume, Path(cfg.output_root), run_dir, overrides)
+    if resume is not None:
+        state = load_checkpoint(resume, fingerprint(cfg.model.name, model))
+        del state
+
+
+def _data_vocab(cfg: DictConfig) -> Optional[int]:
+    if model_kind(cfg.model) != LM:
+        return None
+    if cfg.data.name == "synthetic_tokens":
+        return cfg.data.vocab_size
+    from rptrain.data import get_tokenizer
+
+    return get_tokenizer(cfg.data.tokenizer).vocab_size
+

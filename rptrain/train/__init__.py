@@ -1,0 +1,1 @@
+"""The training library behind the rptrain CLI."""

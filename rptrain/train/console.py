@@ -1,0 +1,90 @@
+"""What the run shows on the terminal: the config tree, a live progress bar, the epoch lines.
+
+Everything goes through one rich Console. Off a terminal (SLURM logs, pipes, tests) the live
+bar is replaced by one plain line per log step, so log files stay readable.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.tree import Tree
+
+log = logging.getLogger("rptrain")
+
+_NAMES = {"acc": "Acc", "ppl": "PPL"}
+
+
+def make_console() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+def config_tree(cfg: DictConfig, label: str = "config") -> Tree:
+    """The resolved config as a tree, one branch per group."""
+    tree = Tree(f"[bold]{label}[/bold]")
+
+    def add(node: Tree, value: Any) -> None:
+        for key, child in value.items():
+            if isinstance(child, dict):
+                add(node.add(f"[bold cyan]{key}[/bold cyan]"), child)
+            else:
+                node.add(f"{key}: [green]{child!r}[/green]" if isinstance(child, str) else f"{key}: {child}")
+
+    add(tree, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    return tree
+
+
+def say(console: Console, text: str) -> None:
+    """A plain line on the terminal (no markup) and in the run's log file."""
+    console.print(text, markup=False, highlight=False)
+    log.info(text)
+
+
+def epoch_line(epoch: int, epochs: int, rec: dict, metric: str) -> str:
+    """The tutorial's line: `Epoch 01/20 | Train Loss: 4.3328 | Train Acc: 0.0413 | Test Loss: ... | Test Acc: ...`."""
+    name = _NAMES[metric]
+    parts = [f"Epoch {epoch:02d}/{epochs}", f"Train Loss: {rec['train_loss']:.4f}", f"Train {name}: {rec[f'train_{metric}']:.4f}"]
+    if rec.get("test_loss") is not None:
+        parts += [f"Test Loss: {rec['test_loss']:.4f}", f"Test {name}: {rec[f'test_{metric}']:.4f}"]
+    return " | ".join(parts)
+
+
+def step_line(rec: dict, total: int, metric: str, unit: str) -> str:
+    rate = rec.get(f"{unit}_per_s") or 0.0
+    return (
+        f"step {rec['step']}/{total} | epoch {rec['epoch']} | loss {rec['loss']:.4f} | {metric} {rec[metric]:.4f} | "
+        f"lr {rec['lr']:.3g} | scale {rec['loss_scale']:g} | {rate:,.0f} {unit.replace('_', ' ')}/s | "
+        f"data {1e3 * rec['data_time']:.1f} ms, step {1e3 * rec['step_time']:.1f} ms"
+    )
+
+
+class ProgressBar:
+    """A per-epoch bar with loss and throughput; inert when `enabled` is False."""
+
+    def __init__(self, console: Console, enabled: Optional[bool]) -> None:
+        self.enabled = console.is_terminal if enabled is None else enabled
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
+            console=console, transient=True, disable=not self.enabled,
+        )
+        self._task: Optional[int] = None
+
+    def __enter__(self) -> "ProgressBar":
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._progress.__exit__(*exc)
+
+    def start_epoch(self, description: str, total: int, done: int) -> None:
+        if self._task is not None:
+            self._progress.remove_task(self._task)
+        self._task = self._progress.add_task(description, total=total, completed=done, stats="")
+
+    def advance(self, stats: str) -> None:
+        if self._task is not None:
+            self._progress.update(self._task, advance=1, stats=stats)

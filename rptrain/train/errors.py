@@ -1,0 +1,24 @@
+"""Errors the user can fix. The CLI prints their message as one line and exits with code 2.
+
+Every message names the config key or file at fault and says how to fix it.
+"""
+from __future__ import annotations
+
+from rptrain.data import DataError
+
+
+class ConfigError(ValueError):
+    """A config value that composes but cannot work (batch smaller than num_microbatch, ...)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, unreadable, or written for another model or data set."""
+
+
+# DataError comes from rptrain.data (missing dataset, bad text corpus, ...).
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, DataError)
+
+
+def one_line(text: str) -> str:
+    """Collapse whitespace so a message never spans lines."""
+    return " ".join(str(text).split())

@@ -1,0 +1,58 @@
+"""metrics.jsonl (a line per log step, evaluation and epoch) and metrics.csv in the run directory.
+
+The full history also travels in every checkpoint, so a resumed run rewrites the files from it
+and its run directory holds the whole run, not just the part after the resume.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+# CSV column order; records only carry the keys that apply to them.
+COLUMNS = (
+    "kind", "step", "epoch", "loss", "acc", "ppl", "lr", "loss_scale", "samples_per_s", "tokens_per_s",
+    "data_time", "step_time", "train_loss", "train_acc", "train_ppl", "test_loss", "test_acc", "test_ppl",
+    "epoch_time", "time",
+)
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/inf: write them as null so every line stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, history: Optional[Iterable[dict]] = None) -> None:
+        self.jsonl = Path(run_dir) / "metrics.jsonl"
+        self.csv = Path(run_dir) / "metrics.csv"
+        self.records: list[dict] = [dict(r) for r in history or ()]
+        with self.jsonl.open("w") as f:  # a resumed run starts from the checkpoint's history
+            for record in self.records:
+                f.write(json.dumps(record) + "\n")
+        self._file = self.jsonl.open("a", buffering=1)  # line-buffered: tail -f works
+
+    def add(self, kind: str, **values: Any) -> dict:
+        record = {"kind": kind, **{k: _clean(v) for k, v in values.items()}}
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        return record
+
+    def of_kind(self, kind: str) -> list[dict]:
+        return [r for r in self.records if r["kind"] == kind]
+
+    def write_csv(self) -> None:
+        extra = sorted({k for r in self.records for k in r} - set(COLUMNS))
+        tmp = self.csv.with_name(f".{self.csv.name}.tmp")
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=[*COLUMNS, *extra], restval="")
+            writer.writeheader()
+            writer.writerows(self.records)
+        tmp.replace(self.csv)
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,65 @@
+"""The model group -> an nn.Sequential, plus the fingerprint that ties checkpoints to a model.
+
+Model configs map one-to-one onto rptrain.models.build_model(name, **kwargs); the trainer adds
+what only it knows: the dtype, the device (meta for dry runs) and, for language models without a
+model.vocab_size, the data's vocabulary size.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Optional
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from rptrain.models import LLAMA_PRESETS, load_weights
+
+from .errors import ConfigError, one_line
+
+IMAGE, LM = "image", "lm"
+# Which data each kind of model trains on (the data group's `name`).
+DATA_FOR = {IMAGE: ("cifar100", "cifar10", "synthetic"), LM: ("text", "synthetic_tokens")}
+
+
+def model_kind(model_cfg: DictConfig) -> str:
+    """'lm' for the Llama decoders (they take (ids, targets) and return the loss), else 'image'."""
+    return LM if "vocab_size" in model_cfg else IMAGE
+
+
+def data_kind(data_cfg: DictConfig) -> str:
+    return next(kind for kind, names in DATA_FOR.items() if data_cfg.name in names)
+
+
+def build_model(cfg: DictConfig, dtype: torch.dtype, device: Any = None, vocab_size: Optional[int] = None) -> nn.Sequential:
+    """Build cfg.model; `vocab_size` fills in a language model's null model.vocab_size."""
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    weights = model_cfg.pop("weights", None)
+    if model_kind(cfg.model) == LM and model_cfg.get("vocab_size") is None:
+        model_cfg["vocab_size"] = vocab_size
+    try:
+        model = instantiate(model_cfg, dtype=dtype, device=device, _convert_="all")
+    except Exception as err:  # the builders raise ValueError for inconsistent shapes; Hydra wraps it
+        cause = err.__cause__ or err
+        raise ConfigError(f"model={cfg.model.name}: {one_line(cause)}: fix the model.* values") from err
+    if weights is not None and device != "meta":
+        try:
+            load_weights(model, weights)
+        except (OSError, ValueError, KeyError, RuntimeError) as err:
+            raise ConfigError(f"model.weights={weights} cannot be loaded ({one_line(err)}): point it at a checkpoint of this model") from err
+    return model
+
+
+def fingerprint(model_name: str, model: nn.Module) -> dict:
+    """What a checkpoint must match: names and shapes of every parameter and buffer."""
+    entries = [f"{k}:{tuple(t.shape)}" for k, t in model.state_dict().items()]
+    return {
+        "model": model_name,
+        "params": sum(p.numel() for p in model.parameters()),
+        "shapes": hashlib.sha1("\n".join(entries).encode()).hexdigest()[:16],
+    }
+
+
+def is_llama_preset(name: str) -> bool:
+    return name in LLAMA_PRESETS

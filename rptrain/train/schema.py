@@ -1,0 +1,237 @@
+"""Dataclass schemas for every config group, registered in Hydra's ConfigStore.
+
+The YAML files in conf/ hold the values; these classes fix which keys exist and
+their types, so a misspelled key or a wrong type fails while Hydra composes the
+config, before anything runs. Groups whose options differ in shape (model, data)
+have one schema per shape under ``schema/<group>/``; each YAML option names its
+schema in its defaults list.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+# Enum members are lower case so that YAML and overrides spell them as users expect.
+class Dtype(Enum):
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+    float64 = "float64"
+
+
+class Pipeline(Enum):
+    tensor = "tensor"  # uint8 tensors in memory, whole-batch augmentation (fast)
+    torchvision = "torchvision"  # the tutorial's per-sample PIL transforms behind a DataLoader
+
+
+class AugmentDevice(Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Grain(Enum):
+    stage = "stage"
+    layer = "layer"
+
+
+class Decay(Enum):
+    constant = "constant"
+    cosine = "cosine"
+
+
+# ----------------------------------------------------------------------------- model
+@dataclass
+class ResNetConfig:
+    _target_: str = "rptrain.models.build_model"
+    name: str = MISSING
+    num_classes: int = MISSING
+    stem_channels: int = 32
+    widths: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
+
+
+@dataclass
+class LlamaModelConfig:
+    _target_: str = "rptrain.models.build_model"
+    name: str = MISSING
+    vocab_size: Optional[int] = None  # None: the data's vocabulary (tokenizer or synthetic_tokens)
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    multiple_of: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    loss_chunk_tokens: int = 4096
+    weights: Optional[str] = None  # a local checkpoint loaded with rptrain.models.load_weights
+
+
+# ----------------------------------------------------------------------------- data
+@dataclass
+class CifarDataConfig:
+    name: str = MISSING  # cifar10 | cifar100
+    root: str = "data"
+    download: bool = True
+    verify_checksums: bool = True
+    num_classes: int = MISSING
+    pipeline: Pipeline = Pipeline.tensor
+    augment_device: AugmentDevice = AugmentDevice.auto
+    crop_padding: int = 4
+    flip: bool = True
+    mean: list[float] = MISSING
+    std: list[float] = MISSING
+
+
+@dataclass
+class SyntheticImagesConfig:
+    name: str = "synthetic"
+    num_train: int = 10000
+    num_test: int = 2000
+    num_classes: int = 100
+    image_size: int = 32
+    noise: float = 40.0
+    seed: int = 0
+    augment_device: AugmentDevice = AugmentDevice.auto
+    crop_padding: int = 4
+    flip: bool = True
+    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
+
+
+@dataclass
+class TextDataConfig:
+    name: str = "text"
+    path: str = MISSING
+    tokenizer: str = "byte"
+    seq_len: int = 256
+    val_fraction: float = 0.1
+
+
+@dataclass
+class SyntheticTokensConfig:
+    name: str = "synthetic_tokens"
+    num_train: int = 2048
+    num_val: int = 128
+    seq_len: int = 256
+    vocab_size: int = 512
+    branching: Optional[int] = 4
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------- precision
+@dataclass
+class GradScalerConfig:
+    _target_: str = "rptrain.GradScaler"
+    enabled: bool = False
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+
+@dataclass
+class PrecisionConfig:
+    compute_dtype: Dtype = Dtype.float16  # the engine's compute copy (the model's dtype)
+    optim_dtype: Dtype = Dtype.float32  # master weights and optimizer state on the host
+    grad_scaler: GradScalerConfig = field(default_factory=GradScalerConfig)
+
+
+# ----------------------------------------------------------------------------- run_config
+@dataclass
+class ExecutePlanConfig:
+    """Fixed stage boundaries (rptrain.ExecutePlan.from_cuts); both None: the engine's planner decides."""
+
+    forward: Optional[list[int]] = None  # layer indices where forward stages start (after layer 0)
+    backward: Optional[list[int]] = None  # None: the forward cuts
+
+
+@dataclass
+class RunConfigConfig:
+    """Every RoundPipeRunConfig field; None means the engine's default."""
+
+    num_microbatch: Optional[int] = None
+    requires_grad: Optional[bool] = None
+    output_device: Optional[str] = None
+    preserve_rng_state: Optional[bool] = None
+    recompute_grain: Optional[Grain] = None
+    split_input: Optional[str] = None  # import path of a callable, e.g. mypkg.batching:split
+    split_label: Optional[str] = None
+    merge_output: Optional[str] = None
+    execute_plan: ExecutePlanConfig = field(default_factory=ExecutePlanConfig)
+
+
+# ----------------------------------------------------------------------------- optim
+@dataclass
+class OptimizerConfig:
+    _target_: str = "rptrain.optim.Adam"
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+
+
+@dataclass
+class ScheduleConfig:
+    _target_: str = "rptrain.train.schedule.warmup_cosine"
+    warmup_steps: int = 0
+    decay: Decay = Decay.constant
+    decay_steps: Optional[int] = None  # None: until the last step of the run
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class OptimConfig:
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    clip_grad_norm: Optional[float] = None
+
+
+# ----------------------------------------------------------------------------- trainer
+@dataclass
+class TrainerConfig:
+    epochs: int = 20
+    max_steps: Optional[int] = None  # stops after this many optimizer steps; wins over epochs
+    batch_size: int = 128
+    eval_batch_size: Optional[int] = None  # None: batch_size
+    drop_last: bool = False
+    eval_interval: Optional[int] = None  # steps; None: at the end of every epoch (and always at the end)
+    log_interval: int = 50
+    checkpoint_interval: Optional[int] = None  # steps; None: at the end of every epoch (and always at the end)
+    seed: int = 0
+    num_workers: int = 2
+    resume: Optional[str] = None  # None | auto | a checkpoint file or run directory
+    async_step: bool = True
+    progress: Optional[bool] = None  # None: a live bar on a terminal, plain log lines otherwise
+
+
+@dataclass
+class RPTrainConfig:
+    model: Any = MISSING
+    data: Any = MISSING
+    precision: PrecisionConfig = MISSING
+    run_config: RunConfigConfig = MISSING
+    optim: OptimConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    output_root: str = "outputs"
+
+
+def register_configs() -> None:
+    """Idempotent: the ConfigStore replaces nodes stored under the same name."""
+    cs = ConfigStore.instance()
+    cs.store(name="rptrain_schema", node=RPTrainConfig)
+    cs.store(group="schema/model", name="resnet", node=ResNetConfig)
+    cs.store(group="schema/model", name="llama", node=LlamaModelConfig)
+    cs.store(group="schema/data", name="cifar", node=CifarDataConfig)
+    cs.store(group="schema/data", name="synthetic", node=SyntheticImagesConfig)
+    cs.store(group="schema/data", name="text", node=TextDataConfig)
+    cs.store(group="schema/data", name="synthetic_tokens", node=SyntheticTokensConfig)

@@ -1,0 +1,70 @@
+"""SIGTERM/SIGINT -> a flag the training loop checks after each step.
+
+Cluster pre-emption sends SIGTERM and waits a grace period; Ctrl-C sends SIGINT. The loop then
+finishes the step, writes a checkpoint and exits with 128 + the signal number. A second signal
+stops at once (KeyboardInterrupt), for when the checkpoint itself hangs.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from typing import Iterator, Optional
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequest:
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+
+    def __bool__(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or 0)
+
+
+class Interrupted(Exception):
+    """Raised by the loop once the checkpoint after a stop request is written."""
+
+    def __init__(self, request: StopRequest, step: int, checkpoint: str) -> None:
+        super().__init__(f"{request.name} at step {step}")
+        self.request, self.step, self.checkpoint = request, step, checkpoint
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopRequest]:
+    """Within the block, SIGINT/SIGTERM set the returned request instead of killing the process."""
+    request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
+        yield request
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        if request.signum is not None:
+            _say("rptrain: second signal, stopping now without a checkpoint\n")
+            raise KeyboardInterrupt
+        request.signum = signum
+        _say(f"\nrptrain: {signal.Signals(signum).name} received: finishing the current step, then writing a checkpoint\n")
+
+    previous = {s: signal.signal(s, handler) for s in SIGNALS}
+    try:
+        yield request
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _say(text: str) -> None:
+    # os.write, not print: a handler may interrupt a print on the main thread, and print is not reentrant.
+    try:
+        os.write(2, text.encode())
+    except OSError:
+        pass

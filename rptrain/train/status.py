@@ -1,0 +1,29 @@
+"""status.json in the run directory: running, completed, failed or interrupted.
+
+Tells a finished run from one that died or was stopped: summary.json is only written on
+completion, and status.json always says how the run ended (and, when it failed, why).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def write_status(run_dir: Path, state: str, **details: Any) -> None:
+    write_json_atomic(Path(run_dir) / "status.json", {"state": state, "time": time.strftime("%Y-%m-%d %H:%M:%S"), **details})
+
+
+def read_status(run_dir: Path) -> dict:
+    try:
+        return json.loads((Path(run_dir) / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}

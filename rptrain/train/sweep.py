@@ -1,0 +1,96 @@
+"""Hydra callback: after a -m sweep, one table row per job (sweep_summary.json/.csv + a rich table).
+
+Rows come from each job's summary.json (status.json for jobs that did not finish); the
+overrides column shows what differs between the jobs.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+from rich.table import Table
+
+from .console import make_console
+from .status import read_status, write_json_atomic
+
+
+class SweepSummary(Callback):
+    def __init__(self) -> None:
+        self.job_dirs: list[Path] = []
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        self.job_dirs.append(Path(job_return.hydra_cfg.hydra.runtime.output_dir))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if not self.job_dirs:
+            return
+        rows = [job_row(d) for d in self.job_dirs]
+        sweep_dir = self.job_dirs[0].parent
+        write_sweep_summary(sweep_dir, rows)
+        make_console().print(sweep_table(rows))
+        make_console().print(f"sweep summary: {sweep_dir / 'sweep_summary.json'}", markup=False)
+
+
+def job_row(job_dir: Path) -> dict:
+    try:
+        summary = json.loads((job_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = {"status": read_status(job_dir).get("state", "unknown"), "overrides": _overrides(job_dir)}
+    final = summary.get("final", {})
+    return {
+        "job": job_dir.name,
+        "status": summary.get("status"),
+        "overrides": list(summary.get("overrides", [])),
+        **{k: final.get(k) for k in ("train_loss", "train_acc", "train_ppl", "test_loss", "test_acc", "test_ppl") if k in final},
+        "steps": summary.get("steps"),
+        "samples_per_s": summary.get("samples_per_s"),
+        **({"tokens_per_s": summary["tokens_per_s"]} if "tokens_per_s" in summary else {}),
+        "run_dir": str(job_dir),
+    }
+
+
+def _overrides(job_dir: Path) -> list[str]:
+    try:
+        from omegaconf import OmegaConf
+
+        return list(OmegaConf.load(job_dir / ".hydra" / "overrides.yaml"))
+    except Exception:
+        return []
+
+
+def varying(rows: list[dict]) -> list[list[str]]:
+    """Each row's overrides minus those every job shares."""
+    common = set.intersection(*(set(r["overrides"]) for r in rows)) if len(rows) > 1 else set()
+    return [[o for o in r["overrides"] if o not in common] for r in rows]
+
+
+def write_sweep_summary(sweep_dir: Path, rows: list[dict]) -> None:
+    write_json_atomic(sweep_dir / "sweep_summary.json", rows)
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    with (sweep_dir / "sweep_summary.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows({**r, "overrides": " ".join(r["overrides"])} for r in rows)
+
+
+def sweep_table(rows: list[dict]) -> Table:
+    metrics = [k for k in ("train_loss", "train_acc", "train_ppl", "test_loss", "test_acc", "test_ppl") if any(k in r for r in rows)]
+    rate = "tokens_per_s" if any("tokens_per_s" in r for r in rows) else "samples_per_s"
+    table = Table(title="sweep summary")
+    for name in ("job", "overrides", "status", *metrics, "steps", rate.replace("_per_s", "/s")):
+        table.add_column(name, justify="left" if name in ("overrides", "status") else "right")
+    for row, changed in zip(rows, varying(rows)):
+        cells = [row["job"], " ".join(changed) or "-", str(row["status"])]
+        cells += [_num(row.get(k)) for k in metrics]
+        cells += [str(row.get("steps") or "-"), _num(row.get(rate), "{:,.0f}")]
+        table.add_row(*cells)
+    return table
+
+
+def _num(value: Any, fmt: str = "{:.4f}") -> str:
+    return "-" if value is None else fmt.format(value)

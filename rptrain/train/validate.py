@@ -1,0 +1,205 @@
+"""Checks of a composed config that its schema cannot express.
+
+`validate_config` looks only at values (cheap, no I/O) and runs for every job of a sweep before
+the first one starts; `check_inputs` looks at the files a run needs (dataset, corpus, output
+directory). Both raise ConfigError / DataError with one line naming the key and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rptrain.data import DataError
+
+from . import schema
+from .errors import ConfigError
+from .model import DATA_FOR, IMAGE, LM, data_kind, model_kind
+
+
+def default_microbatches() -> int:
+    """The engine's default num_microbatch: GPUs + 1, or 1 on the CPU fallback."""
+    return torch.cuda.device_count() + 1 if torch.cuda.is_available() else 1
+
+
+def num_microbatch(cfg: DictConfig) -> int:
+    return cfg.run_config.num_microbatch or default_microbatches()
+
+
+def _positive(key: str, value: Optional[int], allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise ConfigError(f"{key}={value} must be a positive integer{' or null' if allow_none else ''}")
+
+
+DATA_SCHEMAS = {
+    "cifar10": schema.CifarDataConfig,
+    "cifar100": schema.CifarDataConfig,
+    "synthetic": schema.SyntheticImagesConfig,
+    "text": schema.TextDataConfig,
+    "synthetic_tokens": schema.SyntheticTokensConfig,
+}
+
+
+def _known_keys(node: DictConfig, cls: type, prefix: str) -> None:
+    """Keys added with +key=value are not in the schema: refuse them rather than ignore them."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in node:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise ConfigError(f"{prefix}{key} is not a config key{hint}: remove it; `rptrain --cfg job` prints every key")
+        sub = node._get_node(key)
+        target = fields[key].type
+        nested = getattr(schema, target, None) if isinstance(target, str) else target
+        if isinstance(sub, DictConfig) and dataclasses.is_dataclass(nested) and not sub._is_none():
+            _known_keys(sub, nested, f"{prefix}{key}.")
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    _known_keys(cfg, schema.RPTrainConfig, "")
+    _known_keys(cfg.model, schema.LlamaModelConfig if model_kind(cfg.model) == LM else schema.ResNetConfig, "model.")
+    _known_keys(cfg.data, DATA_SCHEMAS[cfg.data.name], "data.")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    if cfg.data.name not in DATA_SCHEMAS:
+        raise ConfigError(f"data.name={cfg.data.name} is not a data set rptrain knows: choose data={'|'.join(DATA_SCHEMAS)}")
+    check_known_keys(cfg)
+    kind = model_kind(cfg.model)
+    if data_kind(cfg.data) != kind:
+        wanted = "|".join(DATA_FOR[kind])
+        what = "images" if kind == IMAGE else "token sequences"
+        raise ConfigError(f"model={cfg.model.name} trains on {what} but data={cfg.data.name}: use data={wanted}")
+    _missing_values(cfg)
+    t = cfg.trainer
+    _positive("trainer.epochs", t.epochs, allow_none=False)
+    _positive("trainer.batch_size", t.batch_size, allow_none=False)
+    _positive("trainer.log_interval", t.log_interval, allow_none=False)
+    for key in ("max_steps", "eval_batch_size", "eval_interval", "checkpoint_interval"):
+        _positive(f"trainer.{key}", t[key])
+    if t.num_workers < 0:
+        raise ConfigError(f"trainer.num_workers={t.num_workers} must be >= 0")
+    micro = cfg.run_config.num_microbatch
+    _positive("run_config.num_microbatch", micro)
+    micro = micro or default_microbatches()
+    if t.batch_size < micro:
+        source = "run_config.num_microbatch" if cfg.run_config.num_microbatch else "the default num_microbatch (GPUs + 1)"
+        raise ConfigError(
+            f"trainer.batch_size={t.batch_size} is smaller than {source}={micro}: every microbatch needs a sample; "
+            f"raise trainer.batch_size or lower run_config.num_microbatch"
+        )
+    _validate_optim(cfg.optim)
+    if cfg.precision.optim_dtype.value not in ("float32", "float64"):
+        raise ConfigError(f"precision.optim_dtype={cfg.precision.optim_dtype.value}: master weights must be float32 (or float64)")
+    if kind == LM:
+        _validate_lm(cfg)
+    else:
+        _validate_images(cfg)
+
+
+def _missing_values(cfg: DictConfig) -> None:
+    """A ??? value in the YAML (data.path of data=text) that the command line did not fill in."""
+    for key in sorted(OmegaConf.missing_keys(cfg)):
+        if key.startswith("hydra."):
+            continue
+        example = {"data.path": "data.path=/path/to/corpus.txt (a text file or a folder of .txt/.md files)"}.get(key, f"{key}=VALUE")
+        raise ConfigError(f"{key} is required for this config: add {example}")
+
+
+def _validate_optim(optim: DictConfig) -> None:
+    o, s = optim.optimizer, optim.schedule
+    if not o.lr > 0:
+        raise ConfigError(f"optim.optimizer.lr={o.lr} must be > 0")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optim.optimizer.betas={list(o.betas)} must be two numbers in [0, 1)")
+    if s.warmup_steps < 0:
+        raise ConfigError(f"optim.schedule.warmup_steps={s.warmup_steps} must be >= 0")
+    if not 0.0 <= s.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.schedule.min_lr_ratio={s.min_lr_ratio} must be in [0, 1]")
+    _positive("optim.schedule.decay_steps", s.decay_steps)
+    if optim.clip_grad_norm is not None and not optim.clip_grad_norm > 0:
+        raise ConfigError(f"optim.clip_grad_norm={optim.clip_grad_norm} must be > 0 or null")
+
+
+def _validate_images(cfg: DictConfig) -> None:
+    d = cfg.data
+    if d.name in ("cifar10", "cifar100") and d.num_classes != {"cifar10": 10, "cifar100": 100}[d.name]:
+        raise ConfigError(f"data.num_classes={d.num_classes} but {d.name} has {10 if d.name == 'cifar10' else 100} classes: leave data.num_classes alone")
+    if len(d.mean) != 3 or len(d.std) != 3 or not all(s > 0 for s in d.std):
+        raise ConfigError(f"data.mean={list(d.mean)} / data.std={list(d.std)} need three values each (std > 0)")
+    if d.crop_padding < 0:
+        raise ConfigError(f"data.crop_padding={d.crop_padding} must be >= 0")
+    if d.name == "synthetic":
+        _positive("data.num_train", d.num_train, allow_none=False)
+        if d.num_test < 0:
+            raise ConfigError(f"data.num_test={d.num_test} must be >= 0")
+        _positive("data.num_classes", d.num_classes, allow_none=False)
+
+
+def _validate_lm(cfg: DictConfig) -> None:
+    d, m = cfg.data, cfg.model
+    _positive("data.seq_len", d.seq_len, allow_none=False)
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len={d.seq_len} is longer than model.max_seq_len={m.max_seq_len}: raise model.max_seq_len or lower data.seq_len")
+    if d.name == "synthetic_tokens":
+        _positive("data.num_train", d.num_train, allow_none=False)
+        if m.vocab_size is not None and m.vocab_size < d.vocab_size:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than data.vocab_size={d.vocab_size}: raise it or set model.vocab_size=null")
+    elif not 0.0 <= d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+
+
+def check_vocab(cfg: DictConfig, data_vocab: Optional[int]) -> None:
+    """A language model must embed every token id the data can contain."""
+    size = cfg.model.get("vocab_size")
+    if size is not None and data_vocab is not None and size < data_vocab:
+        raise ConfigError(f"model.vocab_size={size} is smaller than the tokenizer's {data_vocab} tokens: raise it or set model.vocab_size=null")
+
+
+# ----------------------------------------------------------------------------- files
+def check_inputs(cfg: DictConfig) -> None:
+    """The dataset or corpus the run will read is there (or may be downloaded)."""
+    d = cfg.data
+    if d.name in ("cifar10", "cifar100") and not d.download:
+        _check_cifar(d)
+    if d.name == "text":
+        from rptrain.data.text import corpus_files
+
+        corpus_files(d.path)  # raises DataError naming data.path
+        if d.tokenizer != "byte" and not Path(d.tokenizer).expanduser().is_file():
+            raise DataError(f"data.tokenizer={d.tokenizer}: no such file: give a tokenizer.json path or data.tokenizer=byte")
+
+
+def _check_cifar(d: DictConfig) -> None:
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    cls = CIFAR10 if d.name == "cifar10" else CIFAR100
+    root = Path(d.root).expanduser()
+    if root.name == cls.base_folder:
+        root = root.parent
+    names = [n for n, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
+    if not all((root / cls.base_folder / n).is_file() for n in names):
+        title = "CIFAR-10" if d.name == "cifar10" else "CIFAR-100"
+        raise DataError(
+            f"{title} not found under {root} and data.download=false: set data.root to a folder containing "
+            f"{cls.base_folder}/, or data.download=true, or use data=synthetic"
+        )
+
+
+def check_writable(directory: Path, key: str) -> None:
+    """`directory` exists as a writable folder or can be created: its nearest existing ancestor is one."""
+    path = Path(directory).expanduser().absolute()
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{key}={directory} cannot be created: {ancestor} is a file; choose another directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={directory} is not writable ({ancestor} denies writing): choose another output_root or hydra.run.dir")
