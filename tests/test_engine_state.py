@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from rptrain import OptimizerCtx, RoundPipe
+from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.optim import Adam
 
 
@@ -24,7 +24,8 @@ def trained_engine(steps: int = 3, dtype=torch.float32):
     for _ in range(steps):
         x = torch.randn(8, 4, generator=g).to(dtype)
         y = torch.randint(0, 3, (8,), generator=g)
-        engine.forward_backward((x,), label=y, loss_fn=lambda o, t: nn.functional.cross_entropy(o.float(), t))
+        engine.forward_backward((x,), label=y, loss_fn=lambda o, t: nn.functional.cross_entropy(o.float(), t),
+                                run_config=RoundPipeRunConfig(num_microbatch=1))
         engine.step(lambda: (opt.step(), opt.zero_grad()))
     return engine, opt
 

@@ -317,7 +317,8 @@ class Executor:
                     value = device.receive(value, event, source)
                     result = run(job, modules, value, micro, state, device)
                     state.chain.put(job.index, micro, result, device.record("compute"), device)
-                buffers_changed = _buffer_versions(shells) != buffer_versions
+                # Graph replays update statistics without bumping the tensors' version counters.
+                buffers_changed = graphed or _buffer_versions(shells) != buffer_versions
             finally:
                 for s in shells:
                     s.release()
@@ -372,7 +373,10 @@ class Executor:
             # A graph's outputs live in memory its next replay overwrites: copy them first.
             keep = (lambda t: t.detach().clone()) if key is not None else Tensor.detach
             state.outputs[micro] = self._to_output(device, map_tensors(keep, out), state)
-        return [t.grad for t in float_tensors(leaves)] if needs_input_grad else None
+        if not needs_input_grad:
+            return None
+        # A graph returns input gradients in memory its next replay overwrites.
+        return [t.grad if key is None or t.grad is None else t.grad.clone() for t in float_tensors(leaves)]
 
     def _backward(self, job: Job, modules: list, grads: Any, micro: int, state: PassState, device: Device) -> Any:
         starts = job.checkpoints or (job.start,)

@@ -460,6 +460,7 @@ class _RecordedPipeline(torch.autograd.Function):
         ctx.engine, ctx.cfg, ctx.plan, ctx.state, ctx.version = engine, cfg, plan, state, version
         ctx.split_sizes = [[t.shape[0] if t.dim() else None for t in o] for o in per_micro]
         ctx.num_inputs = len(flat_inputs)
+        ctx.input_devices = [t.device for t in flat_inputs]
         ctx.input_positions = _float_positions(list(flat_inputs), micro)
 
         def rebuild(flat: Any) -> Any:
@@ -498,6 +499,7 @@ class _RecordedPipeline(torch.autograd.Function):
                 continue
             pieces = [g[k] if g is not None else None for g in state.input_grads]
             if all(p is not None for p in pieces):
+                pieces = [p.to(ctx.input_devices[position]) for p in pieces]
                 input_grads[position] = torch.cat(pieces) if was_split else torch.stack(pieces).sum(0)
         return (None, None, None, None, None, *input_grads)
 
