@@ -24,10 +24,10 @@ from rptrain.train.status import write_json_atomic, write_status
 log = logging.getLogger("rptrain")
 
 
-def fail(message: str, code: int = 2, to_log: bool = True) -> NoReturn:
+def fail(message: str, code: int = 2, to_log: bool = True, kind: str = "error") -> NoReturn:
     if to_log:  # inside a job: the run's log file (before one, logging would echo it to stderr)
         log.error(message)
-    print(f"rptrain: error: {message}", file=sys.stderr, flush=True)
+    print(f"rptrain: {kind}: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
 
@@ -51,7 +51,7 @@ def run_job(cfg: DictConfig) -> dict:
     except Interrupted as stopped:
         write_status(run_dir, "interrupted", step=stopped.step, signal=stopped.request.name, checkpoint=stopped.checkpoint, resume=hint)
         fail(f"interrupted at step {stopped.step} ({stopped.request.name}): checkpoint saved to {stopped.checkpoint}; "
-             f"resume with: {hint}", code=stopped.request.exit_code)
+             f"resume with: {hint}", code=stopped.request.exit_code, kind="stopped")
     except USER_ERRORS as err:
         write_status(run_dir, "failed", error=one_line(err))
         fail(one_line(err))
@@ -64,5 +64,6 @@ def run_job(cfg: DictConfig) -> dict:
     write_json_atomic(run_dir / "summary.json", summary)
     write_status(run_dir, "completed", step=summary["steps"])
     final = " | ".join(f"{k} {v:.4f}" for k, v in summary["final"].items())
-    say(console, f"done: {summary['steps']} steps | {final} | {summary['samples_per_s']:,.0f} samples/s | {run_dir}")
+    rate = f"{summary['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in summary else f"{summary['samples_per_s']:,.0f} samples/s"
+    say(console, f"done: {summary['steps']} steps | {final} | {rate} | {run_dir}")
     return summary

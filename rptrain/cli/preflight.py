@@ -27,7 +27,7 @@ from omegaconf import DictConfig, open_dict
 from rptrain.train.checkpoint import load_checkpoint
 from rptrain.train.model import LM, build_model, fingerprint, model_kind
 from rptrain.train.precision import torch_dtype
-from rptrain.train.resume import resolve_resume
+from rptrain.train.resume import check_resume_state, resolve_resume
 from rptrain.train.run_config import build_run_config
 from rptrain.train.validate import check_inputs, check_writable, validate_config
 
@@ -94,7 +94,7 @@ def check_job(cfg: DictConfig, overrides: list[str], hydra_cfg: DictConfig, mult
     resume = resolve_resume(cfg.trainer.resume, Path(cfg.output_root), run_dir, overrides)
     if resume is not None:
         state = load_checkpoint(resume, fingerprint(cfg.model.name, model))
-        del state
+        check_resume_state(resume, state, cfg)
 
 
 def _data_vocab(cfg: DictConfig) -> Optional[int]:

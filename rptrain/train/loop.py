@@ -31,7 +31,7 @@ from .metrics import MetricsLog
 from .model import IMAGE, build_model, fingerprint
 from .plots import plot_curves
 from .precision import build_scaler, torch_dtype
-from .resume import resolve_resume
+from .resume import check_resume_state, resolve_resume
 from .run_config import build_run_config
 from .signals import Interrupted, StopRequest
 from .tasks import StepResult, Task, make_task, perplexity
@@ -103,6 +103,8 @@ class Trainer:
         self.fingerprint = fingerprint(cfg.model.name, model)
         resume = resolve_resume(cfg.trainer.resume, Path(cfg.output_root), self.run_dir, self.overrides)
         state = load_checkpoint(resume, self.fingerprint) if resume else None
+        if state is not None:
+            check_resume_state(resume, state, cfg)
         say(self.console, f"model {cfg.model.name}: {self.fingerprint['params']:,} parameters, compute {dtype}; data {data.description}")
         engine = RoundPipe(model, torch_dtype(cfg.precision.optim_dtype), build_run_config(cfg.run_config, len(model)))
         del model  # the engine owns the weights now
@@ -210,6 +212,7 @@ class Trainer:
             self._evaluate(p, epoch)
         if not self.checkpoint_path.is_file() or self._ckpt_step != p.step:
             self._checkpoint(p)
+        self._write_reports()
 
     def _after_step(self, p: Progress, epoch: int, epoch_done: bool, stop: StopRequest) -> None:
         t, data = self.cfg.trainer, self.parts["data"]
@@ -222,6 +225,7 @@ class Trainer:
         if stop or last or (p.step % interval == 0 if interval else epoch_done):
             self._checkpoint(p)
         if stop:
+            self._write_reports()
             raise Interrupted(stop, p.step, str(self.checkpoint_path))
 
     # ----------------------------------------------------------------------------- logging
@@ -295,7 +299,7 @@ class Trainer:
             "overrides": self.overrides,
         })
         self._ckpt_step = p.step
-        self._write_reports()
+        self.metrics.write_csv()
 
     def _summary(self, p: Progress, resume: Optional[Path]) -> dict:
         metric = self.task.metric

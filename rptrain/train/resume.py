@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import LAST
 from .errors import CheckpointError
@@ -53,3 +53,13 @@ def _run_overrides(run_dir: Path) -> Optional[tuple[str, ...]]:
         return job_key(OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")))
     except Exception:  # a half-written or foreign directory: not a candidate
         return None
+
+
+def check_resume_state(path: Path, state: dict, cfg: DictConfig) -> None:
+    """What the fingerprint does not cover but an exact resume needs: the same batch size."""
+    saved = (state.get("loader") or {}).get("batch_size")
+    if saved is not None and saved != cfg.trainer.batch_size:
+        raise CheckpointError(
+            f"checkpoint {path} was written with trainer.batch_size={saved} but this run has "
+            f"trainer.batch_size={cfg.trainer.batch_size}: resume with the same batch size (the data order depends on it)"
+        )

@@ -2,8 +2,9 @@
 
 Image classifiers: the engine returns logits; the loss is cross entropy summed over the batch
 and divided by the batch size, so uneven microbatch splits still give the batch mean.
-Language models (rptrain.models Llama): the Sequential takes (ids, targets) and returns the
-summed token cross entropy; dividing by the batch's token count gives the mean per token.
+Language models (rptrain.models Llama): the Sequential's first layer takes one argument, the
+tuple (ids, targets), and the last returns the summed token cross entropy; dividing by the
+batch's token count gives the mean per token.
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ class LanguageTask(Task):
         tokens = count_tokens(targets)
         scale = scaler.get_scale()
         loss = engine.forward_backward(
-            input_args=(ids, targets),
+            input_args=((ids, targets),),
             label=None,
             loss_fn=lambda out, _: scaler.scale(out / tokens),
             run_config=self.run_config(len(ids)),
@@ -94,7 +95,7 @@ class LanguageTask(Task):
     def evaluate(self, engine: RoundPipe, batches: Iterable[tuple]) -> dict[str, float]:
         loss_sum, total = 0.0, 0
         for ids, targets in batches:
-            loss_sum += engine(ids, targets, run_config=self.run_config(len(ids))).float().sum().item()
+            loss_sum += engine((ids, targets), run_config=self.run_config(len(ids))).float().sum().item()
             total += count_tokens(targets)
         loss = loss_sum / max(total, 1)
         return {"loss": loss, "ppl": perplexity(loss)}

@@ -165,9 +165,10 @@ def check_vocab(cfg: DictConfig, data_vocab: Optional[int]) -> None:
 
 # ----------------------------------------------------------------------------- files
 def check_inputs(cfg: DictConfig) -> None:
-    """The dataset or corpus the run will read is there (or may be downloaded)."""
+    """The dataset or corpus the run will read is there; a missing CIFAR is downloaded now (if allowed),
+    so that a failed download leaves no run directory behind."""
     d = cfg.data
-    if d.name in ("cifar10", "cifar100") and not d.download:
+    if d.name in ("cifar10", "cifar100"):
         _check_cifar(d)
     if d.name == "text":
         from rptrain.data.text import corpus_files
@@ -179,18 +180,31 @@ def check_inputs(cfg: DictConfig) -> None:
 
 def _check_cifar(d: DictConfig) -> None:
     from torchvision.datasets import CIFAR10, CIFAR100
+    from torchvision.datasets.utils import check_integrity
+
+    from rptrain.data import cifar_dataset
 
     cls = CIFAR10 if d.name == "cifar10" else CIFAR100
+    title = "CIFAR-10" if d.name == "cifar10" else "CIFAR-100"
     root = Path(d.root).expanduser()
     if root.name == cls.base_folder:
         root = root.parent
-    names = [n for n, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
-    if not all((root / cls.base_folder / n).is_file() for n in names):
-        title = "CIFAR-10" if d.name == "cifar10" else "CIFAR-100"
-        raise DataError(
-            f"{title} not found under {root} and data.download=false: set data.root to a folder containing "
-            f"{cls.base_folder}/, or data.download=true, or use data=synthetic"
-        )
+    files = [*cls.train_list, *cls.test_list, (cls.meta["filename"], cls.meta["md5"])]
+    if not all((root / cls.base_folder / name).is_file() for name, _ in files):
+        if not d.download:
+            raise DataError(
+                f"{title} not found under {root} and data.download=false: set data.root to a folder containing "
+                f"{cls.base_folder}/, or data.download=true, or use data=synthetic"
+            )
+        cifar_dataset(d.name, root, train=True, download=True, verify_checksums=d.verify_checksums)  # raises DataError offline
+        return
+    if d.verify_checksums:
+        for name, md5 in files:
+            if not check_integrity(str(root / cls.base_folder / name), md5):
+                raise DataError(
+                    f"{root / cls.base_folder / name} does not match the published {title} checksum: "
+                    f"delete {root / cls.base_folder} and use data.download=true, or set data.verify_checksums=false for a modified copy"
+                )
 
 
 def check_writable(directory: Path, key: str) -> None:
