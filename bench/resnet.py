@@ -46,7 +46,36 @@ def plain(args, model_kwargs):
         opt.zero_grad(set_to_none=True)
         loss.item()
 
-    return time_steps(step, args.steps, args.warmup, device)
+    seconds = time_steps(step, args.steps, args.warmup, device)
+    if args.profile and device == "cuda":
+        gpu_busy(lambda: [step(i) for i in range(5)], lambda: None, "plain")
+    return seconds
+
+
+def gpu_busy(run, finish, impl: str) -> None:
+    """Fraction of wall time some kernel runs on the GPU, from a torch.profiler trace of 5 steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        finish()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+    if not kernels:
+        return
+    busy, cur_s, cur_e = 0.0, *kernels[0]
+    for s, e in kernels[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = kernels[-1][1] - kernels[0][0]
+    top = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+    print(top, flush=True)
+    emit(bench="resnet34_gpu_busy", impl=impl, steps=5, kernel_ms=round(busy / 1e3, 2), span_ms=round(span / 1e3, 2), busy_fraction=round(busy / span, 3))
 
 
 def engine(args, model_kwargs):
@@ -76,6 +105,8 @@ def engine(args, model_kwargs):
         outputs.max(1)
 
     seconds = time_steps(step, args.steps, args.warmup, args.device, finish=model.wait_for_steps)
+    if args.profile and args.device == "cuda":
+        gpu_busy(lambda: [step(i) for i in range(5)], model.wait_for_steps, "rptrain")
     if args.trace:
         trace.clear()
         trace.enable()
@@ -115,8 +146,12 @@ def main() -> None:
     p.add_argument("--impl", choices=["plain", "rptrain", "both"], default="both")
     p.add_argument("--trace", action="store_true")
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--profile", action="store_true", help="report GPU busy time from a torch.profiler trace")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run")
     args = p.parse_args()
     torch.backends.cudnn.benchmark = True  # both sides pick their fastest convolutions
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_kwargs = {}
     if args.tiny:
         args.batch, args.steps, args.warmup, args.size = 4, 2, 1, 8

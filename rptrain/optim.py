@@ -1,13 +1,19 @@
 """CPU optimizers for the master weights (create them inside ``OptimizerCtx``).
 
-They are PyTorch's Adam and AdamW with the fused CPU kernel switched on by default: one
-multi-threaded pass per tensor that also unscales fp16 gradients (see ``GradScaler.step``).
+They are PyTorch's Adam and AdamW, run with PyTorch's fused CPU kernel. torch.optim calls that
+kernel once per parameter tensor: for a ResNet's hundred-odd small tensors most calls are too
+small to spread over the cores. The engine keeps master weights and gradients in flat buffers, so
+here the kernel runs once per contiguous run of parameters instead: the moments live in flat
+buffers too, viewed per parameter in ``optimizer.state`` so state dicts look exactly like
+torch's. Anything the flat path does not cover (amsgrad, maximize, non-contiguous parameters,
+CUDA tensors, ...) takes torch's own step.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
+from torch import Tensor
 
 __all__ = ["Adam", "AdamW"]
 
@@ -20,13 +26,122 @@ def _fused_default(params: Any, kwargs: dict) -> tuple[list, dict]:
     return params, kwargs
 
 
-class Adam(torch.optim.Adam):
+def _flat(first: Tensor, numel: int) -> Tensor:
+    """``numel`` elements of ``first``'s storage starting at ``first``."""
+    return torch.as_strided(first.detach(), (numel,), (1,), first.storage_offset())
+
+
+def _follows(prev: Tensor, t: Tensor) -> bool:
+    return (
+        t.dtype == prev.dtype
+        and t.is_contiguous()
+        and t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+        and t.storage_offset() == prev.storage_offset() + prev.numel()
+    )
+
+
+class _FlatRuns:
+    """Finds runs of parameters whose data and gradients are both contiguous, and keeps their
+    moments in flat buffers."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.cache: dict[tuple, tuple[Tensor, Tensor, Tensor, list[Tensor], list[Tensor]]] = {}
+
+    def runs(self, group: dict) -> list[list[Tensor]]:
+        runs: list[list[Tensor]] = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if runs and _follows(runs[-1][-1], p) and _follows(runs[-1][-1].grad, p.grad):
+                runs[-1].append(p)
+            elif p.is_contiguous() and p.grad.is_contiguous():
+                runs.append([p])
+            else:
+                return []  # let torch handle the unusual case
+        return runs
+
+    def state(self, run: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """Flat exp_avg, exp_avg_sq and the shared step count of ``run``, viewed in optimizer.state."""
+        key = tuple(id(p) for p in run)
+        state = self.optimizer.state
+        cached = self.cache.get(key)
+        if cached is not None:
+            m, v, step, m_views, v_views = cached
+            if all(state[p].get("exp_avg") is mv and state[p].get("exp_avg_sq") is vv and state[p].get("step") is step
+                   for p, mv, vv in zip(run, m_views, v_views)):
+                return m, v, step
+        numel = sum(p.numel() for p in run)
+        m = torch.zeros(numel, dtype=run[0].dtype)
+        v = torch.zeros(numel, dtype=run[0].dtype)
+        steps = [state[p]["step"] for p in run if "step" in state[p]]
+        step = torch.tensor(float(steps[0]) if steps else 0.0, dtype=torch.float32)
+        m_views, v_views, offset = [], [], 0
+        for p in run:
+            mv, vv = m[offset : offset + p.numel()].view_as(p), v[offset : offset + p.numel()].view_as(p)
+            if "exp_avg" in state[p]:  # e.g. after load_state_dict: keep the loaded moments
+                mv.copy_(state[p]["exp_avg"])
+                vv.copy_(state[p]["exp_avg_sq"])
+            state[p].update(exp_avg=mv, exp_avg_sq=vv, step=step)
+            m_views.append(mv)
+            v_views.append(vv)
+            offset += p.numel()
+        self.cache[key] = (m, v, step, m_views, v_views)
+        return m, v, step
+
+
+class _FlatStepMixin:
+    _kernel: Callable
+
+    def _flat_eligible(self) -> bool:
+        d = self.defaults
+        if not d.get("fused") or d.get("amsgrad") or d.get("maximize") or d.get("capturable") or d.get("differentiable"):
+            return False
+        return all(p.device.type == "cpu" for g in self.param_groups for p in g["params"])
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None) -> Any:
+        if not self._flat_eligible():
+            return super().step(closure)
+        if not hasattr(self, "_flat_runs"):
+            self._flat_runs = _FlatRuns(self)
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf):
+            return None  # GradScaler found inf/NaN: skip, as torch's fused step does
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        all_runs = [self._flat_runs.runs(group) for group in self.param_groups]
+        for group, runs in zip(self.param_groups, all_runs):
+            if not runs and any(p.grad is not None for p in group["params"]):
+                return super().step(None)  # some group cannot be flattened: torch's path for all
+        for group, runs in zip(self.param_groups, all_runs):
+            beta1, beta2 = group["betas"]
+            for run in runs:
+                m, v, step = self._flat_runs.state(run)
+                step += 1
+                numel = m.numel()
+                self._kernel(
+                    [_flat(run[0], numel)], [_flat(run[0].grad, numel)], [m], [v], [], [step],
+                    lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                    amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None,
+                )
+        return loss
+
+
+class Adam(_FlatStepMixin, torch.optim.Adam):
+    _kernel = staticmethod(torch._fused_adam_)
+
     def __init__(self, params: Any, *args: Any, **kwargs: Any):
         params, kwargs = _fused_default(params, kwargs)
         super().__init__(params, *args, **kwargs)
 
 
-class AdamW(torch.optim.AdamW):
+class AdamW(_FlatStepMixin, torch.optim.AdamW):
+    _kernel = staticmethod(torch._fused_adamw_)
+
     def __init__(self, params: Any, *args: Any, **kwargs: Any):
         params, kwargs = _fused_default(params, kwargs)
         super().__init__(params, *args, **kwargs)
