@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|bench|all] ; logs go to $OUT (or ./gpu-logs).
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|llm|all] ; logs go to
+# $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -10,15 +11,21 @@ what=${1:-all}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'threads', torch.get_num_threads())" | tee -a "$out/gpu.txt"
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_engine_*.py 2>&1 | tee "$out/tests.log" | tail -15
+  python3 -m pytest -q -p no:cacheprovider tests/test_engine_*.py tests/test_optim.py 2>&1 | tee "$out/tests.log" | tail -5
 fi
-if [[ $what == bench || $what == all ]]; then
-  cd bench
+cd bench
+if [[ $what == resnet || $what == all ]]; then
   {
     python3 limits.py
-    python3 resnet.py --trace
-    python3 resnet.py --impl rptrain --no-graphs --steps 40
+    python3 resnet.py --impl both --trace --profile --steps 40
     python3 resnet.py --impl rptrain --microbatches 1 --steps 40
     python3 optimizer.py --params 21.3e6 302e6
-  } 2>&1 | tee "$out/bench.jsonl"
+  } 2>&1 | grep -v Warning | tee "$out/resnet.jsonl" | grep '^{'
+fi
+if [[ $what == llm || $what == all ]]; then
+  {
+    timeout 300 python3 llm.py --model llama_1b llama_3b --seq 4096 --batch 2
+    for seq in 16384 32768 65536; do timeout 100 python3 llm.py --model llama_1b --impl rptrain --seq $seq --batch 1 --steps 1 --warmup 1; done
+    for seq in 16384 32768; do timeout 100 python3 llm.py --model llama_3b --impl rptrain --seq $seq --batch 1 --steps 1 --warmup 1; done
+  } 2>&1 | grep -v Warning | tee "$out/llm.jsonl" | grep -E '^\{|Error|error' | tail -30
 fi

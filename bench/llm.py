@@ -1,0 +1,186 @@
+"""Llama-style decoder training throughput: the engine vs plain PyTorch vs FSDP2 + CPUOffloadPolicy.
+
+rptrain: bf16 compute copy, fp32 master + AdamW on the CPU (async step), the planner's stages.
+plain:   fp32 weights on the GPU, bf16 autocast, activation checkpointing per block, fused AdamW.
+fsdp2:   fully_shard per block (+ root) with CPUOffloadPolicy and bf16 MixedPrecisionPolicy,
+         activation checkpointing per block, AdamW on the CPU (one process, world size 1).
+All three train the same nn.Sequential (rptrain.models) on the same synthetic tokens.
+
+Reported: tokens/s, model FLOPs utilisation (6N + attention, per token) and hardware FLOPs
+utilisation (recomputed forwards counted) against the measured bf16 matmul peak (--peak).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from common import emit, parser
+from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from rptrain.models import build_model, count_tokens, flops_per_token, llama_config
+from rptrain.optim import AdamW
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, batch):
+        h, targets = batch
+        return checkpoint(lambda x: self.block((x, targets))[0], h, use_reentrant=False), targets
+
+
+def tokens(args, vocab: int, device: str = "cpu"):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g)
+    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    if device == "cuda":
+        x, y = x.pin_memory(), y.pin_memory()
+    return x, y
+
+
+def forward_flops(cfg, seq: int) -> float:
+    """One forward's FLOPs per token (a third of the training estimate)."""
+    return flops_per_token(cfg, seq) / 3
+
+
+def run_rptrain(args, cfg, name):
+    model = build_model(name, dtype=torch.bfloat16, **args.overrides)
+    engine = RoundPipe(model)
+    with OptimizerCtx():
+        opt = AdamW(engine.parameters(), lr=1e-4)
+    x, y = tokens(args, cfg.vocab_size, args.device)
+    n = count_tokens(y)
+    run_cfg = RoundPipeRunConfig(num_microbatch=args.microbatches, recompute_grain=args.grain)
+
+    def step():
+        loss = engine.forward_backward(input_args=((x, y),), loss_fn=lambda out, _: out / n, run_config=run_cfg)
+        engine.step(lambda: (opt.step(), opt.zero_grad()))
+        return loss
+
+    seconds, loss = timed(step, args, finish=engine.wait_for_steps)
+    plan = engine.plan
+    recomputed = sum(b - a for a, b in plan.backward[:-1]) if plan else 0
+    layers = len(model)
+    engine.close()
+    return seconds, loss, recomputed / max(layers - 2, 1), dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
+
+
+def run_plain(args, cfg, name):
+    model = build_model(name, device="cuda", dtype=torch.float32, **args.overrides)
+    for i in range(1, len(model) - 1):
+        model[i] = Checkpointed(model[i])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x, y = tokens(args, cfg.vocab_size, "cuda")
+    n = count_tokens(y)
+
+    def step():
+        xs, ys = x.to("cuda", non_blocking=True), y.to("cuda", non_blocking=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model((xs, ys)) / n
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    seconds, loss = timed(step, args)
+    del model, opt
+    torch.cuda.empty_cache()
+    return seconds, loss, 1.0, {}
+
+
+def run_fsdp2(args, cfg, name):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    model = build_model(name, dtype=torch.float32, **args.overrides)
+    for i in range(1, len(model) - 1):
+        model[i] = Checkpointed(model[i])
+    policy = dict(offload_policy=CPUOffloadPolicy(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    for i in range(1, len(model) - 1):
+        fully_shard(model[i], **policy)
+    fully_shard(model, **policy)  # embedding and the (tied) head live in the root unit
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, y = tokens(args, cfg.vocab_size, "cuda")
+    n = count_tokens(y)
+
+    def step():
+        loss = model((x.to("cuda", non_blocking=True), y.to("cuda", non_blocking=True))) / n
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    seconds, loss = timed(step, args)
+    del model, opt
+    dist.destroy_process_group()
+    return seconds, loss, 1.0, {}
+
+
+def timed(step, args, finish=lambda: None):
+    for _ in range(args.warmup):
+        step()
+    finish()
+    torch.cuda.synchronize() if args.device == "cuda" else None
+    start = time.perf_counter()
+    loss = None
+    for _ in range(args.steps):
+        loss = step()
+    finish()
+    torch.cuda.synchronize() if args.device == "cuda" else None
+    return (time.perf_counter() - start) / args.steps, float(loss)
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--model", nargs="+", default=["llama_1b", "llama_3b"])
+    p.add_argument("--impl", nargs="+", default=["rptrain", "plain", "fsdp2"])
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=None)
+    p.add_argument("--grain", choices=["stage", "layer"], default=None)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--peak", type=float, default=780.0, help="bf16 matmul TFLOP/s (bench/limits.py)")
+    args = p.parse_args()
+    args.overrides = {}
+    if args.tiny or args.device == "cpu":
+        args.model, args.impl = ["llama_tiny"], ["rptrain"]
+        args.seq, args.batch, args.steps, args.warmup = 32, 2, 2, 1
+    torch.backends.cuda.matmul.allow_tf32 = True
+    runners = {"rptrain": run_rptrain, "plain": run_plain, "fsdp2": run_fsdp2}
+    for name in args.model:
+        cfg = llama_config(name, **args.overrides)
+        tokens_per_step = args.batch * args.seq
+        model_flops = flops_per_token(cfg, args.seq) * tokens_per_step
+        results = {}
+        for impl in args.impl:
+            try:
+                seconds, loss, recompute_share, extra = runners[impl](args, cfg, name)
+            except torch.OutOfMemoryError as e:
+                emit(bench="llm", model=name, impl=impl, seq=args.seq, error=f"out of memory: {str(e).splitlines()[0]}")
+                torch.cuda.empty_cache()
+                continue
+            hardware_flops = model_flops + recompute_share * forward_flops(cfg, args.seq) * tokens_per_step
+            results[impl] = tokens_per_step / seconds
+            emit(bench="llm", model=name, impl=impl, seq=args.seq, batch=args.batch, step_s=round(seconds, 4),
+                 tokens_per_s=round(results[impl], 1), loss=round(loss, 4),
+                 mfu=round(model_flops / seconds / (args.peak * 1e12), 3), hfu=round(hardware_flops / seconds / (args.peak * 1e12), 3), **extra)
+        for other in ("plain", "fsdp2"):
+            if "rptrain" in results and other in results:
+                emit(bench="llm", model=name, what=f"rptrain_over_{other}", ratio=round(results["rptrain"] / results[other], 3))
+
+
+if __name__ == "__main__":
+    main()
