@@ -6,9 +6,10 @@ bar is replaced by one plain line per log step, so log files stay readable.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.tree import Tree
@@ -19,7 +20,10 @@ _NAMES = {"acc": "Acc", "ppl": "PPL"}
 
 
 def make_console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    console = Console(highlight=False, soft_wrap=True)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = 160  # log files: rich's 80-column default would truncate the sweep table
+    return console
 
 
 def config_tree(cfg: DictConfig, label: str = "config") -> Tree:

@@ -12,6 +12,7 @@ import gc
 import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -107,6 +108,7 @@ class Trainer:
             check_resume_state(resume, state, cfg)
         say(self.console, f"model {cfg.model.name}: {self.fingerprint['params']:,} parameters, compute {dtype}; data {data.description}")
         engine = RoundPipe(model, torch_dtype(cfg.precision.optim_dtype), build_run_config(cfg.run_config, len(model)))
+        engine_ref = weakref.ref(engine)
         del model  # the engine owns the weights now
         try:
             summary = self._fit(engine, data, dtype, state, resume)
@@ -117,7 +119,9 @@ class Trainer:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+        # Sweeps run every job in this process: the next job must start from a clean slate.
         summary["threads_before"], summary["threads_after"] = threads_before, threading.active_count()
+        summary["engine_released"] = engine_ref() is None
         return summary
 
     def _fit(self, engine: RoundPipe, data: TrainData, dtype: torch.dtype, state: Optional[dict], resume: Optional[Path]) -> dict:

@@ -27,8 +27,9 @@ def resolve_resume(resume: Optional[str], output_root: Path, run_dir: Optional[P
     if resume is None:
         return None
     if resume == "auto":
-        return newest_matching(Path(output_root), run_dir, job_key(overrides))
-    path = Path(resume).expanduser()
+        found = newest_matching(Path(output_root), run_dir, job_key(overrides))
+        return found.absolute() if found else None
+    path = Path(resume).expanduser().absolute()
     if path.is_dir():
         for candidate in (path / "checkpoints" / LAST, path / LAST):
             if candidate.is_file():

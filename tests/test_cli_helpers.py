@@ -1,0 +1,52 @@
+"""Shared helpers for the CLI tests (no tests here): tiny configs and a subprocess runner.
+
+Every run is a real `python -m rptrain.cli.main` process on a config that trains in about a
+second on a CPU; most of a run's wall time is Python and torch starting up, so the tests pack
+several checks into each run and use -m sweeps to get several runs from one process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+# A ResNet-18 with 8..64 channels on 64 synthetic 32x32 images of 10 classes: 4 steps per epoch.
+TINY = [
+    "model=resnet18",
+    "model.widths=[8,16,32,64]",
+    "model.stem_channels=8",
+    "data=synthetic",
+    "data.num_train=64",
+    "data.num_test=32",
+    "data.num_classes=10",
+    "trainer.batch_size=16",
+    "trainer.log_interval=1",
+    "precision=fp32",
+]
+
+
+def rptrain(args: list[str], cwd: Path, timeout: float = 180, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "rptrain.cli.main", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env,
+    )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def train_losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"

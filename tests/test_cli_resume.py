@@ -1,0 +1,111 @@
+"""Checkpoint and resume through the CLI: exactness, pre-emption signals, trainer.resume=auto."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_cli_helpers import TINY, explain, read_jsonl, rptrain, train_losses
+
+# 96 images of batch 16: 6 steps per epoch, so step 4 is in the middle of the first epoch.
+RESUME = [*TINY, "data.num_train=96", "trainer.checkpoint_interval=4"]
+
+
+def test_resumed_run_reproduces_the_straight_run(tmp_path):
+    """Stopped at step 4 and resumed to step 10 vs straight to step 10 (fp32, async optimizer
+    steps): the same losses. Both runs checkpoint, and so synchronize the engine, at step 4."""
+    sweep = tmp_path / "sweep"
+    proc = rptrain(["-m", *RESUME, "trainer.max_steps=4,10", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    short, straight = sweep / "0", sweep / "1"
+    assert json.loads((short / "summary.json").read_text())["steps"] == 4
+
+    resumed = tmp_path / "resumed"
+    proc = rptrain([*RESUME, "trainer.max_steps=10", f"trainer.resume={short}", f"hydra.run.dir={resumed}"], cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert f"resumed from {short / 'checkpoints' / 'last.pt'} at step 4" in proc.stdout
+
+    a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    la, lb = train_losses(a), train_losses(b)
+    assert sorted(la) == sorted(lb) == list(range(1, 11))  # the resumed run carries the history
+    for step in range(1, 11):
+        assert lb[step] == pytest.approx(la[step], abs=1e-6, rel=0), step
+    # Test metrics at the end and the epoch summary (which spans the resume point) agree too.
+    last_eval = lambda records: [r for r in records if r["kind"] == "eval"][-1]  # noqa: E731
+    assert last_eval(b)["step"] == 10 and last_eval(b)["loss"] == pytest.approx(last_eval(a)["loss"], abs=1e-6)
+    first_epoch = lambda records: next(r for r in records if r["kind"] == "epoch")  # noqa: E731
+    assert first_epoch(b)["train_loss"] == pytest.approx(first_epoch(a)["train_loss"], abs=1e-6)
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert summary["resumed_from"] == str(short / "checkpoints" / "last.pt") and summary["steps"] == 10
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rptrain.cli.main", *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_steps(metrics: Path, proc: subprocess.Popen, steps: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.is_file() and sum('"kind": "train"' in line for line in metrics.read_text().splitlines()) >= steps:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before step {steps}: {proc.communicate()}")
+        time.sleep(0.02)
+    raise AssertionError("the run did not reach the step in time")
+
+
+# One epoch of 160 steps: long enough to be stopped in the middle.
+LONG = [*TINY, "data.num_train=2560", "trainer.epochs=1"]
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143)])
+def test_signal_checkpoints_then_resume_auto_continues(tmp_path, signum, code):
+    run = tmp_path / "outputs" / "first"
+    proc = _start([*LONG, f"hydra.run.dir={run}"], tmp_path)
+    try:
+        _wait_for_steps(run / "metrics.jsonl", proc, 3)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, (out, err)
+    message = [line for line in err.splitlines() if "interrupted at step" in line]
+    assert len(message) == 1, err
+    stopped_at = int(message[0].split("interrupted at step ")[1].split()[0])
+    assert f"checkpoint saved to {run / 'checkpoints' / 'last.pt'}" in message[0]
+    assert "resume with: rptrain" in message[0] and message[0].rstrip().endswith("trainer.resume=auto")
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "interrupted" and status["step"] == stopped_at
+    assert not (run / "summary.json").exists()
+    assert max(train_losses(read_jsonl(run / "metrics.jsonl"))) == stopped_at  # finished the step it was in
+
+    # The same command with trainer.resume=auto (and its own run directory) continues that run.
+    second = tmp_path / "outputs" / "second"
+    proc2 = rptrain([*LONG, "trainer.resume=auto", f"hydra.run.dir={second}"], cwd=tmp_path)
+    assert proc2.returncode == 0, explain(proc2)
+    summary = json.loads((second / "summary.json").read_text())
+    assert summary["resumed_from"] == str(run / "checkpoints" / "last.pt")
+    assert summary["steps"] == 160 and summary["epochs"] == 1
+    losses = train_losses(read_jsonl(second / "metrics.jsonl"))
+    assert sorted(losses) == list(range(1, 161))
+
+
+def test_sigint_stops_with_130_and_a_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    proc = _start([*LONG, f"hydra.run.dir={run}"], tmp_path)
+    try:
+        _wait_for_steps(run / "metrics.jsonl", proc, 2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert "SIGINT received" in err and "interrupted at step" in err and "Traceback" not in err
+    assert (run / "checkpoints" / "last.pt").is_file()
+    assert json.loads((run / "status.json").read_text())["signal"] == "SIGINT"
