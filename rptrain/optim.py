@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from .engine.layout import ALIGN_BYTES
+
 __all__ = ["Adam", "AdamW"]
 
 
@@ -26,18 +28,33 @@ def _fused_default(params: Any, kwargs: dict) -> tuple[list, dict]:
     return params, kwargs
 
 
+def _span(run: list[Tensor]) -> int:
+    return run[-1].storage_offset() + run[-1].numel() - run[0].storage_offset()
+
+
 def _flat(first: Tensor, numel: int) -> Tensor:
     """``numel`` elements of ``first``'s storage starting at ``first``."""
     return torch.as_strided(first.detach(), (numel,), (1,), first.storage_offset())
 
 
+def _gap(prev: Tensor, t: Tensor) -> int:
+    """Elements of padding between the end of ``prev`` and ``t`` in one storage, or -1 if ``t`` does
+    not come next. Only alignment padding counts (``t`` on the first 256-byte boundary after
+    ``prev``, the engine's layout): no other tensor can sit in such a gap."""
+    if t.dtype != prev.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != prev.untyped_storage().data_ptr():
+        return -1
+    end = prev.storage_offset() + prev.numel()
+    step = max(1, ALIGN_BYTES // t.element_size())
+    if t.storage_offset() == end or t.storage_offset() == -(-end // step) * step:
+        return t.storage_offset() - end
+    return -1
+
+
 def _follows(prev: Tensor, t: Tensor) -> bool:
-    return (
-        t.dtype == prev.dtype
-        and t.is_contiguous()
-        and t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
-        and t.storage_offset() == prev.storage_offset() + prev.numel()
-    )
+    """``t`` continues ``prev``'s run, gradients laid out alike. Padding inside a run holds zero
+    weights and zero gradients, so Adam leaves it at zero."""
+    gap = _gap(prev, t)
+    return gap >= 0 and _gap(prev.grad, t.grad) == gap
 
 
 class _FlatRuns:
@@ -53,7 +70,7 @@ class _FlatRuns:
         for p in group["params"]:
             if p.grad is None:
                 continue
-            if runs and _follows(runs[-1][-1], p) and _follows(runs[-1][-1].grad, p.grad):
+            if runs and _follows(runs[-1][-1], p):
                 runs[-1].append(p)
             elif p.is_contiguous() and p.grad.is_contiguous():
                 runs.append([p])
@@ -71,13 +88,14 @@ class _FlatRuns:
             if all(state[p].get("exp_avg") is mv and state[p].get("exp_avg_sq") is vv and state[p].get("step") is step
                    for p, mv, vv in zip(run, m_views, v_views)):
                 return m, v, step
-        numel = sum(p.numel() for p in run)
+        numel = _span(run)
         m = torch.zeros(numel, dtype=run[0].dtype)
         v = torch.zeros(numel, dtype=run[0].dtype)
         steps = [state[p]["step"] for p in run if "step" in state[p]]
         step = torch.tensor(float(steps[0]) if steps else 0.0, dtype=torch.float32)
-        m_views, v_views, offset = [], [], 0
+        m_views, v_views = [], []
         for p in run:
+            offset = p.storage_offset() - run[0].storage_offset()
             mv, vv = m[offset : offset + p.numel()].view_as(p), v[offset : offset + p.numel()].view_as(p)
             if "exp_avg" in state[p]:  # e.g. after load_state_dict: keep the loaded moments
                 mv.copy_(state[p]["exp_avg"])
@@ -85,7 +103,6 @@ class _FlatRuns:
             state[p].update(exp_avg=mv, exp_avg_sq=vv, step=step)
             m_views.append(mv)
             v_views.append(vv)
-            offset += p.numel()
         self.cache[key] = (m, v, step, m_views, v_views)
         return m, v, step
 

@@ -29,7 +29,8 @@ class Reference:
         self.device = device
         self.compute = copy.deepcopy(model).to(device)
         self.master = copy.deepcopy(model).float()
-        self.opt = torch.optim.Adam(self.master.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        # torch's fused kernel, as in rptrain.optim.Adam: elementwise the same rounding.
+        self.opt = torch.optim.Adam(self.master.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
         self.delayed = delayed
 
     def forward_backward(self, x: Any, y: torch.Tensor, n: int, loss_fn: Callable, call: Optional[Callable] = None) -> float:

@@ -91,14 +91,16 @@ def test_flat_layout_ranges_and_tied_slots():
     layers[3].w = shared
     layers[0].tied = shared
     layout = FlatLayout.of_parameters(layers)
-    assert layout.sizes == {"float32": 12 + 4 + 12, "float16": 16 + 4}
+    # Every tensor starts on a 256-byte boundary (64 fp32 / 128 fp16 elements).
+    assert [(s.key, s.offset) for s in layout.slots] == [("float32", 0), ("float32", 64), ("float32", 128), ("float16", 0), ("float16", 128)]
+    assert layout.sizes == {"float32": 128 + 12, "float16": 128 + 4}
     # Layer 3 owns nothing new: its only tensor lives in layer 0's range.
-    assert layout.ranges(3, 4) == [Range("float32", 16, 28)]
-    assert layout.ranges(0, 1) == [Range("float32", 0, 28)]
-    assert layout.ranges(2, 3) == [Range("float16", 0, 20)]
+    assert layout.ranges(3, 4) == [Range("float32", 128, 140)]
+    assert layout.ranges(0, 1) == [Range("float32", 0, 140)]  # padding does not split a range
+    assert layout.ranges(2, 3) == [Range("float16", 0, 132)]
     assert layout.ranges(1, 2) == []
-    assert layout.base == {"float32": 0, "float16": 28} and layout.total == 48
-    assert [s.index for s in layout.slots_in_range(Range("float32", 0, 28))] == [0, 1, 2]
+    assert layout.base == {"float32": 0, "float16": 192} and layout.total == 384
+    assert [s.index for s in layout.slots_in_range(Range("float32", 0, 140))] == [0, 1, 2]
 
 
 def test_split_sizes_are_balanced():

@@ -459,7 +459,7 @@ def _fresh_runs(layout: FlatLayout, buffer: GradBuffer, r: Range) -> list[tuple[
     for slot in layout.slots_in_range(r):
         fresh = not buffer.written[slot.index]
         buffer.written[slot.index] = True
-        if runs and runs[-1][2] == fresh and runs[-1][1] == slot.offset:
+        if runs and runs[-1][2] == fresh and layout.adjacent(runs[-1][1], slot):
             runs[-1] = (runs[-1][0], slot.offset + slot.numel, fresh)
         else:
             runs.append((slot.offset, slot.offset + slot.numel, fresh))

@@ -22,7 +22,7 @@ class GradBuffer:
     """One fp32 gradient buffer and which slots of it hold this window's gradients."""
 
     def __init__(self, layout: FlatLayout, pin_memory: bool):
-        self.flat = torch.empty(layout.total, dtype=torch.float32, pin_memory=pin_memory)
+        self.flat = torch.zeros(layout.total, dtype=torch.float32, pin_memory=pin_memory)
         self.views = [layout.master_view(self.flat, slot) for slot in layout.slots]  # master .grad per slot
         self.written = [False] * len(layout.slots)
         self.free = threading.Event()  # set when nothing (optimizer .grad views) refers to it
@@ -45,7 +45,7 @@ class HostState:
         originals = self._unique_tensors(layers, "parameters")
 
         self.compute = [self.params.allocate(pin_memory), self.params.allocate(pin_memory)]
-        self.master = torch.empty(self.params.total, dtype=optim_dtype)
+        self.master = torch.zeros(self.params.total, dtype=optim_dtype)
         with torch.no_grad():
             for slot, p in zip(self.params.slots, originals):
                 self.params.view(self.compute[0], slot).copy_(p.detach())

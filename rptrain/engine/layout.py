@@ -1,7 +1,10 @@
 """Where each parameter (or buffer) of the model lives inside a few flat tensors, one per dtype.
 
 Tensors are numbered in layer order, so the tensors of a run of layers occupy one contiguous range
-of each flat tensor and a stage moves with one copy per dtype. A tensor shared by several layers
+of each flat tensor and a stage moves with one copy per dtype. Each tensor starts on a 256-byte
+boundary, like a fresh allocation: CPU and GPU kernels pick their code path (and so their rounding)
+by alignment, and this keeps results bitwise equal to plain PyTorch. The few padding elements
+between tensors stay zero. A tensor shared by several layers
 (tied weights) gets one slot, owned by the first layer that has it; later layers refer back to it,
 which adds a second range to their stages.
 """
@@ -36,8 +39,16 @@ class Range:
         return self.stop - self.start
 
 
+ALIGN_BYTES = 256
+
+
 def _dtype_key(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _align(offset: int, dtype: torch.dtype) -> int:
+    step = max(1, ALIGN_BYTES // dtype.itemsize)
+    return -(-offset // step) * step
 
 
 class FlatLayout:
@@ -53,7 +64,7 @@ class FlatLayout:
                 if id(tensor) not in seen:
                     key = _dtype_key(tensor.dtype)
                     self.dtypes[key] = tensor.dtype
-                    offset = self.sizes.get(key, 0)
+                    offset = _align(self.sizes.get(key, 0), tensor.dtype)
                     slot = Slot(len(self.slots), key, offset, tensor.numel(), tensor.shape, tensor.requires_grad, layer)
                     self.sizes[key] = offset + tensor.numel()
                     seen[id(tensor)] = slot.index
@@ -65,7 +76,7 @@ class FlatLayout:
         total = 0
         for key, size in self.sizes.items():
             self.base[key] = total
-            total += size
+            total += _align(size, torch.float32)  # keeps every dtype's region aligned in the master copy
         self.total = total
         self._range_cache: dict[tuple[int, int], list[Range]] = {}
         self._slots_cache: dict[Range, list[Slot]] = {}
@@ -92,12 +103,16 @@ class FlatLayout:
         for s in slots:
             if s.numel == 0:
                 continue
-            if merged and merged[-1].key == s.key and merged[-1].stop == s.offset:
+            if merged and merged[-1].key == s.key and self.adjacent(merged[-1].stop, s):
                 merged[-1] = Range(s.key, merged[-1].start, s.offset + s.numel)
             else:
                 merged.append(Range(s.key, s.offset, s.offset + s.numel))
         self._range_cache[(start, stop)] = merged
         return merged
+
+    def adjacent(self, stop: int, slot: Slot) -> bool:
+        """Whether ``slot`` follows position ``stop`` with only padding in between."""
+        return slot.offset in (stop, _align(stop, self.dtypes[slot.key]))
 
     def slots_in_range(self, r: Range) -> list[Slot]:
         """Slots inside range ``r``, by offset (cached: called for every gradient download)."""
@@ -115,7 +130,7 @@ class FlatLayout:
 
     def allocate(self, pin_memory: bool = False) -> dict[str, Tensor]:
         return {
-            key: torch.empty(size, dtype=self.dtypes[key], pin_memory=pin_memory) for key, size in self.sizes.items()
+            key: torch.zeros(size, dtype=self.dtypes[key], pin_memory=pin_memory) for key, size in self.sizes.items()
         }
 
     def view(self, flats: dict[str, Tensor], slot: Slot, base: int = 0) -> Tensor:
