@@ -157,6 +157,7 @@ class Executor:
         self._resident_lock = threading.Lock()
         self._static_buffers: dict[tuple[int, int, int], StageTensors] = {}
         self._graphs: dict[int, StageGraphs] = {}
+        self.reducer = None  # a GradReducer when gradients are averaged across processes
         self.resident = False  # keep the whole compute copy on every GPU
         self.cuda_graphs = False  # replay fused stages as CUDA graphs (needs resident weights)
 
@@ -166,6 +167,9 @@ class Executor:
         for job in state.jobs:
             by_device.setdefault(job.device, []).append(job)
         state.next_on_device = {}
+        state.reduce_order = {j.index: k for k, j in enumerate(j for j in state.jobs if j.kind is not JobKind.FORWARD)}
+        if self.reducer is not None:
+            self.reducer.begin()
         for jobs in by_device.values():
             for a, b in zip(jobs, jobs[1:]):
                 state.next_on_device[a.index] = b
@@ -191,6 +195,10 @@ class Executor:
                 self.devices[index].synchronize()
         if state.error is not None:
             raise state.error
+        if self.reducer is not None:
+            self.reducer.finish()
+            for index in by_device:
+                self.devices[index].synchronize()
         for dst, src in state.deferred_adds:
             dst.add_(src)
 
@@ -423,20 +431,30 @@ class Executor:
         ready = device.record("compute")
         with device.stream("download"):
             device.wait("download", ready)
+            converted = []
             for r, g in grads.pieces:
-                g32 = g.float()
+                converted.append((r, g.float()))
                 device.keep_alive(g, "download")
-                with state.lock:
-                    runs = _fresh_runs(layout, buffer, r)
-                for lo, hi, fresh in runs:
-                    dst = buffer.flat[layout.base[r.key] + lo : layout.base[r.key] + hi]
-                    src = g32[lo - r.start : hi - r.start]
-                    if fresh:
-                        device.copy_to_host(dst, src)
-                    else:
-                        staged = torch.empty(hi - lo, dtype=torch.float32, pin_memory=device.is_cuda)
-                        device.copy_to_host(staged, src)
-                        state.deferred_adds.append((dst, staged))
+
+            def land() -> None:
+                with device.stream("download"):
+                    for r, g32 in converted:
+                        with state.lock:
+                            runs = _fresh_runs(layout, buffer, r)
+                        for lo, hi, fresh in runs:
+                            dst = buffer.flat[layout.base[r.key] + lo : layout.base[r.key] + hi]
+                            src = g32[lo - r.start : hi - r.start]
+                            if fresh:
+                                device.copy_to_host(dst, src)
+                            else:
+                                staged = torch.empty(hi - lo, dtype=torch.float32, pin_memory=device.is_cuda)
+                                device.copy_to_host(staged, src)
+                                state.deferred_adds.append((dst, staged))
+
+            if self.reducer is None:
+                land()
+            else:
+                self.reducer.reduce(state.reduce_order[job.index], [g32 for _, g32 in converted], land, lambda: state.error is not None)
 
     def _send_buffers(self, device: Device, buffers: StageTensors, state: PassState) -> None:
         ready = device.record("compute")

@@ -66,10 +66,15 @@ class RoundPipe(nn.Module):
         model_run_config: Optional[RoundPipeRunConfig] = None,
         devices: Any = None,
         cuda_graphs: bool = True,
+        process_group: Any = None,
     ):
         """``devices``: None (every GPU, else the CPU) or a list like ``["cuda:0", "cuda:1"]``.
         ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
-        resident on the GPU (layers that cannot be captured fall back to eager, with a warning)."""
+        resident on the GPU (layers that cannot be captured fall back to eager, with a warning).
+        ``process_group``: a torch.distributed group to train data-parallel over: every rank
+        runs this engine on its own data and gradients are averaged before each step (NCCL for
+        GPU engines, gloo for CPU ones). BatchNorm statistics stay per rank, as in DDP with
+        ``broadcast_buffers=False``."""
         super().__init__()
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"RoundPipe needs an nn.Sequential (one element per pipeline layer), got {type(model).__name__}")
@@ -91,11 +96,17 @@ class RoundPipe(nn.Module):
         self._cuda = self._devices[0].is_cuda
         self._host = HostState(self._layers, optim_dtype, pin_memory=self._cuda)
         self._executor = Executor(self._layers, self._host, self._devices)
+        self._reducer = None
+        if process_group is not None:
+            from .reduce import GradReducer
+
+            self._reducer = self._executor.reducer = GradReducer(process_group)
+            self._reducer.check_same(self._host.master, self._devices[0].torch_device)
         if self._cuda:
             # Small models stay on every GPU (uploaded once per version, not once per stage).
             cap = min(d.memory_cap() or 0 for d in self._devices)
             weights = sum(t.numel() * t.element_size() for t in self._host.compute[0].values())
-            self._executor.resident = 2 * weights <= 0.2 * cap
+            self._executor.resident = self._same_on_all_ranks(2 * weights <= 0.2 * cap)
             self._executor.cuda_graphs = bool(cuda_graphs)
         # Without a GPU the optimizer and the compute share the cores, and a second thread of
         # OpenMP work makes every small op pay a thread wake-up (3x slower on 2 cores): there
@@ -207,6 +218,8 @@ class RoundPipe(nn.Module):
                 e.add_note("rptrain: the gradients accumulated since the last step() were discarded")
             raise
         found_inf = any(bool(flag) for flag in state.nonfinite.values())
+        if self._reducer is not None and state.scalers:  # every rank must skip the same steps
+            found_inf = self._reducer.any_flag(found_inf, self._devices[0].torch_device)
         for scaler, scale in state.scalers.items():
             scaler._observe(found_inf)
             _, earlier = self._window_scalers.get(scaler, (scale, False))
@@ -418,7 +431,11 @@ class RoundPipe(nn.Module):
             for i, c in enumerate(base)
         ]
         cap = min(d.memory_cap() or 0 for d in self._devices) or None
-        self._plan = plan_stages(costs, len(self._devices), cap)
+        self._plan = self._same_on_all_ranks(plan_stages(costs, len(self._devices), cap))
+
+    def _same_on_all_ranks(self, value: Any) -> Any:
+        """Rank 0's decision everywhere: plans fix the order of the gradient collectives."""
+        return value if self._reducer is None else self._reducer.broadcast_object(value)
 
 
 def _check_inputs(input_args: Any, input_kwargs: Optional[dict]) -> tuple[tuple, dict]:

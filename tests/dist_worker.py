@@ -1,0 +1,66 @@
+"""A data-parallel training run for tests/test_dist.py, launched by torchrun (gloo, CPU).
+
+Usage: torchrun --standalone --nproc-per-node N tests/dist_worker.py OUT_DIR [--die-at STEP]
+Each rank trains on its shard of every global batch and writes its final weights to OUT_DIR.
+"""
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from rptrain.optim import Adam
+
+GLOBAL_BATCH, STEPS = 8, 3
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)) for _ in range(STEPS)]
+
+
+def train(engine, opt, data, rank, world, die_at=None):
+    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=ExecutePlan.from_cuts(5, [2], [2]))
+    for step, (x, y) in enumerate(data):
+        if die_at is not None and step == die_at and rank == 1:
+            print("rank 1 dies on purpose", flush=True)
+            os._exit(3)  # simulates a crashed node: no cleanup, no collective
+        local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+        # The mean over the global batch: each rank's share of it, microbatches summed.
+        engine.forward_backward(input_args=(x[local],), label=y[local], run_config=cfg,
+                                loss_fn=lambda out, t: nn.functional.cross_entropy(out, t, reduction="sum") * world / GLOBAL_BATCH)
+        engine.step(lambda: (opt.step(), opt.zero_grad()))
+    engine.synchronize()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--die-at", type=int, default=None)
+    args = p.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = RoundPipe(model(), process_group=dist.group.WORLD)
+    with OptimizerCtx():
+        opt = Adam(engine.parameters(), lr=1e-2)
+    try:
+        train(engine, opt, batches(), rank, world, args.die_at)
+    except Exception as e:  # a peer died: say so in one line and fail
+        print(f"rank {rank}: training stopped: {type(e).__name__}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    torch.save(engine.state_dict(), os.path.join(args.out, f"rank{rank}.pt"))
+    engine.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

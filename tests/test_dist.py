@@ -1,0 +1,49 @@
+"""Data parallelism over torch.distributed (gloo on CPU), launched the way users launch it: torchrun."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import dist_worker  # noqa: E402
+
+from rptrain import OptimizerCtx, RoundPipe  # noqa: E402
+from rptrain.optim import Adam  # noqa: E402
+
+
+def torchrun(out: Path, *extra: str, nproc: int = 2, timeout: int = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(HERE / "dist_worker.py"), str(out), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
+    result = torchrun(tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name  # identical on every rank
+    # One process, the whole global batch, the same loss normalisation.
+    engine = RoundPipe(dist_worker.model())
+    with OptimizerCtx():
+        opt = Adam(engine.parameters(), lr=1e-2)
+    dist_worker.train(engine, opt, dist_worker.batches(), rank=0, world=1)
+    single = engine.state_dict()
+    for name in rank0:
+        torch.testing.assert_close(rank0[name], single[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_dead_rank_stops_the_others_with_an_error(tmp_path):
+    start = time.monotonic()
+    result = torchrun(tmp_path, "--die-at", "1")
+    assert result.returncode != 0
+    assert time.monotonic() - start < 120, "the surviving rank hung"
+    assert "rank 1 dies on purpose" in result.stdout + result.stderr
+    assert not (tmp_path / "rank0.pt").exists()
