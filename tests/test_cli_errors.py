@@ -1,0 +1,163 @@
+"""Bad input: one line on stderr naming the key or file and the fix, exit code 2, no run directory
+that could pass for a finished one.
+
+Most cases call the entry point in this process (they are rejected before Hydra starts, so no
+torch work happens); two run it as a subprocess to check the whole path, including a failure
+that only shows once the run has started.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+
+from cifar_fixture import write_fake_cifar
+from rptrain.cli.main import main
+from rptrain.train.checkpoint import save_checkpoint
+from test_cli_helpers import TINY, error_lines, explain, rptrain
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch, capsys):
+    """Run `rptrain ARGS` in-process in an empty directory; return (exit code, stderr lines)."""
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args: str) -> tuple[int, list[str]]:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, f"output_root={tmp_path / 'out'}"])
+        err = capsys.readouterr().err
+        return exit_info.value.code, error_lines(err)
+
+    yield run
+    assert not (tmp_path / "out").exists(), "a rejected command created a run directory"
+
+
+def expect_error(result: tuple[int, list[str]], *fragments: str) -> None:
+    code, lines = result
+    assert code == 2, lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("rptrain: error: "), lines
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_unknown_group_option(cli):
+    expect_error(cli("model=resnet35"), "model=resnet35", "resnet34", "llama_tiny")
+    expect_error(cli("precision=fp8"), "precision=fp8", "bf16, fp16, fp32")
+
+
+def test_misspelled_keys(cli):
+    expect_error(cli("trainer.batch_sise=8"), "trainer.batch_sise", "did you mean trainer.batch_size?")
+    expect_error(cli("modle=resnet18"), "modle", "did you mean model?")
+    expect_error(cli("model.widthz=[8,16,32,64]"), "model.widthz", "model.widths")
+    expect_error(cli("+trainer.epoch=3"), "trainer.epoch", "trainer.epochs")  # appended keys are checked too
+
+
+def test_wrong_types_and_values(cli):
+    expect_error(cli("trainer.batch_size=abc"), "trainer.batch_size", "Integer")
+    expect_error(cli("data.pipeline=pil"), "data.pipeline", "tensor, torchvision")
+    expect_error(cli("trainer.epochs=0"), "trainer.epochs=0")
+    expect_error(cli("optim.optimizer.betas=[0.9,1.5]"), "optim.optimizer.betas")
+    expect_error(cli("trainer.batch_size=1,2"), "add -m")
+    expect_error(cli("trainer.batch_size=["), "cannot parse")
+
+
+def test_batch_smaller_than_microbatches(cli):
+    expect_error(cli(*TINY, "trainer.batch_size=2", "run_config.num_microbatch=4"),
+                 "trainer.batch_size=2", "run_config.num_microbatch=4", "raise trainer.batch_size")
+
+
+def test_every_job_of_a_sweep_is_checked_before_the_first_runs(cli):
+    expect_error(cli("-m", *TINY, "trainer.batch_size=4", "run_config.num_microbatch=1,2,8"), "run_config.num_microbatch=8")
+
+
+def test_bad_run_config_and_model_values(cli):
+    expect_error(cli(*TINY, "run_config.execute_plan.forward=[100]"), "run_config", "ExecutePlan")
+    expect_error(cli(*TINY, "run_config.split_input=nowhere.split"), "run_config.split_input=nowhere.split")
+    expect_error(cli("model=llama_tiny", "data=synthetic_tokens", "model.dim=30"), "model=llama_tiny", "n_heads")
+    expect_error(cli("model=llama_tiny", "data=synthetic_tokens", "data.seq_len=1000"), "data.seq_len=1000", "model.max_seq_len=256")
+
+
+def test_model_and_data_that_do_not_fit(cli):
+    expect_error(cli("model=resnet34", "data=synthetic_tokens"), "model=resnet34", "data=cifar100|cifar10|synthetic")
+    expect_error(cli("model=llama_tiny", "data=cifar100"), "model=llama_tiny", "data=text|synthetic_tokens")
+    expect_error(cli("model=llama_tiny", "data=text"), "data.path is required", "data.path=")
+
+
+def test_missing_dataset_with_download_off(cli, tmp_path):
+    expect_error(cli("data.root=" + str(tmp_path / "nowhere"), "data.download=false"),
+                 "CIFAR-100 not found under", "data.root", "data.download=true", "data=synthetic")
+    expect_error(cli("model=llama_tiny", "data=text", f"data.path={tmp_path / 'missing.txt'}"), "missing.txt", "data.path")
+
+
+def test_modified_dataset_fails_the_checksum(cli, tmp_path):
+    root = write_fake_cifar(tmp_path / "cifar", "cifar10", n_train=20, n_test=10)
+    expect_error(cli("data=cifar10", f"data.root={root}", "data.download=false"), "checksum", "data.verify_checksums=false")
+
+
+def test_missing_dataset_without_network(cli, tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", offline)
+    monkeypatch.setattr(socket, "create_connection", offline)
+    expect_error(cli(f"data.root={tmp_path / 'empty'}"), "CIFAR-100 download", "failed", "data.root")
+
+
+def test_unwritable_output_directory(cli, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    expect_error(cli(*TINY, f"hydra.run.dir={blocker / 'run'}"), "hydra.run.dir", "a_file is a file")
+    expect_error(cli("-m", *TINY, f"hydra.sweep.dir={blocker / 'sweep'}"), "hydra.sweep.dir")
+    if os.geteuid() != 0:  # root may write anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        expect_error(cli(*TINY, f"hydra.run.dir={locked / 'run'}"), "not writable")
+
+
+def _tiny_state(**fingerprint) -> dict:
+    return {"fingerprint": {"model": "resnet18", "params": 1, "shapes": "x", **fingerprint}, "loader": {"batch_size": 16}}
+
+
+def test_corrupt_or_foreign_checkpoint(cli, tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"\x00not a checkpoint")
+    expect_error(cli(*TINY, f"trainer.resume={garbage}"), str(garbage), "corrupt", "trainer.resume=null")
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(2)}, foreign)
+    expect_error(cli(*TINY, f"trainer.resume={foreign}"), str(foreign), "not an rptrain checkpoint")
+    expect_error(cli(*TINY, f"trainer.resume={tmp_path / 'nothing.pt'}"), "nothing.pt", "no such checkpoint")
+    expect_error(cli(*TINY, f"trainer.resume={tmp_path}"), "no checkpoints/last.pt")
+
+
+def test_checkpoint_of_another_model(cli, tmp_path):
+    path = tmp_path / "other" / "checkpoints" / "last.pt"
+    save_checkpoint(path, _tiny_state(model="resnet50", params=123))
+    expect_error(cli(*TINY, f"trainer.resume={path.parent.parent}"), str(path), "resnet50", "resnet18", "trainer.resume=null")
+
+
+def test_dataset_problem_found_after_the_start_marks_the_run_failed(tmp_path):
+    """A corpus too short for one sequence is only found while loading it, after Hydra made the
+    run directory: exit 2, one line, and status.json says failed (no summary.json)."""
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("too short")
+    run = tmp_path / "run"
+    proc = rptrain(["model=llama_tiny", "data=text", f"data.path={corpus}", "data.seq_len=64", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 2, explain(proc)
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and "data.seq_len" in lines[0] and str(corpus) in lines[0], explain(proc)
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "failed" and "data.seq_len" in status["error"]
+    assert not (run / "summary.json").exists()
+
+
+def test_rejected_command_end_to_end(tmp_path):
+    proc = rptrain(["trainer.batch_sise=8"], tmp_path)
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [
+        "rptrain: error: trainer.batch_sise is not a config key (did you mean trainer.batch_size?): "
+        "check the spelling; `rptrain --cfg job` prints every key"
+    ], explain(proc)
+    assert not (tmp_path / "outputs").exists()
