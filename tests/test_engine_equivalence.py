@@ -396,3 +396,12 @@ def test_return_outputs_are_merged_in_order():
     )
     torch.testing.assert_close(out, mlp()(x), rtol=1e-5, atol=1e-6)
     assert not out.requires_grad
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_offloaded_activations_match(grain, monkeypatch):
+    """Saved activations parked in pinned host memory (long sequences) give the same training.
+    (On a CPU-only machine the activations are in host memory anyway.)"""
+    monkeypatch.setattr(RoundPipe, "_offload", lambda self, jobs, n: True)
+    engine, ref = train_both(convnet(), image_batches(), 2, plan=ExecutePlan.from_cuts(10, [4, 7], [3, 7]), grain=grain)
+    assert_state_close(engine.state_dict(), ref.state())

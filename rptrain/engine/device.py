@@ -147,6 +147,7 @@ class CudaDevice(Device):
                 moved = t.to(self.torch_device, non_blocking=True)
                 t.record_stream(src_stream)
                 return moved
+            self.wait("compute", event)  # e.g. an activation still being offloaded to the host
             if not t.is_pinned():
                 t = t.pin_memory()
             return t.to(self.torch_device, non_blocking=True)

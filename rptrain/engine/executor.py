@@ -91,6 +91,7 @@ class PassState:
     output_device: torch.device = torch.device("cpu")
     input_requires_grad: bool = False
     profile: bool = False
+    offload: bool = False  # keep saved activations in pinned host memory instead of on the GPU
     # Carried from a recorded forward into its backward.
     saved: dict = field(default_factory=dict)  # (layer, micro) -> (value, event, device)
     rng: dict = field(default_factory=dict)  # (layer, micro) -> generator state
@@ -342,7 +343,10 @@ class Executor:
     def _run_layers(self, modules: list, job: Job, a: int, b: int, x: Any, micro: int, state: PassState, device: Device, saves: tuple = ()) -> Any:
         for i in range(a, b):
             if i in saves:
-                state.saved[(i, micro)] = (x, device.record("compute"), device)
+                if state.offload and device.is_cuda:  # GPU memory then bounds one layer, not the sequence
+                    state.saved[(i, micro)] = (self._to_host(device, x), device.record("download"), None)
+                else:
+                    state.saved[(i, micro)] = (x, device.record("compute"), device)
                 if state.preserve_rng:
                     state.rng[(i, micro)] = device.rng_state()
             x = call_layer(modules[i - job.start], x)
@@ -415,6 +419,20 @@ class Executor:
             def move(t: Tensor) -> Tensor:
                 device.keep_alive(t, "download")
                 return t.to(target, non_blocking=True)
+
+            return map_tensors(move, value)
+
+    def _to_host(self, device: Device, value: Any) -> Any:
+        """Copy to pinned host memory on the download stream (the caller records its event)."""
+        ready = device.record("compute")
+        with device.stream("download"):
+            device.wait("download", ready)
+
+            def move(t: Tensor) -> Tensor:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                device.keep_alive(t, "download")
+                return host
 
             return map_tensors(move, value)
 

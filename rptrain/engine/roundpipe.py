@@ -116,6 +116,8 @@ class RoundPipe(nn.Module):
         weakref.finalize(self, self._optimizer_thread.close)
         register_step_queue(self)
         self._plan: Optional[ExecutePlan] = None
+        self._activation_bytes: Optional[dict[int, int]] = None  # measured: one microbatch's output per layer
+        self._memory_cap = 0
         self._tickets: dict[int, Ticket] = {}  # version -> the task writing it
         self._written = 0  # newest version submitted
         self._required = 0  # version the next call uses
@@ -193,11 +195,12 @@ class RoundPipe(nn.Module):
         plan, profile = self._training_plan(cfg)
         version = self._use_version()
         buffer = self._open_window()
+        jobs = training_schedule(plan, len(self._devices), cfg.recompute_grain)
         state = PassState(
-            training_schedule(plan, len(self._devices), cfg.recompute_grain), cfg.num_microbatch,
+            jobs, cfg.num_microbatch,
             [Args(a, k) for a, k in micro], version, labels=labels, loss_fn=loss_fn, grad_buffer=buffer,
             preserve_rng=cfg.preserve_rng_state, want_outputs=return_outputs, output_device=cfg.output_device,
-            profile=profile,
+            profile=profile, offload=self._offload(jobs, cfg.num_microbatch),
         )
         self._run_training_pass(state)
         if profile:
@@ -409,6 +412,13 @@ class RoundPipe(nn.Module):
             self._plan = plan_stages(self._static_costs(), len(self._devices))
         return self._plan or ExecutePlan.per_layer(len(self._layers))
 
+    def _offload(self, jobs: list, num_microbatch: int) -> bool:
+        """Move saved activations to the host when keeping them would take over a quarter of the GPU."""
+        if not self._cuda or self._activation_bytes is None:
+            return False
+        saved = sum(self._activation_bytes.get(c - 1, 0) for job in jobs if job.kind is JobKind.FORWARD for c in job.checkpoints)
+        return saved * num_microbatch > 0.25 * self._memory_cap
+
     def _plan_from(self, state: PassState) -> None:
         """Turn a measured one-layer-per-stage call into layer costs and a plan."""
         forward: dict[int, float] = {}
@@ -432,6 +442,7 @@ class RoundPipe(nn.Module):
         ]
         cap = min(d.memory_cap() or 0 for d in self._devices) or None
         self._plan = self._same_on_all_ranks(plan_stages(costs, len(self._devices), cap))
+        self._activation_bytes, self._memory_cap = dict(state.activation_bytes), cap or 0
 
     def _same_on_all_ranks(self, value: Any) -> Any:
         """Rank 0's decision everywhere: plans fix the order of the gradient collectives."""
