@@ -13,11 +13,11 @@ import socket
 
 import pytest
 import torch
-
 from cifar_fixture import write_fake_cifar
+from test_cli_helpers import TINY, error_lines, explain, rptrain
+
 from rptrain.cli.main import main
 from rptrain.train.checkpoint import save_checkpoint
-from test_cli_helpers import TINY, error_lines, explain, rptrain
 
 
 @pytest.fixture

@@ -28,8 +28,21 @@ TINY = [
 ]
 
 
+ROOT = Path(__file__).resolve().parents[1]
+# One intra-op thread per run: the models are tiny, and on a shared 2-core machine several
+# OpenMP threads per process spin against each other (runs became 30x slower under load).
+TEST_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
+# The recipes call $RPTRAIN; the console script may not be on PATH where the tests run.
+RECIPE_ENV = {"RPTRAIN": f"{sys.executable} -m rptrain.cli.main", "MODEL": "resnet18", "DATA": "synthetic"}
+
+
+def without_groups(overrides: list[str]) -> list[str]:
+    """TINY minus its model=/data= choices, which the recipes make themselves."""
+    return [o for o in overrides if not o.startswith(("model=", "data="))]
+
+
 def rptrain(args: list[str], cwd: Path, timeout: float = 180, env: Optional[dict] = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})}
+    full_env = {**TEST_ENV, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "rptrain.cli.main", *args],
         cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env,

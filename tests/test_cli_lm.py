@@ -8,7 +8,6 @@ import math
 import random
 
 import pytest
-
 from test_cli_helpers import explain, read_jsonl, rptrain, train_losses
 
 

@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from test_cli_helpers import TINY, explain, read_jsonl, rptrain, train_losses
+from test_cli_helpers import RECIPE_ENV, ROOT, TEST_ENV, TINY, explain, read_jsonl, rptrain, train_losses, without_groups
 
 # 96 images of batch 16: 6 steps per epoch, so step 4 is in the middle of the first epoch.
 RESUME = [*TINY, "data.num_train=96", "trainer.checkpoint_interval=4"]
@@ -45,7 +44,7 @@ def test_resumed_run_reproduces_the_straight_run(tmp_path):
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "rptrain.cli.main", *args], cwd=cwd,
+    return subprocess.Popen([sys.executable, "-m", "rptrain.cli.main", *args], cwd=cwd, env=TEST_ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -64,17 +63,28 @@ def _wait_for_steps(metrics: Path, proc: subprocess.Popen, steps: int, timeout: 
 LONG = [*TINY, "data.num_train=2560", "trainer.epochs=1"]
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143)])
-def test_signal_checkpoints_then_resume_auto_continues(tmp_path, signum, code):
-    run = tmp_path / "outputs" / "first"
-    proc = _start([*LONG, f"hydra.run.dir={run}"], tmp_path)
+def _run_dirs(root: Path) -> list[Path]:
+    return sorted(p.parent for p in root.glob("outputs/*/*/.hydra"))
+
+
+def test_preemption_through_the_slurm_recipe_then_requeue_resumes(tmp_path):
+    """recipes/slurm_resnet34_cifar100.sh as plain bash: SIGTERM to the batch shell (what SLURM's
+    --signal=B:TERM does) reaches rptrain, which checkpoints and exits 143 with a resume hint;
+    running the recipe again (a requeue) continues from that checkpoint via trainer.resume=auto."""
+    recipe = ["bash", str(ROOT / "recipes" / "slurm_resnet34_cifar100.sh"), *without_groups(LONG)]
+    env = {**TEST_ENV, **RECIPE_ENV}
+    proc = subprocess.Popen(recipe, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        deadline = time.monotonic() + 120
+        while not _run_dirs(tmp_path) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        [run] = _run_dirs(tmp_path)
         _wait_for_steps(run / "metrics.jsonl", proc, 3)
-        proc.send_signal(signum)
+        proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == code, (out, err)
+    assert proc.returncode == 143, (out, err)
     message = [line for line in err.splitlines() if "interrupted at step" in line]
     assert len(message) == 1, err
     stopped_at = int(message[0].split("interrupted at step ")[1].split()[0])
@@ -85,15 +95,13 @@ def test_signal_checkpoints_then_resume_auto_continues(tmp_path, signum, code):
     assert not (run / "summary.json").exists()
     assert max(train_losses(read_jsonl(run / "metrics.jsonl"))) == stopped_at  # finished the step it was in
 
-    # The same command with trainer.resume=auto (and its own run directory) continues that run.
-    second = tmp_path / "outputs" / "second"
-    proc2 = rptrain([*LONG, "trainer.resume=auto", f"hydra.run.dir={second}"], cwd=tmp_path)
-    assert proc2.returncode == 0, explain(proc2)
+    again = subprocess.run(recipe, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, explain(again)
+    [second] = [d for d in _run_dirs(tmp_path) if d != run]
     summary = json.loads((second / "summary.json").read_text())
-    assert summary["resumed_from"] == str(run / "checkpoints" / "last.pt")
+    assert summary["resumed_from"] == str((run / "checkpoints" / "last.pt").absolute())
     assert summary["steps"] == 160 and summary["epochs"] == 1
-    losses = train_losses(read_jsonl(second / "metrics.jsonl"))
-    assert sorted(losses) == list(range(1, 161))
+    assert sorted(train_losses(read_jsonl(second / "metrics.jsonl"))) == list(range(1, 161))
 
 
 def test_sigint_stops_with_130_and_a_checkpoint(tmp_path):

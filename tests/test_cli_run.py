@@ -8,9 +8,8 @@ import shutil
 import subprocess
 
 import pytest
-
 from cifar_fixture import write_fake_cifar
-from test_cli_helpers import TINY, explain, read_jsonl, rptrain
+from test_cli_helpers import RECIPE_ENV, ROOT, TEST_ENV, TINY, explain, read_jsonl, rptrain, without_groups
 from test_seed_tutorial import EPOCH_LINE
 
 
@@ -64,7 +63,7 @@ def test_run_writes_the_whole_output_layout(tmp_path):
 @pytest.mark.skipif(shutil.which("rptrain") is None, reason="the rptrain console script is not installed")
 def test_console_script_prints_the_resolved_config(tmp_path):
     proc = subprocess.run(["rptrain", "--cfg", "job", "--resolve", "model=resnet50", "optim=adamw"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=TEST_ENV)
     assert proc.returncode == 0, explain(proc)
     assert "name: resnet50" in proc.stdout and "rptrain.optim.AdamW" in proc.stdout
     assert "num_classes: 100" in proc.stdout and "num_microbatch" in proc.stdout and "warmup_steps" in proc.stdout
@@ -90,8 +89,13 @@ def test_cifar_format_dataset_both_pipelines_in_one_sweep(tmp_path):
     assert "per-sample torchvision transforms" in proc.stdout and "augmented on cpu" in proc.stdout
 
 
-def test_multirun_sweep_over_microbatches_releases_engines(tmp_path):
-    proc = rptrain(["-m", *TINY, "trainer.epochs=1", "run_config.num_microbatch=1,2,4"], cwd=tmp_path)
+def test_sweep_recipe_runs_every_job_in_one_process_and_releases_engines(tmp_path):
+    """recipes/sweep_num_microbatch.sh as plain bash: `rptrain -m run_config.num_microbatch=1,2,4`."""
+    proc = subprocess.run(
+        ["bash", str(ROOT / "recipes" / "sweep_num_microbatch.sh"), *without_groups(TINY)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**TEST_ENV, **RECIPE_ENV, "MICROBATCHES": "1,2,4", "STEPS": "4"},
+    )
     assert proc.returncode == 0, explain(proc)
     [sweep] = list((tmp_path / "outputs" / "multirun").glob("*/*"))  # outputs/multirun/DATE/TIME
     summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(3)]

@@ -5,7 +5,7 @@ import lines (roundpipe -> rptrain). `shrink` then makes it fit a CPU test and e
 asserted to hit exactly once: EPOCHS 20 -> 2 and DataLoader workers 2 -> 0. The network stays
 the tutorial's ResNet-34 in fp16; the data is a tiny CIFAR-100 in the real on-disk format that
 the real torchvision CIFAR100 class reads (download=True finds it and downloads nothing).
-fp16 convolutions are slow on a CPU (about 0.5 s per image for forward + backward), hence 16
+fp16 convolutions are slow on a CPU (about 0.5 s per image for forward + backward), hence 8
 training images.
 """
 from __future__ import annotations
@@ -15,7 +15,6 @@ import re
 
 import matplotlib
 import pytest
-
 from cifar_fixture import fake_cifar
 
 TUTORIAL = '''
@@ -188,7 +187,7 @@ def test_tutorial_line_format_matches_its_published_output():
 
 
 def test_seed_tutorial_runs_unchanged_on_rptrain(tmp_path, monkeypatch, capsys):
-    fake_cifar(tmp_path / "data", monkeypatch, "cifar100", n_train=16, n_test=8)
+    fake_cifar(tmp_path / "data", monkeypatch, "cifar100", n_train=8, n_test=8)
     monkeypatch.chdir(tmp_path)  # the tutorial reads ./data
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

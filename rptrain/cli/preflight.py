@@ -18,8 +18,8 @@ from typing import Optional
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.hydra import Hydra
 from hydra._internal.utils import create_automatic_config_search_path, get_args_parser
-from hydra.core.global_hydra import GlobalHydra
 from hydra.core.config_search_path import SearchPathQuery
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict

@@ -35,7 +35,7 @@ from .precision import build_scaler, torch_dtype
 from .resume import check_resume_state, resolve_resume
 from .run_config import build_run_config
 from .signals import Interrupted, StopRequest
-from .tasks import StepResult, Task, make_task, perplexity
+from .tasks import StepResult, make_task, perplexity
 from .validate import check_vocab, num_microbatch, validate_config
 
 

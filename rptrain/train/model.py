@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from rptrain.models import LLAMA_PRESETS, load_weights
+from rptrain.models import load_weights
 
 from .errors import ConfigError, one_line
 
@@ -59,7 +59,3 @@ def fingerprint(model_name: str, model: nn.Module) -> dict:
         "params": sum(p.numel() for p in model.parameters()),
         "shapes": hashlib.sha1("\n".join(entries).encode()).hexdigest()[:16],
     }
-
-
-def is_llama_preset(name: str) -> bool:
-    return name in LLAMA_PRESETS

@@ -1,9 +1,9 @@
 """The run_config group -> rptrain.RoundPipeRunConfig."""
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, Optional
 
-import importlib
 from omegaconf import DictConfig
 
 from rptrain import ExecutePlan, RoundPipeRunConfig

@@ -46,8 +46,13 @@ def stop_on_signals() -> Iterator[StopRequest]:
     if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
         yield request
         return
+    owner = os.getpid()
 
     def handler(signum: int, frame: object) -> None:
+        if os.getpid() != owner:
+            # A forked DataLoader worker inherited this handler. Ctrl-C reaches the whole process
+            # group: the worker keeps serving batches and leaves the stopping to the trainer.
+            return
         if request.signum is not None:
             _say("rptrain: second signal, stopping now without a checkpoint\n")
             raise KeyboardInterrupt
