@@ -62,7 +62,7 @@ def test_run_writes_the_whole_output_layout(tmp_path):
 
 @pytest.mark.skipif(shutil.which("rptrain") is None, reason="the rptrain console script is not installed")
 def test_console_script_prints_the_resolved_config(tmp_path):
-    proc = subprocess.run(["rptrain", "--cfg", "job", "--resolve", "model=resnet50", "optim=adamw"],
+    proc = subprocess.run(["rptrain", "--cfg", "job", "model=resnet50", "optim=adamw"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120, env=TEST_ENV)
     assert proc.returncode == 0, explain(proc)
     assert "name: resnet50" in proc.stdout and "rptrain.optim.AdamW" in proc.stdout
@@ -72,20 +72,27 @@ def test_console_script_prints_the_resolved_config(tmp_path):
 
 def test_cifar_format_dataset_both_pipelines_in_one_sweep(tmp_path):
     """A CIFAR-100 in the real file format, read through torchvision: the in-memory tensor
-    pipeline and the tutorial's per-sample torchvision pipeline, as two jobs of one -m sweep."""
+    pipeline and the tutorial's per-sample torchvision pipeline, as two jobs of one -m sweep;
+    with the tutorial's fp16 + GradScaler and AdamW's warmup + cosine schedule."""
     root = write_fake_cifar(tmp_path / "cifar", "cifar100", n_train=64, n_test=32)
     sweep = tmp_path / "sweep"
-    args = [a for a in TINY if not a.startswith("data")]
+    args = [a for a in TINY if not a.startswith(("data", "precision"))]
     proc = rptrain(
         ["-m", *args, "data=cifar100", f"data.root={root}", "data.download=false", "data.verify_checksums=false",
-         "data.pipeline=tensor,torchvision", "trainer.num_workers=0", "trainer.epochs=1", f"hydra.sweep.dir={sweep}"],
+         "data.pipeline=tensor,torchvision", "trainer.num_workers=0", "trainer.epochs=1", "precision=fp16",
+         "optim=adamw", "optim.schedule.warmup_steps=2", f"hydra.sweep.dir={sweep}"],
         cwd=tmp_path,
     )
     assert proc.returncode == 0, explain(proc)
+    assert "Warning" not in proc.stderr, proc.stderr
     for job in ("0", "1"):
         summary = json.loads((sweep / job / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["steps"] == 4, summary
-        assert 0 <= summary["final"]["test_acc"] <= 1
+        assert 0 <= summary["final"]["test_acc"] <= 1 and summary["final"]["test_loss"] < 10
+        train = [r for r in read_jsonl(sweep / job / "metrics.jsonl") if r["kind"] == "train"]
+        lrs = [r["lr"] for r in train]
+        assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])  # linear warmup over 2 steps, then cosine over the other 2
+        assert all(r["loss_scale"] >= 1 for r in train) and train[0]["loss_scale"] <= 65536
     assert "per-sample torchvision transforms" in proc.stdout and "augmented on cpu" in proc.stdout
 
 

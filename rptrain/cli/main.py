@@ -2,7 +2,7 @@
 
     rptrain model=resnet34 data=cifar100            one run under outputs/DATE/TIME/
     rptrain -m run_config.num_microbatch=1,2,4      a sweep, every job in this process
-    rptrain --cfg job                               the composed config
+    rptrain --cfg job                               the composed config, resolved
 
 Every job is composed and checked first (preflight.py), so a bad command line costs one
 line on stderr and exit code 2 instead of Hydra's multi-line report and a stray run directory.
@@ -23,7 +23,7 @@ from rptrain.train.schema import register_configs
 
 from .errors import describe
 from .job import fail, run_job
-from .preflight import CONFIG_NAME, CONFIG_PATH, preflight
+from .preflight import CONFIG_NAME, CONFIG_PATH, parse_args, preflight
 
 register_configs()
 
@@ -39,6 +39,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         preflight(argv)
     except (*USER_ERRORS, HydraException, OmegaConfBaseException) as err:
         fail(describe(err), to_log=False)
+    if "--cfg" in argv or "-c" in argv:
+        if parse_args(argv).cfg == "job" and "--resolve" not in argv:
+            argv.append("--resolve")  # show values (num_classes: 100), not ${data.num_classes}
     sys.argv = [sys.argv[0] or "rptrain", *argv]
     GlobalHydra.instance().clear()
     _app()

@@ -12,6 +12,7 @@ import gc
 import math
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,6 +168,9 @@ class Trainer:
         optimizer, scheduler = self.parts["optimizer"], self.parts["scheduler"]
         lr_of = lambda step: scheduler.base_lrs[0] * scheduler.lr_lambdas[0](step)  # noqa: E731  (no race with the optimizer thread)
         clip = cfg.optim.clip_grad_norm
+        # GradScaler skips the optimizer step when fp16 gradients overflow, by design; the schedule
+        # still advances (as in torch's AMP recipes), which torch would warn about on every skip.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
 
         def step_fn() -> None:  # runs on the optimizer thread
             if clip is not None:
