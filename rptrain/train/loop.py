@@ -14,7 +14,6 @@ import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,9 +25,10 @@ from rich.console import Console
 from rptrain import OptimizerCtx, RoundPipe
 
 from .checkpoint import LAST, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .console import ProgressBar, epoch_line, say, step_line
+from .console import ProgressBar, epoch_line, log, say, step_line
 from .data import TrainData, build_data
 from .errors import CheckpointError, one_line
+from .meters import Meter, RunProgress, progress_from, progress_state
 from .metrics import MetricsLog
 from .model import IMAGE, build_model, fingerprint
 from .plots import plot_curves
@@ -36,52 +36,8 @@ from .precision import build_scaler, torch_dtype
 from .resume import check_resume_state, resolve_resume
 from .run_config import build_run_config
 from .signals import Interrupted, StopRequest
-from .tasks import StepResult, make_task, perplexity
+from .tasks import make_task
 from .validate import check_vocab, num_microbatch, validate_config
-
-
-@dataclass
-class Meter:
-    """Running sums over a log window or an epoch."""
-
-    loss: float = 0.0  # sum of mean-loss x count
-    count: int = 0
-    correct: int = 0
-    samples: int = 0
-    steps: int = 0
-    data_time: float = 0.0
-    step_time: float = 0.0
-
-    def add(self, r: StepResult, data_time: float, step_time: float) -> None:
-        self.loss += r.loss * r.count
-        self.count += r.count
-        self.correct += r.correct
-        self.samples += r.samples
-        self.steps += 1
-        self.data_time += data_time
-        self.step_time += step_time
-
-    def mean_loss(self) -> float:
-        return self.loss / max(self.count, 1)
-
-    def metric(self, name: str) -> float:
-        return self.correct / max(self.samples, 1) if name == "acc" else perplexity(self.mean_loss())
-
-    def seconds(self) -> float:
-        return self.data_time + self.step_time
-
-
-@dataclass
-class Progress:
-    """Where the run is; saved in every checkpoint."""
-
-    step: int = 0
-    epoch_meter: Meter = field(default_factory=Meter)
-    last_eval: dict = field(default_factory=dict)
-    last_eval_step: int = -1
-    train_seconds: float = 0.0
-    samples: int = 0
-    tokens: int = 0
 
 
 class Trainer:
@@ -111,12 +67,15 @@ class Trainer:
         engine = RoundPipe(model, torch_dtype(cfg.precision.optim_dtype), build_run_config(cfg.run_config, len(model)))
         engine_ref = weakref.ref(engine)
         del model  # the engine owns the weights now
+        # Handed over in a list that _fit empties: a big checkpoint should not stay mapped all run.
+        handover = [state]
+        del state
         try:
-            summary = self._fit(engine, data, dtype, state, resume)
+            summary = self._fit(engine, data, dtype, handover, resume)
         finally:
             self.parts = {}  # the only other references to the engine, optimizer and data: free them for the next job
             engine.close()
-            del engine, state
+            del engine
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -125,7 +84,7 @@ class Trainer:
         summary["engine_released"] = engine_ref() is None
         return summary
 
-    def _fit(self, engine: RoundPipe, data: TrainData, dtype: torch.dtype, state: Optional[dict], resume: Optional[Path]) -> dict:
+    def _fit(self, engine: RoundPipe, data: TrainData, dtype: torch.dtype, handover: list, resume: Optional[Path]) -> dict:
         cfg, t = self.cfg, self.cfg.trainer
         steps_per_epoch = len(data.train)
         self.total_steps = t.max_steps or t.epochs * steps_per_epoch
@@ -134,10 +93,12 @@ class Trainer:
             optimizer = instantiate(cfg.optim.optimizer, params=engine.parameters(), _convert_="all")
         scheduler = instantiate(cfg.optim.schedule, optimizer=optimizer, total_steps=self.total_steps)
         scaler = build_scaler(cfg.precision)
-        progress = Progress()
+        state = handover.pop()
+        progress = RunProgress()
         if state is not None:
             progress = self._restore(state, resume, engine, optimizer, scheduler, scaler, data)
         self.metrics = MetricsLog(self.run_dir, state["history"] if state else None)
+        del state
         self.task = make_task(data.kind, num_microbatch(cfg), dtype)
         self.parts = dict(engine=engine, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data)
         try:
@@ -146,7 +107,7 @@ class Trainer:
             self.metrics.close()
         return self._summary(progress, resume)
 
-    def _restore(self, state: dict, path: Path, engine, optimizer, scheduler, scaler, data: TrainData) -> Progress:
+    def _restore(self, state: dict, path: Path, engine, optimizer, scheduler, scaler, data: TrainData) -> RunProgress:
         try:
             engine.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -154,7 +115,7 @@ class Trainer:
             if scaler.is_enabled() and state["scaler"]:  # fp16 -> bf16/fp32 (or back) keeps no scale
                 scaler.load_state_dict(state["scaler"])
             data.train.load_state_dict(state["loader"])
-            progress = _progress_from(state["progress"])
+            progress = progress_from(state["progress"])
         except (KeyError, ValueError, TypeError, RuntimeError) as err:
             raise CheckpointError(f"checkpoint {path} does not fit this run ({one_line(err)[:300]}): resume with the config it was written with") from err
         set_rng_state(state["rng"])
@@ -162,7 +123,7 @@ class Trainer:
         return progress
 
     # ----------------------------------------------------------------------------- the loop
-    def _loop(self, p: Progress) -> None:
+    def _loop(self, p: RunProgress) -> None:
         cfg, t = self.cfg, self.cfg.trainer
         engine, scaler, data = self.parts["engine"], self.parts["scaler"], self.parts["data"]
         optimizer, scheduler = self.parts["optimizer"], self.parts["scheduler"]
@@ -222,7 +183,7 @@ class Trainer:
             self._checkpoint(p)
         self._write_reports()
 
-    def _after_step(self, p: Progress, epoch: int, epoch_done: bool, stop: StopRequest) -> None:
+    def _after_step(self, p: RunProgress, epoch: int, epoch_done: bool, stop: StopRequest) -> None:
         t, data = self.cfg.trainer, self.parts["data"]
         last = p.step >= self.total_steps
         if data.eval is not None and (epoch_done or last or (t.eval_interval and p.step % t.eval_interval == 0)):
@@ -241,7 +202,7 @@ class Trainer:
         rate = window.samples / max(window.seconds(), 1e-9)
         return f"loss {window.mean_loss():.4f}  {rate:,.0f} samples/s"
 
-    def _log_train(self, p: Progress, w: Meter, epoch: int, lr: float, scale: float, bar_on: bool) -> None:
+    def _log_train(self, p: RunProgress, w: Meter, epoch: int, lr: float, scale: float, bar_on: bool) -> None:
         metric = self.task.metric
         seconds = max(w.seconds(), 1e-9)
         values: dict[str, Any] = dict(
@@ -253,14 +214,12 @@ class Trainer:
             values["tokens_per_s"] = w.count / seconds
         record = self.metrics.add("train", **values, time=p.train_seconds)
         line = step_line(record, self.total_steps, metric, "tokens" if metric == "ppl" else "samples")
-        if bar_on:
-            from .console import log
-
+        if bar_on:  # the bar shows it live; the log file keeps it
             log.info(line)
         else:
             say(self.console, line)
 
-    def _evaluate(self, p: Progress, epoch: int) -> None:
+    def _evaluate(self, p: RunProgress, epoch: int) -> None:
         engine, loader = self.parts["engine"], self.parts["data"].eval
         engine.synchronize()  # evaluate the newest weights, as the tutorial does
         engine.eval()
@@ -270,7 +229,7 @@ class Trainer:
         p.last_eval, p.last_eval_step = result, p.step
         self.metrics.add("eval", step=p.step, epoch=epoch + 1, **result, time=p.train_seconds)
 
-    def _end_epoch(self, p: Progress, epoch: int) -> None:
+    def _end_epoch(self, p: RunProgress, epoch: int) -> None:
         metric, m = self.task.metric, p.epoch_meter
         record = {
             "step": p.step, "epoch": epoch + 1, "train_loss": m.mean_loss(), f"train_{metric}": m.metric(metric),
@@ -289,7 +248,7 @@ class Trainer:
     # ----------------------------------------------------------------------------- checkpoints
     _ckpt_step = -1
 
-    def _checkpoint(self, p: Progress) -> None:
+    def _checkpoint(self, p: RunProgress) -> None:
         engine = self.parts["engine"]
         engine.synchronize()  # the master weights after this step, and no step in flight
         parts = self.parts
@@ -301,7 +260,7 @@ class Trainer:
             "scaler": parts["scaler"].state_dict(),
             "loader": parts["data"].train.state_dict(),
             "rng": rng_state(),
-            "progress": _progress_state(p),
+            "progress": progress_state(p),
             "history": self.metrics.records,
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
             "overrides": self.overrides,
@@ -309,7 +268,7 @@ class Trainer:
         self._ckpt_step = p.step
         self.metrics.write_csv()
 
-    def _summary(self, p: Progress, resume: Optional[Path]) -> dict:
+    def _summary(self, p: RunProgress, resume: Optional[Path]) -> dict:
         metric = self.task.metric
         m = p.epoch_meter
         final = {"train_loss": m.mean_loss(), f"train_{metric}": m.metric(metric)}
@@ -333,18 +292,3 @@ class Trainer:
         if metric == "ppl":
             summary["tokens_per_s"] = p.tokens / seconds
         return summary
-
-
-def _progress_state(p: Progress) -> dict:
-    return {
-        "step": p.step, "epoch_meter": vars(p.epoch_meter).copy(), "last_eval": dict(p.last_eval),
-        "last_eval_step": p.last_eval_step, "train_seconds": p.train_seconds, "samples": p.samples, "tokens": p.tokens,
-    }
-
-
-def _progress_from(state: dict) -> Progress:
-    return Progress(
-        step=int(state["step"]), epoch_meter=Meter(**state["epoch_meter"]), last_eval=dict(state["last_eval"]),
-        last_eval_step=int(state["last_eval_step"]), train_seconds=float(state["train_seconds"]),
-        samples=int(state["samples"]), tokens=int(state["tokens"]),
-    )
