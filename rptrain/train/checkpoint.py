@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,9 +25,10 @@ LAST = "last.pt"
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # Not mkstemp: its files are private (0600); a checkpoint gets the umask's permissions like any file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             torch.save({"format": FORMAT, **state}, f)
             f.flush()
             os.fsync(f.fileno())
