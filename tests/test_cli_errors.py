@@ -65,6 +65,12 @@ def test_wrong_types_and_values(cli):
     expect_error(cli("trainer.batch_size=["), "cannot parse")
 
 
+def test_bad_command_line_flags(cli):
+    expect_error(cli("--no-such-flag"), "unrecognized arguments: --no-such-flag", "rptrain --help")
+    expect_error(cli("-m", "--cfg", "job"), "only one of")
+    expect_error(cli("--resolve"), "--resolve")
+
+
 def test_batch_smaller_than_microbatches(cli):
     expect_error(cli(*TINY, "trainer.batch_size=2", "run_config.num_microbatch=4"),
                  "trainer.batch_size=2", "run_config.num_microbatch=4", "raise trainer.batch_size")

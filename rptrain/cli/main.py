@@ -39,9 +39,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         preflight(argv)
     except (*USER_ERRORS, HydraException, OmegaConfBaseException) as err:
         fail(describe(err), to_log=False)
-    if "--cfg" in argv or "-c" in argv:
-        if parse_args(argv).cfg == "job" and "--resolve" not in argv:
-            argv.append("--resolve")  # show values (num_classes: 100), not ${data.num_classes}
+    args = parse_args(argv)
+    if args.cfg == "job" and not args.resolve:
+        argv.append("--resolve")  # show values (num_classes: 100), not ${data.num_classes}
     sys.argv = [sys.argv[0] or "rptrain", *argv]
     GlobalHydra.instance().clear()
     _app()

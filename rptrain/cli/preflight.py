@@ -25,6 +25,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from rptrain.train.checkpoint import load_checkpoint
+from rptrain.train.errors import ConfigError
 from rptrain.train.model import LM, build_model, fingerprint, model_kind
 from rptrain.train.precision import torch_dtype
 from rptrain.train.resume import check_resume_state, resolve_resume
@@ -36,7 +37,19 @@ CONFIG_NAME = "config"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    return get_args_parser().parse_args(argv)
+    parser = get_args_parser()
+
+    def error(message: str) -> None:  # argparse would print its usage block and exit
+        raise ConfigError(f"{message}: see rptrain --help")
+
+    parser.error = error  # type: ignore[method-assign]
+    args = parser.parse_args(argv)
+    commands = [args.run, args.multirun, args.cfg is not None, args.shell_completion, args.info is not None]
+    if sum(map(bool, commands)) > 1:
+        raise ConfigError("use only one of --run, --multirun (-m), --cfg, --info and --shell-completion")
+    if args.resolve and args.cfg is None and not args.help:
+        raise ConfigError("--resolve only goes with --cfg (or --help)")
+    return args
 
 
 def job_overrides(args: argparse.Namespace) -> list[list[str]]:
