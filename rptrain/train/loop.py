@@ -60,6 +60,8 @@ class Trainer:
         model = build_model(cfg, dtype, vocab_size=data.vocab_size)
         self.fingerprint = fingerprint(cfg.model.name, model)
         resume = resolve_resume(cfg.trainer.resume, Path(cfg.output_root), self.run_dir, self.overrides)
+        if cfg.trainer.resume == "auto" and resume is None:
+            say(self.console, f"trainer.resume=auto: no checkpoint of a run with these overrides under {cfg.output_root}: starting fresh")
         state = load_checkpoint(resume, self.fingerprint) if resume else None
         if state is not None:
             check_resume_state(resume, state, cfg)
