@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 from pathlib import Path
 from typing import Optional
@@ -169,7 +170,7 @@ def check_inputs(cfg: DictConfig) -> None:
     so that a failed download leaves no run directory behind."""
     d = cfg.data
     if d.name in ("cifar10", "cifar100"):
-        _check_cifar(d)
+        _check_cifar(d.name, str(d.root), bool(d.download), bool(d.verify_checksums))
     if d.name == "text":
         from rptrain.data.text import corpus_files
 
@@ -178,31 +179,32 @@ def check_inputs(cfg: DictConfig) -> None:
             raise DataError(f"data.tokenizer={d.tokenizer}: no such file: give a tokenizer.json path or data.tokenizer=byte")
 
 
-def _check_cifar(d: DictConfig) -> None:
+@functools.lru_cache(maxsize=None)  # once per data set for all the jobs of a sweep
+def _check_cifar(name: str, root_path: str, download: bool, verify_checksums: bool) -> None:
     from torchvision.datasets import CIFAR10, CIFAR100
     from torchvision.datasets.utils import check_integrity
 
     from rptrain.data import cifar_dataset
 
-    cls = CIFAR10 if d.name == "cifar10" else CIFAR100
-    title = "CIFAR-10" if d.name == "cifar10" else "CIFAR-100"
-    root = Path(d.root).expanduser()
+    cls = CIFAR10 if name == "cifar10" else CIFAR100
+    title = "CIFAR-10" if name == "cifar10" else "CIFAR-100"
+    root = Path(root_path).expanduser()
     if root.name == cls.base_folder:
         root = root.parent
     files = [*cls.train_list, *cls.test_list, (cls.meta["filename"], cls.meta["md5"])]
-    if not all((root / cls.base_folder / name).is_file() for name, _ in files):
-        if not d.download:
+    if not all((root / cls.base_folder / fname).is_file() for fname, _ in files):
+        if not download:
             raise DataError(
                 f"{title} not found under {root} and data.download=false: set data.root to a folder containing "
                 f"{cls.base_folder}/, or data.download=true, or use data=synthetic"
             )
-        cifar_dataset(d.name, root, train=True, download=True, verify_checksums=d.verify_checksums)  # raises DataError offline
+        cifar_dataset(name, root, train=True, download=True, verify_checksums=verify_checksums)  # raises DataError offline
         return
-    if d.verify_checksums:
-        for name, md5 in files:
-            if not check_integrity(str(root / cls.base_folder / name), md5):
+    if verify_checksums:
+        for fname, md5 in files:
+            if not check_integrity(str(root / cls.base_folder / fname), md5):
                 raise DataError(
-                    f"{root / cls.base_folder / name} does not match the published {title} checksum: "
+                    f"{root / cls.base_folder / fname} does not match the published {title} checksum: "
                     f"delete {root / cls.base_folder} and use data.download=true, or set data.verify_checksums=false for a modified copy"
                 )
 
