@@ -32,6 +32,7 @@ if [[ -n "${DATA_ROOT:-}" ]]; then args+=(data.root="$DATA_ROOT"); fi
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then args+=(hydra.run.dir="outputs/slurm-${SLURM_JOB_ID}"); fi
 
 # Run rptrain as a child so this shell can pass SIGTERM/SIGINT on and requeue afterwards.
+# $RPTRAIN is unquoted on purpose: it may be a command with arguments (python -m rptrain.cli.main).
 $RPTRAIN "${args[@]}" "$@" &
 pid=$!
 trap 'kill -TERM "$pid" 2>/dev/null || true' TERM

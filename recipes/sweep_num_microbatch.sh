@@ -27,4 +27,5 @@ RPTRAIN=${RPTRAIN:-rptrain}
 args=(-m model="$MODEL" data="$DATA" run_config.num_microbatch="$MICROBATCHES" trainer.max_steps="$STEPS")
 if [[ -n "${DATA_ROOT:-}" ]]; then args+=(data.root="$DATA_ROOT"); fi
 
+# $RPTRAIN is unquoted on purpose: it may be a command with arguments (python -m rptrain.cli.main).
 exec $RPTRAIN "${args[@]}" "$@"

@@ -23,6 +23,19 @@ def _did_you_mean(key: str, object_type: object) -> str:
     return f" (did you mean {key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}?)" if close else ""
 
 
+_WANTED = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+
+
+def _fix_for(message: str) -> str:
+    """OmegaConf says what failed; add what to write instead."""
+    for name, wanted in _WANTED.items():
+        if message.rstrip(".").endswith(f"converted to {name}"):
+            return f": give {wanted}"
+    if "is not a valid bool" in message:
+        return ": give true or false"
+    return ""
+
+
 def describe(err: BaseException) -> str:
     """One line for any error a user's command line or config can cause."""
     if isinstance(err, USER_ERRORS):
@@ -36,7 +49,7 @@ def describe(err: BaseException) -> str:
         hint = _did_you_mean(key, getattr(cause, "object_type", None))
         return f"{key} is not a config key{hint}: check the spelling; `rptrain --cfg job` prints every key"
     if isinstance(cause, ValidationError) and getattr(cause, "full_key", None):
-        return f"bad value for {cause.full_key}: {_first_line(cause)}"
+        return f"bad value for {cause.full_key}: {_first_line(cause)}{_fix_for(_first_line(cause))}"
     if isinstance(err, OverrideParseException):
         lines = [line.strip() for line in str(err).splitlines() if line.strip()][:2]
         return f"cannot parse the override: {' '.join(lines)} (grammar: https://hydra.cc/docs/advanced/override_grammar/basic/)"
