@@ -18,7 +18,9 @@ def test_pyproject_lists_every_package():
     subpackage missing from it would be left out of a non-editable install."""
     declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "rptrain").rglob("__init__.py")}
-    assert on_disk | {"rptrain.conf"} == declared
+    missing, extra = on_disk - declared, declared - on_disk - {"rptrain.conf"}
+    assert not missing, f"add {sorted(missing)} to [tool.setuptools] packages in pyproject.toml"
+    assert not extra, f"remove {sorted(extra)} from [tool.setuptools] packages in pyproject.toml"
 
 
 def test_wheel_contains_the_configs_and_runs_from_elsewhere(tmp_path):
