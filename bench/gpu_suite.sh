@@ -22,6 +22,22 @@ if [[ $what == resnet || $what == all ]]; then
     python3 optimizer.py --params 21.3e6 302e6
   } 2>&1 | grep -v Warning | tee "$out/resnet.jsonl" | grep '^{'
 fi
+if [[ $what == core ]]; then  # the short version, for a tight device budget
+  {
+    python3 limits.py
+    python3 resnet.py --impl both --trace --steps 40
+    python3 optimizer.py --params 21.3e6 302e6
+    timeout 240 python3 llm.py --model llama_1b llama_3b --seq 4096 --batch 2 --steps 4 --warmup 2
+    for seq in 32768 131072; do timeout 60 python3 llm.py --model llama_1b --impl rptrain --seq $seq --batch 1 --steps 1 --warmup 1; done
+  } 2>&1 | grep -v Warning | tee "$out/core.jsonl" | grep -E '^\{|Error' | tail -40
+  cd ..
+  if [[ -d .whl ]]; then  # goal 2: the whole CLI run, with GPU augmentation, is it input-bound?
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+    timeout 120 python3 -m rptrain.cli.main model=resnet34 data=synthetic data.num_train=50000 data.num_test=2000 \
+      trainer.epochs=1 trainer.progress=false hydra.run.dir=/tmp/cli-run 2>&1 | tail -8
+    cp /tmp/cli-run/metrics.jsonl /tmp/cli-run/summary.json "$out/" 2>/dev/null
+  fi
+fi
 if [[ $what == llm || $what == all ]]; then
   {
     timeout 300 python3 llm.py --model llama_1b llama_3b --seq 4096 --batch 2
