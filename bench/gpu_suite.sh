@@ -28,7 +28,7 @@ if [[ $what == core ]]; then  # the short version, for a tight device budget
     python3 resnet.py --impl both --trace --steps 40
     python3 optimizer.py --params 21.3e6 302e6
     timeout 240 python3 llm.py --model llama_1b llama_3b --seq 4096 --batch 2 --steps 4 --warmup 2
-    for seq in 32768 131072; do timeout 60 python3 llm.py --model llama_1b --impl rptrain --seq $seq --batch 1 --steps 1 --warmup 1; done
+    for seq in 32768 65536; do timeout 70 python3 llm.py --model llama_1b --impl rptrain --seq $seq --batch 1 --steps 1 --warmup 1; done
   } 2>&1 | grep -v Warning | tee "$out/core.jsonl" | grep -E '^\{|Error' | tail -40
   cd ..
   if [[ -d .whl ]]; then  # goal 2: the whole CLI run, with GPU augmentation, is it input-bound?
