@@ -22,21 +22,24 @@ if [[ $what == resnet || $what == all ]]; then
     python3 optimizer.py --params 21.3e6 302e6
   } 2>&1 | grep -v Warning | tee "$out/resnet.jsonl" | grep '^{'
 fi
-if [[ $what == core ]]; then  # the short version, for a tight device budget
-  {
-    python3 limits.py
-    python3 resnet.py --impl both --trace --steps 40
-    python3 optimizer.py --params 21.3e6 302e6
-    timeout 240 python3 llm.py --model llama_1b llama_3b --seq 4096 --batch 2 --steps 4 --warmup 2
-    for seq in 32768 65536; do timeout 70 python3 llm.py --model llama_1b --impl rptrain --seq $seq --batch 1 --steps 1 --warmup 1; done
-  } 2>&1 | grep -v Warning | tee "$out/core.jsonl" | grep -E '^\{|Error' | tail -40
+if [[ $what == core ]]; then  # the short version for a tight device budget: most important first
+  log="$out/core.jsonl"
+  run() { timeout "$1" "${@:2}" 2>&1 | grep -v Warning | tee -a "$log" | grep -E '^\{|Error|error' | tail -12; }
+  run 100 python3 resnet.py --impl both --trace --steps 30
+  run 150 python3 llm.py --model llama_1b --seq 4096 --batch 2 --steps 3 --warmup 2
   cd ..
-  if [[ -d .whl ]]; then  # goal 2: the whole CLI run, with GPU augmentation, is it input-bound?
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
-    timeout 120 python3 -m rptrain.cli.main model=resnet34 data=synthetic data.num_train=50000 data.num_test=2000 \
-      trainer.epochs=1 trainer.progress=false hydra.run.dir=/tmp/cli-run 2>&1 | tail -8
+  if [[ -d .whl ]]; then  # issue 4 goal 2: is the whole CLI run, with GPU augmentation, input-bound?
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 python3 -m rptrain.cli.main model=resnet34 data=synthetic \
+      data.num_train=25000 data.num_test=1000 trainer.epochs=1 trainer.log_interval=25 trainer.progress=false \
+      hydra.run.dir=/tmp/cli-run 2>&1 | tail -4
     cp /tmp/cli-run/metrics.jsonl /tmp/cli-run/summary.json "$out/" 2>/dev/null
   fi
+  cd bench
+  run 60 python3 optimizer.py --params 21.3e6 302e6
+  run 90 python3 llm.py --model llama_3b --impl rptrain plain --seq 4096 --batch 2 --steps 3 --warmup 2
+  run 60 python3 llm.py --model llama_1b --impl rptrain --seq 32768 --batch 1 --steps 1 --warmup 1
+  run 20 python3 limits.py
 fi
 if [[ $what == llm || $what == all ]]; then
   {
