@@ -3,6 +3,10 @@
 status.json says running / completed / failed / interrupted; summary.json appears only when
 the run completed. User errors end the process with one line on stderr and exit code 2;
 SIGTERM/SIGINT end it after a checkpoint with 128 + the signal number.
+
+Under torchrun only rank 0 writes the run directory and talks; every rank prints its own fatal
+error as one line starting with its rank, and a failed collective (a peer died or hung) ends
+the run with exit code 1.
 """
 from __future__ import annotations
 
@@ -14,10 +18,12 @@ from typing import NoReturn
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from rich.console import Console
 
+from rptrain.train import dist
 from rptrain.train.console import config_tree, make_console, say
 from rptrain.train.errors import USER_ERRORS, one_line
-from rptrain.train.loop import Trainer
+from rptrain.train.loop import FailedOnRankZero, Trainer
 from rptrain.train.signals import Interrupted, stop_on_signals
 from rptrain.train.status import write_json_atomic, write_status
 
@@ -25,6 +31,7 @@ log = logging.getLogger("rptrain")
 
 
 def fail(message: str, code: int = 2, to_log: bool = True, kind: str = "error") -> NoReturn:
+    message = dist.rank_prefix() + message  # under torchrun the ranks' output interleaves
     if to_log:  # inside a job: the run's log file (before one, logging would echo it to stderr)
         log.error(message)
     print(f"rptrain: {kind}: {message}", file=sys.stderr, flush=True)
@@ -34,6 +41,8 @@ def fail(message: str, code: int = 2, to_log: bool = True, kind: str = "error") 
 def resume_command(argv: list[str]) -> str:
     """The command that continues this run: the same arguments with trainer.resume=auto."""
     kept = [a for a in argv if a.lstrip("+").split("=", 1)[0] != "trainer.resume"]
+    if dist.world_size() > 1:  # torchrun's own arguments are not ours to know; any world size dividing the batch fits
+        return shlex.join(["torchrun", "...", "-m", "rptrain.cli.main", *kept, "trainer.resume=auto"])
     return shlex.join(["rptrain", *kept, "trainer.resume=auto"])
 
 
@@ -41,29 +50,55 @@ def run_job(cfg: DictConfig) -> dict:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     overrides = list(hydra_cfg.overrides.task)
-    console = make_console()
-    write_status(run_dir, "running")
+    main = dist.rank() == 0
+    console = make_console() if main else Console(quiet=True)  # the other ranks keep quiet
+    status = (lambda state, **details: write_status(run_dir, state, **details)) if main else (lambda state, **details: None)
+    status("running")
     console.print(config_tree(cfg, label=f"rptrain  {run_dir}"))
     hint = resume_command(sys.argv[1:])
+    # Under torchrun the launcher forwards a signal to every rank, and SLURM may deliver it too.
+    duplicate_s = 10.0 if dist.world_size() > 1 else 0.0
+    group = dist.Dist()
     try:
-        with stop_on_signals() as stop:
-            summary = Trainer(cfg, run_dir, overrides, console, hint).fit(stop)
+        with stop_on_signals(announce=main, duplicate_s=duplicate_s) as stop:
+            group = dist.setup(cfg.dist)
+            summary = Trainer(cfg, run_dir, overrides, console, hint, group).fit(stop)
     except Interrupted as stopped:
-        write_status(run_dir, "interrupted", step=stopped.step, signal=stopped.request.name, checkpoint=stopped.checkpoint, resume=hint)
-        fail(f"interrupted at step {stopped.step} ({stopped.request.name}): checkpoint saved to {stopped.checkpoint}; "
-             f"resume with: {hint}", code=stopped.request.exit_code, kind="stopped")
+        status("interrupted", step=stopped.step, signal=stopped.request.name, checkpoint=stopped.checkpoint, resume=hint)
+        if main:
+            say_stopped = f"interrupted at step {stopped.step} ({stopped.request.name}): checkpoint saved to {stopped.checkpoint}; resume with: {hint}"
+            log.error(say_stopped)
+            print(f"rptrain: stopped: {say_stopped}", file=sys.stderr, flush=True)
+        _wait_for_rank0(group)  # nobody leaves before rank 0 has written and said it: torchrun would kill it
+        raise SystemExit(stopped.request.exit_code)
+    except FailedOnRankZero:
+        raise SystemExit(2)
+    except dist.PeerError as err:
+        status("failed", error=one_line(err))
+        fail(one_line(err), code=1)
     except USER_ERRORS as err:
-        write_status(run_dir, "failed", error=one_line(err))
+        status("failed", error=one_line(err))
         fail(one_line(err))
     except KeyboardInterrupt:
-        write_status(run_dir, "interrupted", error="second signal: stopped without a checkpoint")
+        status("interrupted", error="second signal: stopped without a checkpoint")
         raise SystemExit(130)
     except BaseException as err:
-        write_status(run_dir, "failed", error=one_line(repr(err)))
+        status("failed", error=one_line(repr(err)))
+        if dist.world_size() > 1 and not isinstance(err, SystemExit):  # one line before the traceback, naming the rank
+            print(f"rptrain: error: rank {dist.rank()}: {one_line(repr(err))[:300]}", file=sys.stderr, flush=True)
         raise
+    if not main:
+        return summary
     write_json_atomic(run_dir / "summary.json", summary)
-    write_status(run_dir, "completed", step=summary["steps"])
+    status("completed", step=summary["steps"])
     final = " | ".join(f"{k} {v:.4f}" for k, v in summary["final"].items())
     rate = f"{summary['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in summary else f"{summary['samples_per_s']:,.0f} samples/s"
     say(console, f"done: {summary['steps']} steps | {final} | {rate} | {run_dir}")
     return summary
+
+
+def _wait_for_rank0(group: dist.Dist) -> None:
+    try:
+        group.barrier("the wait for rank 0's checkpoint")
+    except dist.PeerError:
+        pass  # a peer is gone already: leaving is all that is left to do

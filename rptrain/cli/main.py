@@ -6,10 +6,15 @@
 
 Every job is composed and checked first (preflight.py), so a bad command line costs one
 line on stderr and exit code 2 instead of Hydra's multi-line report and a stray run directory.
+
+Under torchrun the same command runs on every rank (train/dist.py). Ranks other than 0 keep
+Hydra's run directory and log in a temporary folder that is removed when they exit.
 """
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from typing import Optional
 
 import hydra
@@ -18,6 +23,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from rptrain.data import DataError
+from rptrain.train import dist
 from rptrain.train.errors import USER_ERRORS
 from rptrain.train.schema import register_configs
 
@@ -36,15 +43,27 @@ def _app(cfg: DictConfig) -> dict:
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        rank = dist.rank()
         preflight(argv)
     except (*USER_ERRORS, HydraException, OmegaConfBaseException) as err:
+        if dist.other_rank() and not isinstance(err, DataError):
+            raise SystemExit(2)  # the same command line on every rank: rank 0 reports it
         fail(describe(err), to_log=False)
     args = parse_args(argv)
     if args.cfg == "job" and not args.resolve:
         argv.append("--resolve")  # show values (num_classes: 100), not ${data.num_classes}
+    scratch = None
+    if rank > 0 and args.cfg is None and not (args.help or args.hydra_help or args.info or args.shell_completion):
+        scratch = tempfile.mkdtemp(prefix=f"rptrain-rank{rank}-")
+        argv += [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null", "hydra/hydra_logging=disabled"]
     sys.argv = [sys.argv[0] or "rptrain", *argv]
     GlobalHydra.instance().clear()
-    _app()
+    try:
+        _app()
+        dist.shutdown()  # only after a clean run: after a failed collective, leaving the group can hang
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

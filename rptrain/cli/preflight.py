@@ -6,6 +6,10 @@ composed with the same search path as the app, then checked: values (schema and
 rptrain.train.validate), the dataset, the resume checkpoint (against the model built on the
 meta device, so no memory is spent) and the output directory. Any problem raises with a
 one-line message before a directory exists.
+
+Under torchrun every rank checks the values; the files are checked once per machine (local rank
+0, which also downloads a missing CIFAR) and the output directory and resume checkpoint by rank
+0 alone, which writes the one and chooses the other for everyone.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
+from rptrain.train import dist
 from rptrain.train.checkpoint import load_checkpoint
 from rptrain.train.errors import ConfigError
 from rptrain.train.model import LM, build_model, fingerprint, model_kind
@@ -97,12 +102,15 @@ def _without_hydra(cfg: DictConfig) -> DictConfig:
 
 
 def check_job(cfg: DictConfig, overrides: list[str], hydra_cfg: DictConfig, multirun: bool) -> None:
-    check_inputs(cfg)
-    key, directory = ("hydra.sweep.dir", hydra_cfg.sweep.dir) if multirun else ("hydra.run.dir", hydra_cfg.run.dir)
-    check_writable(Path(directory), key)
+    if dist.local_rank() == 0:  # the machine's other ranks wait for it (dist.setup's barrier)
+        check_inputs(cfg)
     dtype = torch_dtype(cfg.precision.compute_dtype)
     model = build_model(cfg, dtype, device="meta", vocab_size=_data_vocab(cfg))
     build_run_config(cfg.run_config, len(model))
+    if dist.rank() != 0:
+        return
+    key, directory = ("hydra.sweep.dir", hydra_cfg.sweep.dir) if multirun else ("hydra.run.dir", hydra_cfg.run.dir)
+    check_writable(Path(directory), key)
     run_dir: Optional[Path] = None if multirun else Path(hydra_cfg.run.dir)
     resume = resolve_resume(cfg.trainer.resume, Path(cfg.output_root), run_dir, overrides)
     if resume is not None:

@@ -30,8 +30,10 @@ from rptrain.data import (
     synthetic_tokens,
 )
 
+from . import dist
 from .errors import ConfigError
 from .model import IMAGE, LM, data_kind
+from .validate import local_batch
 
 
 @dataclass
@@ -56,8 +58,15 @@ def build_data(cfg: DictConfig, dtype: torch.dtype) -> TrainData:
     return _image_data(cfg, dtype) if data_kind(cfg.data) == IMAGE else _token_data(cfg)
 
 
-def _eval_batch(trainer: DictConfig) -> int:
-    return trainer.eval_batch_size or trainer.batch_size
+def _shard(cfg: DictConfig) -> dict:
+    """This rank's part of every global batch (trainer.batch_size), DistributedSampler-style: the
+    union over ranks of their k-th batches is the k-th batch of a one-process run."""
+    return dict(batch_size=local_batch(cfg), rank=dist.rank(), world_size=dist.world_size())
+
+
+def _eval_batch(cfg: DictConfig) -> int:
+    # Rank 0 evaluates the whole eval set alone, in batches no bigger than its training batches.
+    return cfg.trainer.eval_batch_size or local_batch(cfg)
 
 
 def _image_data(cfg: DictConfig, dtype: torch.dtype) -> TrainData:
@@ -78,8 +87,8 @@ def _image_data(cfg: DictConfig, dtype: torch.dtype) -> TrainData:
     normalise = BatchAugment(d.mean, d.std, 0, False, out_dtype=dtype).eval()
     return TrainData(
         IMAGE,
-        BatchLoader(train, t.batch_size, shuffle=True, drop_last=t.drop_last, seed=t.seed, transform=augment),
-        BatchLoader(test, _eval_batch(t), shuffle=False, drop_last=False, seed=t.seed, transform=normalise) if len(test[0]) else None,
+        BatchLoader(train, shuffle=True, drop_last=t.drop_last, seed=t.seed, transform=augment, **_shard(cfg)),
+        BatchLoader(test, _eval_batch(cfg), shuffle=False, drop_last=False, seed=t.seed, transform=normalise) if len(test[0]) else None,
         description=f"{d.name}: {len(train[0])} train / {len(test[0])} test images, augmented on {device.type}",
     )
 
@@ -92,8 +101,8 @@ def _torchvision_data(cfg: DictConfig) -> TrainData:
     loader = dict(seed=t.seed, num_workers=t.num_workers)
     return TrainData(
         IMAGE,
-        DatasetLoader(trainset, t.batch_size, shuffle=True, drop_last=t.drop_last, **loader),
-        DatasetLoader(testset, _eval_batch(t), shuffle=False, drop_last=False, **loader),
+        DatasetLoader(trainset, shuffle=True, drop_last=t.drop_last, **_shard(cfg), **loader),
+        DatasetLoader(testset, _eval_batch(cfg), shuffle=False, drop_last=False, **loader),
         description=f"{d.name}: {len(trainset)} train / {len(testset)} test images, per-sample torchvision transforms "
         f"({t.num_workers} workers)",
     )
@@ -113,8 +122,8 @@ def _token_data(cfg: DictConfig) -> TrainData:
         about = f"synthetic tokens: vocabulary {vocab}, branching {d.branching}"
     return TrainData(
         LM,
-        BatchLoader(train, t.batch_size, shuffle=True, drop_last=t.drop_last, seed=t.seed),
-        BatchLoader(val, _eval_batch(t), shuffle=False, drop_last=False, seed=t.seed) if len(val[0]) else None,
+        BatchLoader(train, shuffle=True, drop_last=t.drop_last, seed=t.seed, **_shard(cfg)),
+        BatchLoader(val, _eval_batch(cfg), shuffle=False, drop_last=False, seed=t.seed) if len(val[0]) else None,
         vocab_size=vocab,
         description=f"{about}; {len(train[0])} train / {len(val[0])} val sequences of {d.seq_len}",
     )

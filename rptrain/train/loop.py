@@ -5,9 +5,14 @@ The optimizer step, the LR schedule and zero_grad run inside the step function, 
 optimizer thread. Evaluations and checkpoints synchronize the engine first, which also makes the
 next step use fresh weights; they happen at steps fixed by the config, so a run resumed from a
 checkpoint follows the same trajectory as one that ran straight through.
+
+Under torchrun (dist.py) every rank runs this loop in lockstep on its shard of each global batch.
+Rank 0 alone writes (metrics, reports, checkpoints) and evaluates; every rank synchronizes its
+engine at the same steps, so all of them compute with the same weights.
 """
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import threading
@@ -27,23 +32,31 @@ from rptrain import OptimizerCtx, RoundPipe
 from .checkpoint import LAST, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .console import ProgressBar, epoch_line, log, say, step_line
 from .data import TrainData, build_data
+from .dist import Dist, inject_fault, peer_errors
 from .errors import CheckpointError, one_line
-from .meters import Meter, RunProgress, progress_from, progress_state
+from .meters import Meter, RunProgress, progress_from, progress_state, rank_share
 from .metrics import MetricsLog
 from .model import IMAGE, build_model, fingerprint
 from .plots import plot_curves
 from .precision import build_scaler, torch_dtype
-from .resume import check_resume_state, resolve_resume
+from .resume import check_resume_state, loader_state_for, resolve_resume
 from .run_config import build_run_config
-from .signals import Interrupted, StopRequest
+from .signals import SIGNALS, Interrupted, StopRequest
 from .tasks import make_task
 from .validate import check_vocab, num_microbatch, validate_config
 
 
+class FailedOnRankZero(Exception):
+    """Rank 0 hit an error that it reports itself; the other ranks exit with code 2, quietly."""
+
+
 class Trainer:
-    def __init__(self, cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, resume_hint: str) -> None:
+    def __init__(
+        self, cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, resume_hint: str, dist: Optional[Dist] = None
+    ) -> None:
         self.cfg, self.run_dir, self.overrides = cfg, Path(run_dir), list(overrides)
         self.console, self.resume_hint = console, resume_hint
+        self.dist = dist or Dist()
         self.checkpoint_path = self.run_dir / "checkpoints" / LAST
 
     # ----------------------------------------------------------------------------- setup
@@ -59,14 +72,18 @@ class Trainer:
         check_vocab(cfg, data.vocab_size)
         model = build_model(cfg, dtype, vocab_size=data.vocab_size)
         self.fingerprint = fingerprint(cfg.model.name, model)
-        resume = resolve_resume(cfg.trainer.resume, Path(cfg.output_root), self.run_dir, self.overrides)
+        resume = self._resolve_resume()
         if cfg.trainer.resume == "auto" and resume is None:
             say(self.console, f"trainer.resume=auto: no checkpoint of a run with these overrides under {cfg.output_root}: starting fresh")
         state = load_checkpoint(resume, self.fingerprint) if resume else None
         if state is not None:
             check_resume_state(resume, state, cfg)
-        say(self.console, f"model {cfg.model.name}: {self.fingerprint['params']:,} parameters, compute {dtype}; data {data.description}")
-        engine = RoundPipe(model, torch_dtype(cfg.precision.optim_dtype), build_run_config(cfg.run_config, len(model)))
+        d = self.dist
+        ranks = f"; {d.world} ranks of {cfg.trainer.batch_size // d.world} samples per global batch" if d.world > 1 else ""
+        say(self.console, f"model {cfg.model.name}: {self.fingerprint['params']:,} parameters, compute {dtype}; data {data.description}{ranks}")
+        with peer_errors("the comparison of the ranks' initial weights", d.world > 1):
+            engine = RoundPipe(model, torch_dtype(cfg.precision.optim_dtype), build_run_config(cfg.run_config, len(model)),
+                               devices=d.devices, process_group=d.group)
         engine_ref = weakref.ref(engine)
         del model  # the engine owns the weights now
         # Handed over in a list that _fit empties: a big checkpoint should not stay mapped all run.
@@ -86,6 +103,25 @@ class Trainer:
         summary["engine_released"] = engine_ref() is None
         return summary
 
+    def _resolve_resume(self) -> Optional[Path]:
+        """Rank 0 picks the checkpoint and every rank loads that file (trainer.resume=auto on each
+        rank could see a newer file appear, or another filesystem)."""
+        cfg, d = self.cfg, self.dist
+        found, error = None, None
+        if d.main:
+            try:
+                found = resolve_resume(cfg.trainer.resume, Path(cfg.output_root), self.run_dir, self.overrides)
+            except CheckpointError as err:
+                if d.world == 1:
+                    raise
+                error = err
+        path, message = d.broadcast((str(found) if found else None, str(error) if error else None), "the choice of a checkpoint to resume from")
+        if error is not None:
+            raise error
+        if message is not None:
+            raise FailedOnRankZero(message)
+        return Path(path) if path else None
+
     def _fit(self, engine: RoundPipe, data: TrainData, dtype: torch.dtype, handover: list, resume: Optional[Path]) -> dict:
         cfg, t = self.cfg, self.cfg.trainer
         steps_per_epoch = len(data.train)
@@ -98,10 +134,10 @@ class Trainer:
         state = handover.pop()
         progress = RunProgress()
         if state is not None:
-            progress = self._restore(state, resume, engine, optimizer, scheduler, scaler, data)
-        self.metrics = MetricsLog(self.run_dir, state["history"] if state else None)
+            progress = rank_share(self._restore(state, resume, engine, optimizer, scheduler, scaler, data), self.dist.main)
+        self.metrics = MetricsLog(self.run_dir if self.dist.main else None, state["history"] if state else None)
         del state
-        self.task = make_task(data.kind, num_microbatch(cfg), dtype)
+        self.task = make_task(data.kind, num_microbatch(cfg), dtype, self.dist.world)
         self.parts = dict(engine=engine, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data)
         try:
             self._loop(progress)
@@ -116,7 +152,7 @@ class Trainer:
             scheduler.load_state_dict(state["scheduler"])
             if scaler.is_enabled() and state["scaler"]:  # fp16 -> bf16/fp32 (or back) keeps no scale
                 scaler.load_state_dict(state["scaler"])
-            data.train.load_state_dict(state["loader"])
+            data.train.load_state_dict(loader_state_for(state["loader"], data.train.batch_size, data.train.world_size))
             progress = progress_from(state["progress"])
         except (KeyError, ValueError, TypeError, RuntimeError) as err:
             raise CheckpointError(f"checkpoint {path} does not fit this run ({one_line(err)[:300]}): resume with the config it was written with") from err
@@ -147,8 +183,8 @@ class Trainer:
         epoch, batch_index = data.train.position()
         if p.step >= self.total_steps:
             say(self.console, f"the checkpoint is already at step {p.step} of {self.total_steps}: nothing left to train")
-        stop = self.stop
-        with ProgressBar(self.console, t.progress) as bar:
+        stop, d = self.stop, self.dist
+        with ProgressBar(self.console, t.progress if d.main else False) as bar:
             engine.train()
             while p.step < self.total_steps and epoch < self.num_epochs:
                 if batch_index == 0:
@@ -161,8 +197,11 @@ class Trainer:
                     if batch is None:
                         break
                     t1 = time.perf_counter()
+                    inject_fault(d, p.step + 1, stop)  # tests only; a no-op unless RPTRAIN_TEST_* is set
+                    total, stopping = self._exchange(self.task.count(batch), stop) if d.world > 1 else (None, None)
                     scale = scaler.get_scale()
-                    result = self.task.train_step(engine, batch, scaler)
+                    with peer_errors("gradient averaging", d.world > 1):
+                        result = self.task.train_step(engine, batch, scaler, total)
                     engine.step(step_fn, is_async=t.async_step)
                     scaler.update()
                     t2 = time.perf_counter()
@@ -176,16 +215,27 @@ class Trainer:
                     if p.step % t.log_interval == 0 or p.step == self.total_steps:
                         self._log_train(p, window, epoch, lr_of(p.step - 1), scale, bar.enabled)
                         window = Meter()
-                    self._after_step(p, epoch, data.train.next_batch >= len(data.train), stop)
+                    # One process: a signal during the step stops after it. Several: after the step all agreed on.
+                    self._after_step(p, epoch, data.train.next_batch >= len(data.train), stop, bool(stop) if d.world == 1 else stopping)
                 batches.close()
                 epoch, batch_index = data.train.position()
         if p.last_eval_step != p.step and data.eval is not None:
             self._evaluate(p, epoch)
-        if not self.checkpoint_path.is_file() or self._ckpt_step != p.step:
+        if self._ckpt_step != p.step:  # not the file's existence: every rank must decide the same
             self._checkpoint(p)
         self._write_reports()
 
-    def _after_step(self, p: RunProgress, epoch: int, epoch_done: bool, stop: StopRequest) -> None:
+    def _exchange(self, count: int, stop: StopRequest) -> tuple[int, bool]:
+        """One small all_reduce per step, before it: the loss count over all ranks (the loss
+        divisor) and whether any rank has been signalled; then all of them stop after this step."""
+        flags = [float(stop.signum == s) for s in SIGNALS]
+        sums = self.dist.sum([float(count), *flags], "the exchange of loss counts and stop requests")
+        signum = next((s for s, n in zip(SIGNALS, sums[1:]) if n > 0), None)
+        if signum is not None and not stop:
+            stop.set(signum)  # another rank was signalled first; this one's own signal is then a duplicate
+        return int(round(sums[0])), signum is not None
+
+    def _after_step(self, p: RunProgress, epoch: int, epoch_done: bool, stop: StopRequest, stopping: bool) -> None:
         t, data = self.cfg.trainer, self.parts["data"]
         last = p.step >= self.total_steps
         if data.eval is not None and (epoch_done or last or (t.eval_interval and p.step % t.eval_interval == 0)):
@@ -193,9 +243,9 @@ class Trainer:
         if epoch_done:
             self._end_epoch(p, epoch)
         interval = t.checkpoint_interval
-        if stop or last or (p.step % interval == 0 if interval else epoch_done):
+        if stopping or last or (p.step % interval == 0 if interval else epoch_done):
             self._checkpoint(p)
-        if stop:
+        if stopping:
             self._write_reports()
             raise Interrupted(stop, p.step, str(self.checkpoint_path))
 
@@ -204,8 +254,14 @@ class Trainer:
         rate = window.samples / max(window.seconds(), 1e-9)
         return f"loss {window.mean_loss():.4f}  {rate:,.0f} samples/s"
 
+    def _global(self, m: Meter) -> Meter:
+        """A meter's sums over all ranks (counts added, times averaged): what the run as a whole did."""
+        d = self.dist
+        return m if d.world == 1 else Meter.from_sums(d.sum(m.sums(), "the averaging of logged metrics"), m.steps, d.world)
+
     def _log_train(self, p: RunProgress, w: Meter, epoch: int, lr: float, scale: float, bar_on: bool) -> None:
         metric = self.task.metric
+        w = self._global(w)
         seconds = max(w.seconds(), 1e-9)
         values: dict[str, Any] = dict(
             step=p.step, epoch=epoch + 1, loss=w.mean_loss(), lr=lr, loss_scale=scale,
@@ -215,6 +271,8 @@ class Trainer:
         if metric == "ppl":
             values["tokens_per_s"] = w.count / seconds
         record = self.metrics.add("train", **values, time=p.train_seconds)
+        if not self.dist.main:
+            return
         line = step_line(record, self.total_steps, metric, "tokens" if metric == "ppl" else "samples")
         if bar_on:  # the bar shows it live; the log file keeps it
             log.info(line)
@@ -223,7 +281,10 @@ class Trainer:
 
     def _evaluate(self, p: RunProgress, epoch: int) -> None:
         engine, loader = self.parts["engine"], self.parts["data"].eval
-        engine.synchronize()  # evaluate the newest weights, as the tutorial does
+        engine.synchronize()  # evaluate the newest weights, as the tutorial does (every rank: same weights)
+        p.last_eval_step = p.step
+        if not self.dist.main:  # rank 0 evaluates the whole eval set; the others wait at the next step
+            return
         engine.eval()
         with torch.no_grad():
             result = self.task.evaluate(engine, loader.epoch(0))
@@ -232,7 +293,7 @@ class Trainer:
         self.metrics.add("eval", step=p.step, epoch=epoch + 1, **result, time=p.train_seconds)
 
     def _end_epoch(self, p: RunProgress, epoch: int) -> None:
-        metric, m = self.task.metric, p.epoch_meter
+        metric, m = self.task.metric, self._global(p.epoch_meter)
         record = {
             "step": p.step, "epoch": epoch + 1, "train_loss": m.mean_loss(), f"train_{metric}": m.metric(metric),
             "epoch_time": m.seconds(), "samples_per_s": m.samples / max(m.seconds(), 1e-9),
@@ -244,6 +305,8 @@ class Trainer:
         self._write_reports()
 
     def _write_reports(self) -> None:
+        if not self.dist.main:
+            return
         self.metrics.write_csv()
         plot_curves(self.metrics.records, self.run_dir / "curves.png", self.task.metric)
 
@@ -252,8 +315,12 @@ class Trainer:
 
     def _checkpoint(self, p: RunProgress) -> None:
         engine = self.parts["engine"]
-        engine.synchronize()  # the master weights after this step, and no step in flight
+        engine.synchronize()  # the master weights after this step, and no step in flight (every rank: same weights)
         parts = self.parts
+        self._ckpt_step = p.step
+        total = self._global_progress(p)
+        if not self.dist.main:
+            return
         save_checkpoint(self.checkpoint_path, {
             "fingerprint": self.fingerprint,
             "model": engine.state_dict(),
@@ -262,16 +329,27 @@ class Trainer:
             "scaler": parts["scaler"].state_dict(),
             "loader": parts["data"].train.state_dict(),
             "rng": rng_state(),
-            "progress": progress_state(p),
+            "progress": progress_state(total),
             "history": self.metrics.records,
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
             "overrides": self.overrides,
         })
-        self._ckpt_step = p.step
         self.metrics.write_csv()
+
+    def _global_progress(self, p: RunProgress) -> RunProgress:
+        """The run's progress summed over the ranks: what a checkpoint stores (see meters.rank_share)."""
+        d = self.dist
+        if d.world == 1:
+            return p
+        sums = d.sum([*p.epoch_meter.sums(), p.samples, p.tokens], "the summing of progress counters")
+        total = copy.copy(p)
+        total.epoch_meter = Meter.from_sums(sums[:6], p.epoch_meter.steps, d.world)
+        total.samples, total.tokens = int(round(sums[6])), int(round(sums[7]))
+        return total
 
     def _summary(self, p: RunProgress, resume: Optional[Path]) -> dict:
         metric = self.task.metric
+        p = self._global_progress(p)
         m = p.epoch_meter
         final = {"train_loss": m.mean_loss(), f"train_{metric}": m.metric(metric)}
         final.update({f"test_{k}": v for k, v in p.last_eval.items()})
@@ -290,6 +368,7 @@ class Trainer:
             "run_dir": str(self.run_dir),
             "checkpoint": str(self.checkpoint_path),
             "resumed_from": str(resume) if resume else None,
+            "world_size": self.dist.world,
         }
         if metric == "ppl":
             summary["tokens_per_s"] = p.tokens / seconds

@@ -40,6 +40,15 @@ class Meter:
     def seconds(self) -> float:
         return self.data_time + self.step_time
 
+    # Several ranks: counts add up over the ranks, times are averaged over them.
+    def sums(self) -> list[float]:
+        return [self.loss, self.count, self.correct, self.samples, self.data_time, self.step_time]
+
+    @classmethod
+    def from_sums(cls, sums: list[float], steps: int, world: int) -> "Meter":
+        loss, count, correct, samples, data_time, step_time = sums
+        return cls(loss, int(round(count)), int(round(correct)), int(round(samples)), steps, data_time / world, step_time / world)
+
 
 @dataclass
 class RunProgress:
@@ -67,3 +76,14 @@ def progress_from(state: dict) -> RunProgress:
         last_eval_step=int(state["last_eval_step"]), train_seconds=float(state["train_seconds"]),
         samples=int(state["samples"]), tokens=int(state["tokens"]),
     )
+
+
+def rank_share(p: RunProgress, main: bool) -> RunProgress:
+    """A checkpoint's progress (totals over every rank) as this rank's part of it: rank 0 holds the
+    counts and the others zero, so that adding the ranks up gives the totals again. Times are
+    averaged over the ranks, so every rank keeps them."""
+    if main:
+        return p
+    m = p.epoch_meter
+    meter = Meter(0.0, 0, 0, 0, m.steps, m.data_time, m.step_time)
+    return RunProgress(p.step, meter, dict(p.last_eval), p.last_eval_step, p.train_seconds, 0, 0)

@@ -27,10 +27,15 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, history: Optional[Iterable[dict]] = None) -> None:
+    """run_dir None (the other ranks of a torchrun job): the records are kept, nothing is written."""
+
+    def __init__(self, run_dir: Optional[Path], history: Optional[Iterable[dict]] = None) -> None:
+        self.records: list[dict] = [dict(r) for r in history or ()]
+        self._file = None
+        if run_dir is None:
+            return
         self.jsonl = Path(run_dir) / "metrics.jsonl"
         self.csv = Path(run_dir) / "metrics.csv"
-        self.records: list[dict] = [dict(r) for r in history or ()]
         with self.jsonl.open("w") as f:  # a resumed run starts from the checkpoint's history
             for record in self.records:
                 f.write(json.dumps(record) + "\n")
@@ -39,13 +44,16 @@ class MetricsLog:
     def add(self, kind: str, **values: Any) -> dict:
         record = {"kind": kind, **{k: _clean(v) for k, v in values.items()}}
         self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
         return record
 
     def of_kind(self, kind: str) -> list[dict]:
         return [r for r in self.records if r["kind"] == kind]
 
     def write_csv(self) -> None:
+        if self._file is None:
+            return
         extra = sorted({k for r in self.records for k in r} - set(COLUMNS))
         tmp = self.csv.with_name(f".{self.csv.name}.tmp")
         with tmp.open("w", newline="") as f:
@@ -55,4 +63,5 @@ class MetricsLog:
         tmp.replace(self.csv)
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()

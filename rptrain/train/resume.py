@@ -56,11 +56,28 @@ def _run_overrides(run_dir: Path) -> Optional[tuple[str, ...]]:
         return None
 
 
+def global_batch(loader_state: dict) -> Optional[int]:
+    """The global batch a loader state was saved with: per-rank batch x world size."""
+    if loader_state.get("batch_size") is None:
+        return None
+    return int(loader_state["batch_size"]) * int(loader_state.get("world_size") or 1)
+
+
 def check_resume_state(path: Path, state: dict, cfg: DictConfig) -> None:
-    """What the fingerprint does not cover but an exact resume needs: the same batch size."""
-    saved = (state.get("loader") or {}).get("batch_size")
+    """What the fingerprint does not cover but an exact resume needs: the same global batch
+    (the number of processes may differ: the data position counts global batches)."""
+    saved = global_batch(state.get("loader") or {})
     if saved is not None and saved != cfg.trainer.batch_size:
         raise CheckpointError(
             f"checkpoint {path} was written with trainer.batch_size={saved} but this run has "
             f"trainer.batch_size={cfg.trainer.batch_size}: resume with the same batch size (the data order depends on it)"
         )
+
+
+def loader_state_for(state: dict, batch_size: int, world_size: int) -> dict:
+    """A loader state saved by another number of ranks, for this one. Rank r reads positions
+    r, r+W, ... of every epoch's permutation, so a global batch is the same samples for any W that
+    divides it, and the position (epoch, batch) counts global batches: only the split changes."""
+    if global_batch(state) == batch_size * world_size:
+        return {**state, "batch_size": batch_size, "world_size": world_size}
+    return state  # not the same global batch: the loader refuses it with its own message

@@ -45,6 +45,12 @@ class Decay(Enum):
     cosine = "cosine"
 
 
+class Backend(Enum):
+    auto = "auto"  # nccl when CUDA is available, gloo otherwise
+    nccl = "nccl"
+    gloo = "gloo"
+
+
 # ----------------------------------------------------------------------------- model
 @dataclass
 class ResNetConfig:
@@ -214,6 +220,15 @@ class TrainerConfig:
     progress: Optional[bool] = None  # None: a live bar on a terminal, plain log lines otherwise
 
 
+# ----------------------------------------------------------------------------- dist
+@dataclass
+class DistConfig:
+    """Used only under torchrun (WORLD_SIZE > 1); rank, world size and devices come from its environment."""
+
+    backend: Backend = Backend.auto
+    timeout_s: float = 600.0  # a collective waits this long for a peer before the run fails
+
+
 @dataclass
 class RPTrainConfig:
     model: Any = MISSING
@@ -222,6 +237,7 @@ class RPTrainConfig:
     run_config: RunConfigConfig = MISSING
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = MISSING
+    dist: DistConfig = MISSING
     output_root: str = "outputs"
 
 

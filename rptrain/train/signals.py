@@ -3,6 +3,10 @@
 Cluster pre-emption sends SIGTERM and waits a grace period; Ctrl-C sends SIGINT. The loop then
 finishes the step, writes a checkpoint and exits with 128 + the signal number. A second signal
 stops at once (KeyboardInterrupt), for when the checkpoint itself hangs.
+
+Under torchrun the launcher forwards the signal to every rank, and SLURM may signal the ranks
+directly as well: there the same signal again within `duplicate_s` seconds is one request, not
+a second one.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from typing import Iterator, Optional
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -18,6 +23,10 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 class StopRequest:
     def __init__(self) -> None:
         self.signum: Optional[int] = None
+        self.since = 0.0  # time.monotonic() of the first request
+
+    def set(self, signum: int) -> None:
+        self.signum, self.since = signum, time.monotonic()
 
     def __bool__(self) -> bool:
         return self.signum is not None
@@ -40,8 +49,9 @@ class Interrupted(Exception):
 
 
 @contextlib.contextmanager
-def stop_on_signals() -> Iterator[StopRequest]:
-    """Within the block, SIGINT/SIGTERM set the returned request instead of killing the process."""
+def stop_on_signals(announce: bool = True, duplicate_s: float = 0.0) -> Iterator[StopRequest]:
+    """Within the block, SIGINT/SIGTERM set the returned request instead of killing the process.
+    `announce`: say so on stderr (under torchrun only rank 0 does)."""
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
         yield request
@@ -54,10 +64,13 @@ def stop_on_signals() -> Iterator[StopRequest]:
             # group: the worker keeps serving batches and leaves the stopping to the trainer.
             return
         if request.signum is not None:
+            if signum == request.signum and time.monotonic() - request.since < duplicate_s:
+                return  # the same request delivered twice (launcher and scheduler)
             _say("rptrain: second signal, stopping now without a checkpoint\n")
             raise KeyboardInterrupt
-        request.signum = signum
-        _say(f"\nrptrain: {signal.Signals(signum).name} received: finishing the current step, then writing a checkpoint\n")
+        request.set(signum)
+        if announce:
+            _say(f"\nrptrain: {signal.Signals(signum).name} received: finishing the current step, then writing a checkpoint\n")
 
     previous = {s: signal.signal(s, handler) for s in SIGNALS}
     try:

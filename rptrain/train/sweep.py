@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from rich.table import Table
 
 from .console import make_console
+from .dist import other_rank
 from .status import read_status, write_json_atomic
 
 
@@ -27,7 +28,7 @@ class SweepSummary(Callback):
         self.job_dirs.append(Path(job_return.hydra_cfg.hydra.runtime.output_dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if not self.job_dirs:
+        if not self.job_dirs or other_rank():  # under torchrun rank 0 alone writes and prints it
             return
         rows = [job_row(d) for d in self.job_dirs]
         sweep_dir = self.job_dirs[0].parent

@@ -5,6 +5,9 @@ and divided by the batch size, so uneven microbatch splits still give the batch 
 Language models (rptrain.models Llama): the Sequential's first layer takes one argument, the
 tuple (ids, targets), and the last returns the summed token cross entropy; dividing by the
 batch's token count gives the mean per token.
+Several ranks: the loop passes `total`, the count summed over the ranks, and the loss is
+sum x world / total: the engine's average of the ranks' gradients is then exactly the gradient
+of the mean over the global batch, even when ranks hold different token counts.
 """
 from __future__ import annotations
 
@@ -34,15 +37,27 @@ class Task:
 
     metric = "acc"  # the second number next to the loss: accuracy or perplexity
 
-    def __init__(self, num_microbatch: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_microbatch: int, dtype: torch.dtype, world: int = 1) -> None:
         self.num_microbatch = num_microbatch
         self.dtype = dtype
+        self.world = world
+
+    def count(self, batch: tuple) -> int:
+        """What this batch's loss is a mean over: samples or tokens."""
+        raise NotImplementedError
+
+    def divisor(self, count: int, total: Optional[int]) -> tuple[float, float]:
+        """(what the summed loss is divided by, the factor from that back to this batch's mean)."""
+        if total is None or self.world == 1:
+            return float(count), 1.0
+        share = total / self.world
+        return share, share / count  # 1.0 exactly when every rank holds the same count
 
     def run_config(self, batch: int) -> Optional[RoundPipeRunConfig]:
         """A per-call override for a batch smaller than num_microbatch (e.g. the tutorial's last batch)."""
         return RoundPipeRunConfig(num_microbatch=batch) if batch < self.num_microbatch else None
 
-    def train_step(self, engine: RoundPipe, batch: tuple, scaler: GradScaler) -> StepResult:
+    def train_step(self, engine: RoundPipe, batch: tuple, scaler: GradScaler, total: Optional[int] = None) -> StepResult:
         raise NotImplementedError
 
     def evaluate(self, engine: RoundPipe, batches: Iterable[tuple]) -> dict[str, float]:
@@ -52,19 +67,23 @@ class Task:
 class ImageTask(Task):
     metric = "acc"
 
-    def train_step(self, engine: RoundPipe, batch: tuple, scaler: GradScaler) -> StepResult:
+    def count(self, batch: tuple) -> int:
+        return len(batch[1])
+
+    def train_step(self, engine: RoundPipe, batch: tuple, scaler: GradScaler, total: Optional[int] = None) -> StepResult:
         images, labels = batch
         n = len(labels)
+        divisor, to_mean = self.divisor(n, total)
         scale = scaler.get_scale()  # update() may change it before we read the loss back
         loss, logits = engine.forward_backward(
             input_args=(images.to(self.dtype),),
             label=labels,
-            loss_fn=lambda out, y: scaler.scale(F.cross_entropy(out.float(), y, reduction="sum") / n),
+            loss_fn=lambda out, y: scaler.scale(F.cross_entropy(out.float(), y, reduction="sum") / divisor),
             return_outputs=True,
             run_config=self.run_config(n),
         )
         correct = int((logits.argmax(1) == labels.to(logits.device)).sum())
-        return StepResult(loss.item() / scale, n, correct, n)
+        return StepResult(loss.item() / scale * to_mean, n, correct, n)
 
     def evaluate(self, engine: RoundPipe, batches: Iterable[tuple]) -> dict[str, float]:
         loss_sum, correct, total = 0.0, 0, 0
@@ -80,17 +99,21 @@ class ImageTask(Task):
 class LanguageTask(Task):
     metric = "ppl"
 
-    def train_step(self, engine: RoundPipe, batch: tuple, scaler: GradScaler) -> StepResult:
+    def count(self, batch: tuple) -> int:
+        return count_tokens(batch[1])
+
+    def train_step(self, engine: RoundPipe, batch: tuple, scaler: GradScaler, total: Optional[int] = None) -> StepResult:
         ids, targets = batch
         tokens = count_tokens(targets)
+        divisor, to_mean = self.divisor(tokens, total)
         scale = scaler.get_scale()
         loss = engine.forward_backward(
             input_args=((ids, targets),),
             label=None,
-            loss_fn=lambda out, _: scaler.scale(out / tokens),
+            loss_fn=lambda out, _: scaler.scale(out / divisor),
             run_config=self.run_config(len(ids)),
         )
-        return StepResult(loss.item() / scale, tokens, 0, len(ids))
+        return StepResult(loss.item() / scale * to_mean, tokens, 0, len(ids))
 
     def evaluate(self, engine: RoundPipe, batches: Iterable[tuple]) -> dict[str, float]:
         loss_sum, total = 0.0, 0
@@ -105,5 +128,5 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 80.0))  # capped: a diverged run should log a number, not inf
 
 
-def make_task(kind: str, num_microbatch: int, dtype: torch.dtype) -> Task:
-    return (ImageTask if kind == IMAGE else LanguageTask)(num_microbatch, dtype)
+def make_task(kind: str, num_microbatch: int, dtype: torch.dtype, world: int = 1) -> Task:
+    return (ImageTask if kind == IMAGE else LanguageTask)(num_microbatch, dtype, world)

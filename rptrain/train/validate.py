@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rptrain.data import DataError
 
-from . import schema
+from . import dist, schema
 from .errors import ConfigError
 from .model import DATA_FOR, IMAGE, LM, data_kind, model_kind
 
@@ -90,12 +90,17 @@ def validate_config(cfg: DictConfig) -> None:
     micro = cfg.run_config.num_microbatch
     _positive("run_config.num_microbatch", micro)
     micro = micro or default_microbatches()
-    if t.batch_size < micro:
-        source = "run_config.num_microbatch" if cfg.run_config.num_microbatch else "the default num_microbatch (GPUs + 1)"
+    source = "run_config.num_microbatch" if cfg.run_config.num_microbatch else "the default num_microbatch (GPUs + 1)"
+    if not cfg.dist.timeout_s > 0:
+        raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s} must be > 0 seconds")
+    world = dist.world_size()
+    if world == 1 and t.batch_size < micro:
         raise ConfigError(
             f"trainer.batch_size={t.batch_size} is smaller than {source}={micro}: every microbatch needs a sample; "
             f"raise trainer.batch_size or lower run_config.num_microbatch"
         )
+    if world > 1:
+        _validate_dist(cfg, world, micro, source)
     _validate_optim(cfg.optim)
     if cfg.precision.optim_dtype.value not in ("float32", "float64"):
         raise ConfigError(f"precision.optim_dtype={cfg.precision.optim_dtype.value}: master weights must be float32 (or float64)")
@@ -103,6 +108,27 @@ def validate_config(cfg: DictConfig) -> None:
         _validate_lm(cfg)
     else:
         _validate_images(cfg)
+
+
+def local_batch(cfg: DictConfig) -> int:
+    """Each rank's share of the global batch trainer.batch_size."""
+    return cfg.trainer.batch_size // dist.world_size()
+
+
+def _validate_dist(cfg: DictConfig, world: int, micro: int, source: str) -> None:
+    b = cfg.trainer.batch_size
+    if b % world:
+        raise ConfigError(
+            f"trainer.batch_size={b} (the global batch) does not split evenly over {world} ranks (WORLD_SIZE={world}): "
+            f"use a multiple of {world}, or another number of processes"
+        )
+    if b // world < micro:
+        raise ConfigError(
+            f"trainer.batch_size={b} over {world} ranks gives {b // world} samples per rank, fewer than {source}={micro}: "
+            f"raise trainer.batch_size to at least {micro * world} or lower run_config.num_microbatch"
+        )
+    if cfg.dist.backend.value == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("dist.backend=nccl needs CUDA GPUs but none is available: use dist.backend=auto or gloo")
 
 
 def _missing_values(cfg: DictConfig) -> None:

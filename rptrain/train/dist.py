@@ -1,0 +1,206 @@
+"""Several processes (torchrun, srun torchrun): one process group and the trainer's own collectives.
+
+Every process runs the same `rptrain ...` command. Each builds the same model from the same seed,
+reads its shard of every global batch, and the engine averages the gradients over the group
+before each optimizer step. Around that the trainer needs a few small exchanges, each done by
+every rank at the same point of the loop: when to stop (a signal may reach the ranks at different
+steps), the global loss count, averaged metrics, rank 0's choice of checkpoint, a barrier after
+a checkpoint. A collective that fails because a peer died or hung becomes a PeerError, one line;
+dist.timeout_s bounds how long a hung peer can stall the others.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from .errors import ConfigError, one_line
+
+
+class PeerError(RuntimeError):
+    """A collective failed: another rank died, hung past dist.timeout_s, or the network broke."""
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    try:
+        return int(value) if value else default
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} in the environment is not an integer: launch with torchrun, or unset it") from None
+
+
+def world_size() -> int:
+    """The number of processes torchrun started (1 without torchrun)."""
+    return max(env_int("WORLD_SIZE", 1), 1)
+
+
+def rank() -> int:
+    return env_int("RANK", 0) if world_size() > 1 else 0
+
+
+def local_rank() -> int:
+    return env_int("LOCAL_RANK", 0) if world_size() > 1 else 0
+
+
+def other_rank() -> bool:
+    """A rank other than 0 of several (False when the environment cannot tell)."""
+    try:
+        return rank() > 0
+    except ConfigError:
+        return False
+
+
+def rank_prefix() -> str:
+    """"rank N: " under torchrun, where the ranks' output interleaves; "" for one process."""
+    try:
+        return f"rank {rank()}: " if world_size() > 1 else ""
+    except ConfigError:
+        return ""
+
+
+@dataclass
+class Dist:
+    """This process's place in the group; with world == 1 every method is a no-op."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")  # where the trainer's collective tensors live (the GPU for NCCL)
+    devices: Optional[list[str]] = None  # the engine's devices; None: its default (every GPU, else the CPU)
+
+    @property
+    def group(self) -> Any:
+        return dist.group.WORLD if self.world > 1 else None
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, values: list[float], what: str) -> list[float]:
+        if self.world == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        with peer_errors(what):
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def broadcast(self, obj: Any, what: str) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if self.world == 1:
+            return obj
+        holder = [obj if self.main else None]
+        with peer_errors(what):
+            dist.broadcast_object_list(holder, src=0, device=self.device if self.device.type == "cuda" else None)
+        return holder[0]
+
+    def barrier(self, what: str) -> None:
+        if self.world > 1:
+            with peer_errors(what):
+                # barrier() itself would guess a GPU from the rank; an all_reduce uses ours.
+                dist.all_reduce(torch.zeros(1, device=self.device))
+
+
+_ACTIVE: Optional[Dist] = None
+
+
+def setup(cfg: DictConfig) -> Dist:
+    """Join torchrun's process group: once per process (the jobs of a sweep share it)."""
+    global _ACTIVE
+    world = world_size()
+    if world == 1:
+        return Dist()
+    if _ACTIVE is not None:
+        return _ACTIVE
+    rank_, local, local_world = rank(), local_rank(), max(env_int("LOCAL_WORLD_SIZE", 1), 1)
+    backend = cfg.backend.value
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    devices = local_devices(local, local_world)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device(devices[0] if devices else "cuda:0")
+        torch.cuda.set_device(device)  # NCCL works on the current device
+    timeout = datetime.timedelta(seconds=float(cfg.timeout_s))
+    with peer_errors("joining the process group"):
+        dist.init_process_group(backend, timeout=timeout)
+    _ACTIVE = Dist(rank_, world, local, device, devices)
+    # Every rank has passed the checks before training (and local rank 0 has downloaded the data).
+    _ACTIVE.barrier("the start (a rank failed its checks or never started)")
+    return _ACTIVE
+
+
+def local_devices(local: int, local_world: int) -> Optional[list[str]]:
+    """This process's GPUs: all of the machine's when torchrun starts one process per machine
+    (--nproc-per-node 1, one engine over every GPU), else an equal share (one GPU each with
+    --nproc-per-node = the number of GPUs). None without CUDA: the engine runs on the CPU."""
+    if not torch.cuda.is_available() or local_world == 1:
+        return None
+    n = torch.cuda.device_count()
+    if n % local_world:
+        raise ConfigError(
+            f"{n} GPUs do not split evenly over the {local_world} processes torchrun starts on this machine: "
+            f"use --nproc-per-node 1 (one engine over all its GPUs) or a divisor of {n}"
+        )
+    share = n // local_world
+    return [f"cuda:{i}" for i in range(local * share, (local + 1) * share)]
+
+
+def shutdown() -> None:
+    """Leave the group after a run that ended normally (after a failed collective, destroying
+    an NCCL group can hang: the process exit cleans up instead)."""
+    global _ACTIVE
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _ACTIVE = None
+
+
+# ----------------------------------------------------------------------------- failures
+_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out", "timeout")
+
+
+def is_peer_failure(err: Optional[BaseException]) -> bool:
+    """Does `err` (or what caused it) come from a collective whose peer went away?"""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, PeerError) or (dist.is_available() and isinstance(err, dist.DistError)):
+            return True
+        if any(m in str(err).lower() for m in _MARKERS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+@contextlib.contextmanager
+def peer_errors(what: str, active: bool = True) -> Iterator[None]:
+    """Turn a failed collective inside the block into a one-line PeerError naming `what`."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except Exception as err:
+        if not active or not is_peer_failure(err):
+            raise
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise PeerError(
+            f"a peer rank failed or timed out during {what} ({one_line(first)[:240]}): see the other ranks' output"
+        ) from err
+
+
+def inject_fault(d: Dist, step: int, stop: Any) -> None:
+    """TESTS ONLY (tests/test_cli_dist.py): the last rank dies (RPTRAIN_TEST_DIE_AT_STEP=S) or hangs
+    until signalled (RPTRAIN_TEST_HANG_AT_STEP=S) just before step S."""
+    if d.world == 1 or d.rank != d.world - 1:
+        return
+    if str(step) == os.environ.get("RPTRAIN_TEST_DIE_AT_STEP"):
+        os._exit(3)  # a crashed node: no cleanup, no goodbye
+    if str(step) == os.environ.get("RPTRAIN_TEST_HANG_AT_STEP"):
+        while not stop:
+            time.sleep(0.05)
