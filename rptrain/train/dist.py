@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -107,6 +108,21 @@ class Dist:
                 dist.all_reduce(torch.zeros(1, device=self.device))
 
 
+    def check_same(self, tensors: dict[str, torch.Tensor], what: str) -> None:
+        """Raise if the ranks hold different `tensors` (sums and absolute sums, compared in float64)."""
+        if self.world == 1:
+            return
+        local = [float(f(t.detach(), dtype=torch.float64)) for t in tensors.values() if t.is_floating_point()
+                 for f in (torch.sum, lambda x, dtype: torch.sum(x.abs(), dtype=dtype))]
+        low = torch.tensor(local, dtype=torch.float64, device=self.device)
+        high = low.clone()
+        with peer_errors(f"the comparison of {what}"):
+            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        if not torch.equal(low, high):
+            raise RuntimeError(f"the {self.world} ranks hold different {what}: data-parallel training went out of step (a bug: please report it)")
+
+
 _ACTIVE: Optional[Dist] = None
 
 
@@ -188,10 +204,15 @@ def peer_errors(what: str, active: bool = True) -> Iterator[None]:
     except Exception as err:
         if not active or not is_peer_failure(err):
             raise
-        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
-        raise PeerError(
-            f"a peer rank failed or timed out during {what} ({one_line(first)[:240]}): see the other ranks' output"
-        ) from err
+        raise PeerError(f"a peer rank failed or timed out during {what} ({_gist(err)}): see the other ranks' output") from err
+
+
+def _gist(err: BaseException) -> str:
+    """`[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer [10.0.0.2]:1411. This is
+    typically...` -> `Connection closed by peer [10.0.0.2]:1411`."""
+    text = one_line(next((line for line in str(err).splitlines() if line.strip()), "") or type(err).__name__)
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
+    return text.split(". ")[0][:200]
 
 
 def inject_fault(d: Dist, step: int, stop: Any) -> None:

@@ -138,6 +138,7 @@ class Trainer:
         self.metrics = MetricsLog(self.run_dir if self.dist.main else None, state["history"] if state else None)
         del state
         self.task = make_task(data.kind, num_microbatch(cfg), dtype, self.dist.world)
+        self._param_names = {name for name, _ in engine.named_parameters()}  # BatchNorm buffers differ across ranks
         self.parts = dict(engine=engine, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data)
         try:
             self._loop(progress)
@@ -197,8 +198,8 @@ class Trainer:
                     if batch is None:
                         break
                     t1 = time.perf_counter()
-                    inject_fault(d, p.step + 1, stop)  # tests only; a no-op unless RPTRAIN_TEST_* is set
                     total, stopping = self._exchange(self.task.count(batch), stop) if d.world > 1 else (None, None)
+                    inject_fault(d, p.step + 1, stop)  # tests only; a no-op unless RPTRAIN_TEST_* is set
                     scale = scaler.get_scale()
                     with peer_errors("gradient averaging", d.world > 1):
                         result = self.task.train_step(engine, batch, scaler, total)
@@ -319,11 +320,15 @@ class Trainer:
         parts = self.parts
         self._ckpt_step = p.step
         total = self._global_progress(p)
+        model_state = engine.state_dict()
+        if self.dist.world > 1:  # cheap next to writing the file, and the one place a divergence would do harm
+            self.dist.check_same({k: v for k, v in model_state.items() if k in self._param_names}, "weights")
+            log.info(f"step {p.step}: the {self.dist.world} ranks hold identical weights")
         if not self.dist.main:
             return
         save_checkpoint(self.checkpoint_path, {
             "fingerprint": self.fingerprint,
-            "model": engine.state_dict(),
+            "model": model_state,
             "optimizer": parts["optimizer"].state_dict(),
             "scheduler": parts["scheduler"].state_dict(),  # our lambda is a closure: saved as None, rebuilt from the config
             "scaler": parts["scaler"].state_dict(),
