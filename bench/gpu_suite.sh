@@ -25,13 +25,13 @@ fi
 if [[ $what == core ]]; then  # the short version for a tight device budget: most important first
   log="$out/core.jsonl"
   run() { timeout "$1" "${@:2}" 2>&1 | grep -v Warning | tee -a "$log" | grep -E '^\{|Error|error' | tail -12; }
-  run 100 python3 resnet.py --impl both --trace --steps 30
-  run 150 python3 llm.py --model llama_1b --seq 4096 --batch 2 --steps 3 --warmup 2
+  run 80 python3 resnet.py --impl both --trace --steps 30
+  run 100 python3 llm.py --model llama_1b --seq 4096 --batch 2 --steps 3 --warmup 2
   cd ..
   if [[ -d .whl ]]; then  # issue 4 goal 2: is the whole CLI run, with GPU augmentation, input-bound?
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 python3 -m rptrain.cli.main model=resnet34 data=synthetic \
-      data.num_train=25000 data.num_test=1000 trainer.epochs=1 trainer.log_interval=25 trainer.progress=false \
+    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 60 python3 -m rptrain.cli.main model=resnet34 data=synthetic \
+      data.num_train=12800 data.num_test=1000 trainer.epochs=1 trainer.log_interval=25 trainer.progress=false \
       hydra.run.dir=/tmp/cli-run 2>&1 | tail -4
     cp /tmp/cli-run/metrics.jsonl /tmp/cli-run/summary.json "$out/" 2>/dev/null
   fi
