@@ -23,7 +23,7 @@ from rich.console import Console
 from rptrain.train import dist
 from rptrain.train.console import config_tree, make_console, say
 from rptrain.train.errors import USER_ERRORS, one_line
-from rptrain.train.loop import FailedOnRankZero, Trainer
+from rptrain.train.loop import Trainer
 from rptrain.train.signals import Interrupted, stop_on_signals
 from rptrain.train.status import write_json_atomic, write_status
 
@@ -52,7 +52,11 @@ def run_job(cfg: DictConfig) -> dict:
     overrides = list(hydra_cfg.overrides.task)
     main = dist.rank() == 0
     console = make_console() if main else Console(quiet=True)  # the other ranks keep quiet
-    status = (lambda state, **details: write_status(run_dir, state, **details)) if main else (lambda state, **details: None)
+
+    def status(state: str, **details: object) -> None:  # rank 0's run directory only
+        if main:
+            write_status(run_dir, state, **details)
+
     status("running")
     console.print(config_tree(cfg, label=f"rptrain  {run_dir}"))
     hint = resume_command(sys.argv[1:])
@@ -71,7 +75,7 @@ def run_job(cfg: DictConfig) -> dict:
             print(f"rptrain: stopped: {say_stopped}", file=sys.stderr, flush=True)
         _wait_for_rank0(group)  # nobody leaves before rank 0 has written and said it: torchrun would kill it
         raise SystemExit(stopped.request.exit_code)
-    except FailedOnRankZero:
+    except dist.FailedOnRankZero:
         raise SystemExit(2)
     except dist.PeerError as err:
         status("failed", error=one_line(err))

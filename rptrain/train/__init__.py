@@ -13,6 +13,7 @@
   checkpoint.py  atomic checkpoint files; resume.py: which checkpoint trainer.resume means
   metrics.py     metrics.jsonl / metrics.csv; plots.py: curves.png; console.py: tree, bar, lines
   signals.py     SIGTERM/SIGINT -> checkpoint and stop; status.py: status.json
+  dist.py        under torchrun: the process group, the trainer's small collectives, failed peers
   sweep.py       Hydra callback writing the sweep summary
   errors.py      ConfigError, CheckpointError: user errors, printed as one line (exit code 2)
 """

@@ -29,6 +29,10 @@ class PeerError(RuntimeError):
     """A collective failed: another rank died, hung past dist.timeout_s, or the network broke."""
 
 
+class FailedOnRankZero(Exception):
+    """Rank 0 hit an error that it reports itself; the other ranks exit with code 2, quietly."""
+
+
 def env_int(name: str, default: int) -> int:
     value = os.environ.get(name, "")
     try:
@@ -159,6 +163,8 @@ def local_devices(local: int, local_world: int) -> Optional[list[str]]:
     if not torch.cuda.is_available() or local_world == 1:
         return None
     n = torch.cuda.device_count()
+    if n == 1:  # each process sees its own GPU (torchrun --virtual-local-rank, a scheduler's binding)
+        return None
     if n % local_world:
         raise ConfigError(
             f"{n} GPUs do not split evenly over the {local_world} processes torchrun starts on this machine: "

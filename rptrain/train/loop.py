@@ -32,7 +32,7 @@ from rptrain import OptimizerCtx, RoundPipe
 from .checkpoint import LAST, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .console import ProgressBar, epoch_line, log, say, step_line
 from .data import TrainData, build_data
-from .dist import Dist, inject_fault, peer_errors
+from .dist import Dist, FailedOnRankZero, inject_fault, peer_errors
 from .errors import CheckpointError, one_line
 from .meters import Meter, RunProgress, progress_from, progress_state, rank_share
 from .metrics import MetricsLog
@@ -44,10 +44,6 @@ from .run_config import build_run_config
 from .signals import SIGNALS, Interrupted, StopRequest
 from .tasks import make_task
 from .validate import check_vocab, num_microbatch, validate_config
-
-
-class FailedOnRankZero(Exception):
-    """Rank 0 hit an error that it reports itself; the other ranks exit with code 2, quietly."""
 
 
 class Trainer:
