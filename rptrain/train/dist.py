@@ -72,16 +72,20 @@ def rank_prefix() -> str:
 
 @dataclass
 class Dist:
-    """This process's place in the group; with world == 1 every method is a no-op."""
+    """This process's place in the group; with world == 1 every method is a no-op.
+
+    The trainer's own collectives are tiny and go through `control`, a gloo group on the CPU: the
+    whole group under gloo, a second one beside NCCL, so that they never wait on a GPU stream."""
 
     rank: int = 0
     world: int = 1
     local_rank: int = 0
-    device: torch.device = torch.device("cpu")  # where the trainer's collective tensors live (the GPU for NCCL)
     devices: Optional[list[str]] = None  # the engine's devices; None: its default (every GPU, else the CPU)
+    control: Any = None
 
     @property
     def group(self) -> Any:
+        """The engine's group: gradients are averaged over it."""
         return dist.group.WORLD if self.world > 1 else None
 
     @property
@@ -91,9 +95,9 @@ class Dist:
     def sum(self, values: list[float], what: str) -> list[float]:
         if self.world == 1:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        t = torch.tensor(values, dtype=torch.float64)
         with peer_errors(what):
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=self.control)
         return t.tolist()
 
     def broadcast(self, obj: Any, what: str) -> Any:
@@ -102,27 +106,27 @@ class Dist:
             return obj
         holder = [obj if self.main else None]
         with peer_errors(what):
-            dist.broadcast_object_list(holder, src=0, device=self.device if self.device.type == "cuda" else None)
+            dist.broadcast_object_list(holder, src=0, group=self.control)
         return holder[0]
 
     def barrier(self, what: str) -> None:
         if self.world > 1:
             with peer_errors(what):
-                # barrier() itself would guess a GPU from the rank; an all_reduce uses ours.
-                dist.all_reduce(torch.zeros(1, device=self.device))
-
+                dist.barrier(group=self.control)
 
     def check_same(self, tensors: dict[str, torch.Tensor], what: str) -> None:
-        """Raise if the ranks hold different `tensors` (sums and absolute sums, compared in float64)."""
+        """Raise if the ranks hold different `tensors` (their sums and L1 norms, compared in float64)."""
         if self.world == 1:
             return
-        local = [float(f(t.detach(), dtype=torch.float64)) for t in tensors.values() if t.is_floating_point()
-                 for f in (torch.sum, lambda x, dtype: torch.sum(x.abs(), dtype=dtype))]
-        low = torch.tensor(local, dtype=torch.float64, device=self.device)
+        local = []
+        for t in tensors.values():
+            if t.is_floating_point():
+                local += [float(torch.sum(t, dtype=torch.float64)), float(torch.linalg.vector_norm(t, 1, dtype=torch.float64))]
+        low = torch.tensor(local, dtype=torch.float64)
         high = low.clone()
         with peer_errors(f"the comparison of {what}"):
-            dist.all_reduce(low, op=dist.ReduceOp.MIN)
-            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.control)
+            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.control)
         if not torch.equal(low, high):
             raise RuntimeError(f"the {self.world} ranks hold different {what}: data-parallel training went out of step (a bug: please report it)")
 
@@ -143,14 +147,13 @@ def setup(cfg: DictConfig) -> Dist:
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     devices = local_devices(local, local_world)
-    device = torch.device("cpu")
     if backend == "nccl":
-        device = torch.device(devices[0] if devices else "cuda:0")
-        torch.cuda.set_device(device)  # NCCL works on the current device
+        torch.cuda.set_device(torch.device(devices[0] if devices else "cuda:0"))  # NCCL works on the current device
     timeout = datetime.timedelta(seconds=float(cfg.timeout_s))
     with peer_errors("joining the process group"):
         dist.init_process_group(backend, timeout=timeout)
-    _ACTIVE = Dist(rank_, world, local, device, devices)
+        control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    _ACTIVE = Dist(rank_, world, local, devices, control)
     # Every rank has passed the checks before training (and local rank 0 has downloaded the data).
     _ACTIVE.barrier("the start (a rank failed its checks or never started)")
     return _ACTIVE
