@@ -77,7 +77,7 @@ def test_two_ranks_train_like_one_process_on_the_global_batch(runs):
         assert (run / name).is_file(), name
     assert json.loads((run / "status.json").read_text())["state"] == "completed"
     assert not list((tmp / "scratch").glob("rptrain-*"))  # the other rank's scratch directory is gone
-    assert two.stdout.count("done: ") == 1 and "2 ranks of 4 samples per global batch" in two.stdout
+    assert two.stdout.count("done: ") == 1 and "global batch 8 = 2 ranks x 4" in two.stdout
     # The ranks compared their weights before the checkpoint, and they matched.
     assert f"step {K}: the 2 ranks hold identical weights" in (run / "rptrain.log").read_text()
     assert_same_training(one_k, run, K)  # logged losses are averaged over the ranks

@@ -75,7 +75,8 @@ class Trainer:
         if state is not None:
             check_resume_state(resume, state, cfg)
         d = self.dist
-        ranks = f"; {d.world} ranks of {cfg.trainer.batch_size // d.world} samples per global batch" if d.world > 1 else ""
+        b = cfg.trainer.batch_size
+        ranks = f"; global batch {b} = {d.world} ranks x {b // d.world}" if d.world > 1 else ""
         say(self.console, f"model {cfg.model.name}: {self.fingerprint['params']:,} parameters, compute {dtype}; data {data.description}{ranks}")
         with peer_errors("the comparison of the ranks' initial weights", d.world > 1):
             engine = RoundPipe(model, torch_dtype(cfg.precision.optim_dtype), build_run_config(cfg.run_config, len(model)),
