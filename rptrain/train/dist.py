@@ -4,8 +4,8 @@ Every process runs the same `rptrain ...` command. Each builds the same model fr
 reads its shard of every global batch, and the engine averages the gradients over the group
 before each optimizer step. Around that the trainer needs a few small exchanges, each done by
 every rank at the same point of the loop: when to stop (a signal may reach the ranks at different
-steps), the global loss count, averaged metrics, rank 0's choice of checkpoint, a barrier after
-a checkpoint. A collective that fails because a peer died or hung becomes a PeerError, one line;
+steps), the global loss count, averaged metrics, rank 0's choice of checkpoint, a weight check
+at checkpoints, a barrier before leaving after a stop. A collective that fails because a peer died or hung becomes a PeerError, one line;
 dist.timeout_s bounds how long a hung peer can stall the others.
 """
 from __future__ import annotations
