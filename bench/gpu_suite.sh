@@ -22,6 +22,12 @@ if [[ $what == resnet || $what == all ]]; then
     python3 optimizer.py --params 21.3e6 302e6
   } 2>&1 | grep -v Warning | tee "$out/resnet.jsonl" | grep '^{'
 fi
+if [[ $what == last ]]; then  # under three minutes: re-check the engine and the two headline numbers
+  log="$out/last.jsonl"
+  timeout 45 python3 -m pytest -q -x -p no:cacheprovider ../tests/test_engine_equivalence.py ../tests/test_engine_scaler.py 2>&1 | tail -2
+  timeout 50 python3 resnet.py --impl both --steps 25 --warmup 6 2>&1 | grep '^{' | tee -a "$log"
+  timeout 60 python3 llm.py --model llama_1b --impl rptrain plain --seq 4096 --batch 2 --steps 2 --warmup 1 2>&1 | grep '^{' | tee -a "$log"
+fi
 if [[ $what == core ]]; then  # the short version for a tight device budget: most important first
   log="$out/core.jsonl"
   run() { timeout "$1" "${@:2}" 2>&1 | grep -v Warning | tee -a "$log" | grep -E '^\{|Error|error' | tail -12; }
