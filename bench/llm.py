@@ -75,22 +75,26 @@ def run_plain(args, cfg, name):
     for i in range(1, len(model) - 1):
         model[i] = Checkpointed(model[i])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    x, y = tokens(args, cfg.vocab_size, "cuda")
+    seconds, loss = timed(torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=True), args)
+    del model, opt
+    torch.cuda.empty_cache()
+    return seconds, loss, 1.0, {}
+
+
+def torch_step(model: nn.Module, opt: torch.optim.Optimizer, batch, autocast: bool):
+    """One plain training step (plain PyTorch and FSDP2 share it)."""
+    x, y = batch
     n = count_tokens(y)
 
     def step():
-        xs, ys = x.to("cuda", non_blocking=True), y.to("cuda", non_blocking=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model((xs, ys)) / n
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model((x.to("cuda", non_blocking=True), y.to("cuda", non_blocking=True))) / n
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    seconds, loss = timed(step, args)
-    del model, opt
-    torch.cuda.empty_cache()
-    return seconds, loss, 1.0, {}
+    return step
 
 
 def run_fsdp2(args, cfg, name):
@@ -112,17 +116,8 @@ def run_fsdp2(args, cfg, name):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     except (RuntimeError, TypeError):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = tokens(args, cfg.vocab_size, "cuda")
-    n = count_tokens(y)
-
-    def step():
-        loss = model((x.to("cuda", non_blocking=True), y.to("cuda", non_blocking=True))) / n
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    seconds, loss = timed(step, args)
+    # FSDP2's MixedPrecisionPolicy already computes in bf16: no autocast.
+    seconds, loss = timed(torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=False), args)
     del model, opt
     dist.destroy_process_group()
     return seconds, loss, 1.0, {}
