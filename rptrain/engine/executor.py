@@ -454,9 +454,10 @@ class Executor:
                 converted.append((r, g.float()))
                 device.keep_alive(g, "download")
 
-            def land() -> None:
+            def land(averaged: Optional[list[Tensor]] = None) -> None:
+                pieces = converted if averaged is None else [(r, g) for (r, _), g in zip(converted, averaged)]
                 with device.stream("download"):
-                    for r, g32 in converted:
+                    for r, g32 in pieces:
                         with state.lock:
                             runs = _fresh_runs(layout, buffer, r)
                         for lo, hi, fresh in runs:

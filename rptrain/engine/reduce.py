@@ -32,24 +32,27 @@ class GradReducer:
             self._next = 0
             self._pending = []
 
-    def reduce(self, order: int, tensors: list[Tensor], then: Callable[[], None], stopped: Callable[[], bool]) -> None:
-        """Average ``tensors`` in place (the ``order``-th reducing job of the call), then run ``then``:
-        at once for NCCL (stream-ordered), after the collective for gloo."""
+    def reduce(self, order: int, tensors: list[Tensor], then: Callable[[list[Tensor]], None], stopped: Callable[[], bool]) -> None:
+        """Average ``tensors`` (the ``order``-th reducing job of the call), then hand the averaged
+        tensors to ``then``: at once for NCCL (stream-ordered), after the collective for gloo."""
         with self._turn:
             while self._next != order:
                 if stopped():
                     return
                 self._turn.wait(timeout=0.5)
-            for t in tensors:
-                if self.backend == "nccl":
-                    dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.group, async_op=True).wait()
-                else:  # gloo has no AVG: scale first, then sum
-                    t.div_(self.world)
-                    self._pending.append((dist.all_reduce(t, group=self.group, async_op=True), lambda: None))
             if self.backend == "nccl":
-                then()
-            else:
-                self._pending.append((None, then))
+                # One communicator per process: a job that ran on another local GPU first moves its
+                # gradients (a peer copy) to the GPU the group was set up on.
+                home = torch.device("cuda", torch.cuda.current_device())
+                tensors = [t if t.device == home else t.to(home, non_blocking=True) for t in tensors]
+                for t in tensors:
+                    dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.group, async_op=True).wait()
+                then(tensors)
+            else:  # gloo has no AVG: scale first, then sum
+                for t in tensors:
+                    t.div_(self.world)
+                    self._pending.append((dist.all_reduce(t, group=self.group, async_op=True), None))
+                self._pending.append((None, lambda: then(tensors)))
             self._next += 1
             self._turn.notify_all()
 
@@ -58,7 +61,8 @@ class GradReducer:
         for work, then in self._pending:
             if work is not None:
                 work.wait()
-            then()
+            if then is not None:
+                then()
         self._pending = []
 
     def any_flag(self, flag: bool, device: torch.device) -> bool:
