@@ -13,6 +13,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor
 
+from .batching import map_tensors
+
 STREAMS = ("compute", "upload", "download")
 
 
@@ -55,8 +57,6 @@ class Device:
 
     def receive(self, value: Any, event: Any, source: Optional["Device"]) -> Any:
         """Make tensors produced on ``source`` (None: the host) usable on this device's compute stream."""
-        from .batching import map_tensors
-
         return map_tensors(lambda t: t.to(self.torch_device), value)
 
     def keep_alive(self, tensor: Tensor, stream: str) -> None:
@@ -128,8 +128,6 @@ class CudaDevice(Device):
         dst.copy_(src, non_blocking=True)
 
     def receive(self, value: Any, event: Any, source: Optional[Device]) -> Any:
-        from .batching import map_tensors
-
         if source is self:
             return value  # same compute stream: already ordered
         compute = self.streams["compute"]
@@ -157,9 +155,6 @@ class CudaDevice(Device):
 
     def keep_alive(self, tensor: Tensor, stream: str) -> None:
         tensor.record_stream(self.streams[stream])
-
-    def zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
-        return torch.zeros(numel, dtype=dtype, device=self.torch_device)
 
     def rng_state(self) -> Tensor:
         return torch.cuda.get_rng_state(self.torch_device)

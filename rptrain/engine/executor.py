@@ -412,29 +412,16 @@ class Executor:
         target = state.output_device
         if not device.is_cuda or target == device.torch_device:
             return map_tensors(lambda t: t.to(target), value)
-        ready = device.record("compute")
-        with device.stream("download"):
-            device.wait("download", ready)
-
-            def move(t: Tensor) -> Tensor:
-                device.keep_alive(t, "download")
-                return t.to(target, non_blocking=True)
-
-            return map_tensors(move, value)
+        return _download(device, value, lambda t: t.to(target, non_blocking=True))
 
     def _to_host(self, device: Device, value: Any) -> Any:
         """Copy to pinned host memory on the download stream (the caller records its event)."""
-        ready = device.record("compute")
-        with device.stream("download"):
-            device.wait("download", ready)
 
-            def move(t: Tensor) -> Tensor:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                device.keep_alive(t, "download")
-                return host
+        def pinned(t: Tensor) -> Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
 
-            return map_tensors(move, value)
+        return _download(device, value, pinned)
 
     # ----------------------------------------------------------------------------- sending results home
     def _send_grads(self, device: Device, job: Job, grads: StageTensors, state: PassState) -> None:
@@ -483,6 +470,19 @@ class Executor:
                 device.copy_to_host(self.host.buffer_range(r), t)
                 device.keep_alive(t, "download")
             state.buffer_events.append(device.record("download"))
+
+
+def _download(device: Device, value: Any, copy: Callable[[Tensor], Tensor]) -> Any:
+    """``copy`` every tensor of ``value`` on the download stream, after the compute issued so far."""
+    ready = device.record("compute")
+    with device.stream("download"):
+        device.wait("download", ready)
+
+        def move(t: Tensor) -> Tensor:
+            device.keep_alive(t, "download")
+            return copy(t)
+
+        return map_tensors(move, value)
 
 
 def _buffer_versions(shells: list[Shell]) -> list[int]:

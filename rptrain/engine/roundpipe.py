@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from .batching import iter_tensors, merge_outputs, split_inputs, split_label
+from .batching import iter_tensors, map_tensors, merge_outputs, split_inputs, split_label
 from .config import RoundPipeRunConfig, ResolvedRunConfig, resolve
 from .device import make_devices
 from .executor import Args, Executor, PassState, float_tensors
@@ -494,8 +494,6 @@ class _RecordedPipeline(torch.autograd.Function):
         def rebuild(flat: Any) -> Any:
             flat = list(flat) if isinstance(flat, (tuple, list)) else [flat]
             it = iter(flat)
-            from .batching import map_tensors
-
             return map_tensors(lambda t: next(it) if t.is_floating_point() else t, merged)
 
         holder["rebuild"] = rebuild
