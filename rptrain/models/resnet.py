@@ -15,6 +15,13 @@ from rptrain.models.registry import register_model
 Device = torch.device | str | None
 
 
+def _shortcut(in_channels: int, out_channels: int, stride: int) -> nn.Sequential | None:
+    """1x1 conv + BN when the block changes resolution or width; None (identity) otherwise."""
+    if stride == 1 and in_channels == out_channels:
+        return None
+    return nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels))
+
+
 class BasicBlock(nn.Module):
     expansion = 1
 
@@ -25,12 +32,7 @@ class BasicBlock(nn.Module):
         self.relu = nn.ReLU()
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_channels)
-        self.downsample = None
-        if stride != 1 or in_channels != out_channels:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(in_channels, out_channels, 1, stride, bias=False),
-                nn.BatchNorm2d(out_channels),
-            )
+        self.downsample = _shortcut(in_channels, out_channels, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x
@@ -57,12 +59,7 @@ class Bottleneck(nn.Module):
         self.conv3 = nn.Conv2d(width, out_channels, 1, bias=False)
         self.bn3 = nn.BatchNorm2d(out_channels)
         self.relu = nn.ReLU()
-        self.downsample = None
-        if stride != 1 or in_channels != out_channels:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(in_channels, out_channels, 1, stride, bias=False),
-                nn.BatchNorm2d(out_channels),
-            )
+        self.downsample = _shortcut(in_channels, out_channels, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x
