@@ -80,7 +80,8 @@ def gpu_busy(run, finish, impl: str) -> None:
 
 def engine(args, model_kwargs):
     dtype = torch.float16 if args.device == "cuda" else torch.float32
-    model = RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32, cuda_graphs=not args.no_graphs)
+    model = RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32, cuda_graphs=not args.no_graphs,
+                     optimizer_threads=args.optimizer_threads)
     with OptimizerCtx():
         optimizer = Adam(model.parameters())
     scaler = GradScaler(enabled=args.device == "cuda")
@@ -148,6 +149,8 @@ def main() -> None:
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--profile", action="store_true", help="report GPU busy time from a torch.profiler trace")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run")
+    p.add_argument("--optimizer-threads", type=int, nargs="+", default=[None],
+                   help="the engine's optimizer_threads; several values run the engine once each")
     args = p.parse_args()
     torch.backends.cudnn.benchmark = True  # both sides pick their fastest convolutions
     if args.threads:
@@ -156,15 +159,20 @@ def main() -> None:
     if args.tiny:
         args.batch, args.steps, args.warmup, args.size = 4, 2, 1, 8
         model_kwargs = dict(widths=(8, 16, 32, 64), stem_channels=8)
-    results = {}
-    for impl, fn in (("plain", plain), ("rptrain", engine)):
-        if args.impl in (impl, "both"):
-            seconds = fn(args, model_kwargs)
-            results[impl] = args.batch / seconds
-            emit(bench="resnet34", impl=impl, device=args.device, batch=args.batch, microbatches=args.microbatches if impl == "rptrain" else 1,
-                 cuda_graphs=not args.no_graphs if impl == "rptrain" else None, step_ms=round(seconds * 1e3, 3), images_per_s=round(results[impl], 1))
-    if len(results) == 2:
-        emit(bench="resnet34", what="rptrain_over_plain", ratio=round(results["rptrain"] / results["plain"], 3))
+    plain_rate = None
+    if args.impl in ("plain", "both"):
+        seconds = plain(args, model_kwargs)
+        plain_rate = args.batch / seconds
+        emit(bench="resnet34", impl="plain", device=args.device, batch=args.batch, microbatches=1,
+             step_ms=round(seconds * 1e3, 3), images_per_s=round(plain_rate, 1))
+    if args.impl in ("rptrain", "both"):
+        for threads in args.optimizer_threads:
+            args.optimizer_threads = threads
+            seconds = engine(args, model_kwargs)
+            rate = args.batch / seconds
+            emit(bench="resnet34", impl="rptrain", device=args.device, batch=args.batch, microbatches=args.microbatches,
+                 cuda_graphs=not args.no_graphs, optimizer_threads=threads, step_ms=round(seconds * 1e3, 3), images_per_s=round(rate, 1),
+                 **({"rptrain_over_plain": round(rate / plain_rate, 3)} if plain_rate else {}))
 
 
 if __name__ == "__main__":

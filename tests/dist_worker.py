@@ -1,7 +1,10 @@
-"""A data-parallel training run for tests/test_dist.py, launched by torchrun (gloo, CPU).
+"""A data-parallel training run for tests/test_dist.py, launched by torchrun (gloo on CPU, or
+NCCL on GPUs).
 
 Usage: torchrun --standalone --nproc-per-node N tests/dist_worker.py OUT_DIR [--die-at STEP]
+       [--backend nccl --gpu-workers K]
 Each rank trains on its shard of every global batch and writes its final weights to OUT_DIR.
+With NCCL each rank's engine runs K device workers on its local GPU.
 """
 import argparse
 import datetime
@@ -42,14 +45,23 @@ def train(engine, opt, data, rank, world, die_at=None):
     engine.synchronize()
 
 
+def gpu_devices(workers: int) -> list[str]:
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    return [f"cuda:{local}"] * workers
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--die-at", type=int, default=None)
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument("--gpu-workers", type=int, default=1)
     args = p.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    devices = gpu_devices(args.gpu_workers) if args.backend == "nccl" else ["cpu"]
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=20))
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = RoundPipe(model(), process_group=dist.group.WORLD)
+    engine = RoundPipe(model(), process_group=dist.group.WORLD, devices=devices)
     with OptimizerCtx():
         opt = Adam(engine.parameters(), lr=1e-2)
     try:

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 HERE = Path(__file__).parent
@@ -31,13 +32,32 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name  # identical on every rank
     # One process, the whole global batch, the same loss normalisation.
-    engine = RoundPipe(dist_worker.model())
+    engine = RoundPipe(dist_worker.model(), devices=["cpu"])
     with OptimizerCtx():
         opt = Adam(engine.parameters(), lr=1e-2)
     dist_worker.train(engine, opt, dist_worker.batches(), rank=0, world=1)
     single = engine.state_dict()
     for name in rank0:
         torch.testing.assert_close(rank0[name], single[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a GPU")
+@pytest.mark.parametrize("gpu_workers", [1, 2])
+def test_nccl_ranks_equal_one_process_on_the_whole_batch(tmp_path, gpu_workers):
+    """NCCL on the GPUs at hand (one rank per GPU; on a one-GPU machine a world of one still runs
+    every collective: plan broadcast, fingerprint, per-job averaging, inf flags)."""
+    nproc = torch.cuda.device_count()
+    result = torchrun(tmp_path, "--backend", "nccl", "--gpu-workers", str(gpu_workers), nproc=nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(nproc)]
+    engine = RoundPipe(dist_worker.model(), devices=["cuda:0"] * gpu_workers)
+    with OptimizerCtx():
+        opt = Adam(engine.parameters(), lr=1e-2)
+    dist_worker.train(engine, opt, dist_worker.batches(), rank=0, world=1)
+    single = engine.state_dict()
+    for weights in ranks:
+        for name in single:
+            torch.testing.assert_close(weights[name], single[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_a_dead_rank_stops_the_others_with_an_error(tmp_path):

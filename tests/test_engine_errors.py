@@ -191,3 +191,17 @@ def test_garbage_collected_engine_stops_its_thread(threaded):
     while _alive(name) and time.time() < deadline:
         time.sleep(0.05)
     assert not _alive(name)
+
+
+def test_optimizer_threads_apply_to_the_optimizer_thread_only(threaded):
+    before = torch.get_num_threads()
+    engine, opt = engine_and_opt(optimizer_threads=1)
+    seen = []
+    engine.forward_backward((X,), label=Y, loss_fn=CE)
+    engine.step(lambda: (seen.append(torch.get_num_threads()), opt.step(), opt.zero_grad()), is_async=False)
+    assert seen == [1]
+    assert torch.get_num_threads() == before
+    engine.close()
+    for bad in (0, -2, 1.5, "4"):
+        with pytest.raises(ValueError, match="optimizer_threads"):
+            RoundPipe(mlp(), optimizer_threads=bad)

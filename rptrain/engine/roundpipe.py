@@ -67,6 +67,7 @@ class RoundPipe(nn.Module):
         devices: Any = None,
         cuda_graphs: bool = True,
         process_group: Any = None,
+        optimizer_threads: Optional[int] = None,
     ):
         """``devices``: None (every GPU, else the CPU) or a list like ``["cuda:0", "cuda:1"]``.
         ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
@@ -74,7 +75,10 @@ class RoundPipe(nn.Module):
         ``process_group``: a torch.distributed group to train data-parallel over: every rank
         runs this engine on its own data and gradients are averaged before each step (NCCL for
         GPU engines, gloo for CPU ones). BatchNorm statistics stay per rank, as in DDP with
-        ``broadcast_buffers=False``."""
+        ``broadcast_buffers=False``.
+        ``optimizer_threads``: OpenMP threads of the optimizer step. Default on GPU engines: one
+        fewer than torch's, so the thread issuing GPU work keeps a core; a statically scheduled
+        parallel loop that shares a core with it waits for its slowest thread."""
         super().__init__()
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"RoundPipe needs an nn.Sequential (one element per pipeline layer), got {type(model).__name__}")
@@ -112,7 +116,11 @@ class RoundPipe(nn.Module):
         # OpenMP work makes every small op pay a thread wake-up (3x slower on 2 cores): there
         # the step runs inline when submitted. The staleness rules are the same either way.
         inline = not self._cuda and os.environ.get("RPTRAIN_CPU_OPTIMIZER_THREAD") != "1"
-        self._optimizer_thread = TaskThread(f"rptrain-optimizer-{id(self):x}", inline=inline)
+        if optimizer_threads is not None and (not isinstance(optimizer_threads, int) or optimizer_threads < 1):
+            raise ValueError(f"optimizer_threads must be a positive int, got {optimizer_threads!r}")
+        if optimizer_threads is None and self._cuda:
+            optimizer_threads = max(1, torch.get_num_threads() - 1)
+        self._optimizer_thread = TaskThread(f"rptrain-optimizer-{id(self):x}", inline=inline, threads=optimizer_threads)
         weakref.finalize(self, self._optimizer_thread.close)
         register_step_queue(self)
         self._plan: Optional[ExecutePlan] = None

@@ -11,6 +11,8 @@ import queue
 import threading
 from typing import Callable, Optional
 
+import torch
+
 
 class Ticket:
     def __init__(self) -> None:
@@ -30,9 +32,12 @@ class Ticket:
 
 
 class TaskThread:
-    def __init__(self, name: str, inline: bool = False):
+    def __init__(self, name: str, inline: bool = False, threads: Optional[int] = None):
+        """``threads``: intra-op (OpenMP) threads for the tasks; OpenMP keeps this per thread, so
+        the submitting thread's own setting is untouched."""
         self._name = name
         self._inline = inline
+        self._threads = threads
         self._queue: "queue.Queue[Optional[tuple[Callable[[], None], Ticket]]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -44,7 +49,7 @@ class TaskThread:
             return ticket
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=_loop, args=(self._queue,), name=self._name, daemon=True)
+                self._thread = threading.Thread(target=_loop, args=(self._queue, self._threads), name=self._name, daemon=True)
                 self._thread.start()
             self._queue.put((task, ticket))
         return ticket
@@ -58,8 +63,10 @@ class TaskThread:
             thread.join()
 
 
-def _loop(tasks: "queue.Queue") -> None:
+def _loop(tasks: "queue.Queue", threads: Optional[int]) -> None:
     # Holds only the queue, not the engine, so an unused engine can be garbage-collected.
+    if threads is not None:
+        torch.set_num_threads(threads)
     while True:
         item = tasks.get()
         if item is None:
