@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from common import emit, parser
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from rptrain.engine import trace
 from rptrain.models import build_model, count_tokens, flops_per_token, llama_config
 from rptrain.optim import AdamW
 
@@ -63,11 +64,31 @@ def run_rptrain(args, cfg, name):
         return loss
 
     seconds, loss = timed(step, args, finish=engine.wait_for_steps)
+    split = traced_split(step, engine.wait_for_steps, args.trace_steps) if args.trace_steps else {}
     plan = engine.plan
     recomputed = sum(b - a for a, b in plan.backward[:-1]) if plan else 0
     layers = len(model)
     engine.close()
-    return seconds, loss, recomputed / max(layers - 2, 1), dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
+    stages = dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
+    return seconds, loss, recomputed / max(layers - 2, 1), {**stages, **split}
+
+
+def traced_split(step, finish, steps: int) -> dict[str, float]:
+    """Seconds per step on each side: the GPU call (main thread) and the optimizer thread's task.
+    The step takes about the larger of the two when they overlap."""
+    trace.clear()
+    trace.enable()
+    for _ in range(steps):
+        step()
+    finish()
+    trace.enable(False)
+    totals: dict[str, float] = {}
+    for name, _, start, stop in trace.spans():
+        totals[name] = totals.get(name, 0.0) + stop - start
+    optimizer = sum(totals.get(k, 0.0) for k in ("bind_grads", "step_fn", "write_compute_copy", "upload_resident"))
+    return dict(forward_backward_s=round(totals.get("forward_backward", 0.0) / steps, 4),
+                optimizer_task_s=round(optimizer / steps, 4), adam_s=round(totals.get("step_fn", 0.0) / steps, 4),
+                wait_weights_s=round(totals.get("wait_weights", 0.0) / steps, 4))
 
 
 def run_plain(args, cfg, name):
@@ -147,6 +168,7 @@ def main() -> None:
     p.add_argument("--grain", choices=["stage", "layer"], default=None)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--trace-steps", type=int, default=2, help="extra engine steps traced to split GPU and optimizer time")
     p.add_argument("--peak", type=float, default=780.0, help="bf16 matmul TFLOP/s (bench/limits.py)")
     args = p.parse_args()
     args.overrides = {}

@@ -309,7 +309,9 @@ def test_several_devices_match_one(devices):
     one, _ = train_both(convnet(), image_batches(), 3, plan=plan, devices=devices[:1])
     several, ref = train_both(convnet(), image_batches(), 3, plan=plan, devices=devices)
     assert_state_close(several.state_dict(), ref.state())
-    assert_state_close(several.state_dict(), one.state_dict(), rtol=0, atol=0)
+    # Bitwise on few cores; on many, each worker thread's CPU convolutions may split their
+    # reductions differently (seen: 4e-8 on a 16-core host).
+    assert_state_close(several.state_dict(), one.state_dict(), rtol=1e-6, atol=1e-7)
 
 
 class Embed(nn.Module):
