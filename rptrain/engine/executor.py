@@ -157,6 +157,7 @@ class Executor:
         self._resident: dict[int, _Resident] = {}
         self._resident_lock = threading.Lock()
         self._static_buffers: dict[tuple[int, int, int], StageTensors] = {}
+        self._static_grads: dict[tuple[int, int, int], StageTensors] = {}
         self._graphs: dict[int, StageGraphs] = {}
         self.reducer = None  # a GradReducer when gradients are averaged across processes
         self.resident = False  # keep the whole compute copy on every GPU
@@ -270,6 +271,7 @@ class Executor:
         with self._resident_lock:
             self._resident.clear()
         self._static_buffers.clear()
+        self._static_grads.clear()
         self._graphs.clear()
 
     def _buffers(self, device: Device, job: Job, scratch: bool, state: PassState, static: bool = False) -> StageTensors:
@@ -294,6 +296,22 @@ class Executor:
                     t.copy_(self.host.buffer_range(r), non_blocking=True)
             return StageTensors(layout, pieces, device.record("upload"))
 
+    def _grads(self, device: Device, job: Job, static: bool) -> StageTensors:
+        """Zeroed gradient tensors for the job's stage; the same memory every call when a recorded
+        graph accumulates into them (the call's end synchronizes, so the last download is done)."""
+        layout = self.host.params
+        ranges = layout.ranges(job.start, job.stop)
+        key = (device.index, job.start, job.stop)
+        if static and key in self._static_grads:
+            grads = self._static_grads[key]
+            for _, t in grads.pieces:
+                t.zero_()
+            return grads
+        grads = StageTensors(layout, [(r, device.zeros(r.numel, layout.dtypes[r.key])) for r in ranges])
+        if static:
+            self._static_grads[key] = grads
+        return grads
+
     # ----------------------------------------------------------------------------- one job
     def _run_job(self, job: Job, state: PassState) -> None:
         device = self.devices[job.device]
@@ -308,10 +326,7 @@ class Executor:
         with device.stream("compute"):
             device.wait("compute", weights.event)
             device.wait("compute", buffers.event)
-            grads = None
-            if job.kind is not JobKind.FORWARD:
-                ranges = self.host.params.ranges(job.start, job.stop)
-                grads = StageTensors(self.host.params, [(r, device.zeros(r.numel, self.host.params.dtypes[r.key])) for r in ranges])
+            grads = None if job.kind is JobKind.FORWARD else self._grads(device, job, static=graphed)
             modules = [s.bind(weights.view, buffers.view, grads.view if grads else None) for s in shells]
             start_mark = device.timer() if state.profile else None
             run = {JobKind.FORWARD: self._forward, JobKind.FUSED: self._fused, JobKind.BACKWARD: self._backward}[job.kind]

@@ -1,11 +1,13 @@
-"""CUDA graphs for a stage's forward and backward, so small layers stop paying Python launch costs.
+"""CUDA graphs for a fused stage's forward and backward, so small layers stop paying launch costs.
 
 A graph replays the exact kernels it recorded, reading and writing the same addresses. That holds
-for a fused stage whose weights stay resident on the GPU (a static "live" copy), whose buffers sit
-in static tensors, and whose input has the same shapes as when it was recorded. The loss function
-runs eagerly between the two graphs. ``torch.cuda.make_graphed_callables`` records them; its
-warm-up iterations would update BatchNorm statistics and consume random numbers, so both are put
-back. A stage that cannot be recorded (a CPU sync inside a layer, say) runs eagerly from then on.
+for a fused stage whose weights stay resident on the GPU (a static "live" copy), whose buffers and
+parameter gradients sit in static tensors, and whose input has the same shapes as when it was
+recorded. Two graphs per stage: the forward, and the backward including the accumulation into
+the parameters' ``.grad`` (in place, so a replay adds to the static gradient tensors without the
+per-parameter launches eager autograd would pay). The loss function runs eagerly between them.
+Recording runs the stage a few times first; those runs' statistics updates, random numbers and
+gradients are put back. A stage that cannot be recorded runs eagerly from then on.
 """
 from __future__ import annotations
 
@@ -16,29 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-
-class _FlatStage(nn.Module):
-    """The stage's layers as a function of flat tensors (what graph capture needs)."""
-
-    def __init__(self, modules: list[nn.Module], spec: pytree.TreeSpec, constants: list, call: Callable):
-        super().__init__()
-        self.layers = nn.ModuleList(modules)
-        self._spec, self._constants, self._call = spec, constants, call
-        self.out_spec: Optional[pytree.TreeSpec] = None
-        self.out_constants: list = []
-
-    def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
-        x = _rebuild(self._spec, self._constants, tensors)
-        for layer in self.layers:
-            x = self._call(layer, x)
-        leaves, self.out_spec = pytree.tree_flatten(x)
-        self.out_constants = [None if isinstance(v, Tensor) else v for v in leaves]
-        return tuple(v for v in leaves if isinstance(v, Tensor))
-
-
-def _rebuild(spec: pytree.TreeSpec, constants: list, tensors: Any) -> Any:
-    it = iter(tensors)
-    return pytree.tree_unflatten([next(it) if c is None else c for c in constants], spec)
+_WARMUP = 2  # runs before recording: lazy initialisation and cudnn's algorithm search happen here
 
 
 def signature(value: Any) -> Optional[tuple]:
@@ -57,45 +37,131 @@ def signature(value: Any) -> Optional[tuple]:
     return (spec, tuple(parts))
 
 
+class _Recorded:
+    """One stage's forward and backward graphs and the static tensors they read and write."""
+
+    def __init__(self, forward: torch.cuda.CUDAGraph, backward: torch.cuda.CUDAGraph, inputs: list[Tensor],
+                 outputs: list[Tensor], differentiable: list[int], grad_outputs: list[Tensor],
+                 out_spec: pytree.TreeSpec, out_constants: list):
+        self.forward, self.backward = forward, backward
+        self.inputs, self.outputs = inputs, outputs
+        self.differentiable, self.grad_outputs = differentiable, grad_outputs
+        self.out_spec, self.out_constants = out_spec, out_constants
+
+
+class _Replay(torch.autograd.Function):
+    """The recorded stage as one autograd node: forward replays one graph, backward the other."""
+
+    @staticmethod
+    def forward(ctx: Any, rec: _Recorded, anchor: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
+        for static, x in zip(rec.inputs, inputs):
+            if static.data_ptr() != x.data_ptr():
+                static.copy_(x)
+        rec.forward.replay()
+        ctx.rec = rec
+        outputs = tuple(o.detach() for o in rec.outputs)  # new tensor objects, the static memory
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(outputs) if i not in rec.differentiable])
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:
+        rec: _Recorded = ctx.rec
+        for i, static in zip(rec.differentiable, rec.grad_outputs):
+            if grads[i] is None:
+                static.zero_()
+            else:
+                static.copy_(grads[i])
+        rec.backward.replay()  # also adds the parameters' gradients into their static .grad
+        return (None, None, *[t.grad for t in rec.inputs])
+
+
 class StageGraphs:
     """Recorded stages on one device, by (layers, training modes, input signature)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._graphs: dict[tuple, Optional[_FlatStage]] = {}
+        self._graphs: dict[tuple, Optional[_Recorded]] = {}
         self._pool = None
+        self._stream: Optional[torch.cuda.Stream] = None
+        # Outputs of the replay node need an input that requires grad even when nothing else does.
+        self._anchor: Optional[Tensor] = None
 
     def run(self, key: tuple, modules: list[nn.Module], x: Any, call: Callable) -> Any:
-        """``x`` through the stage: replayed when recorded, recorded on first sight, else eager."""
+        """``x`` through the stage: replayed when recorded, recorded on first sight, else eager.
+        The caller's backward of the result replays the backward graph."""
         if key not in self._graphs:
             self._graphs[key] = self._record(modules, x, call)
-        stage = self._graphs[key]
-        if stage is None:
+        rec = self._graphs[key]
+        if rec is None:
             for layer in modules:
                 x = call(layer, x)
             return x
-        leaves, _ = pytree.tree_flatten(x)
-        outputs = stage(*[v for v in leaves if isinstance(v, Tensor)])
-        return _rebuild(stage.out_spec, stage.out_constants, outputs)
+        inputs = [v for v in pytree.tree_leaves(x) if isinstance(v, Tensor)]
+        outputs = _Replay.apply(rec, self._anchor, *inputs)
+        it = iter(outputs)
+        return pytree.tree_unflatten([next(it) if c is None else c for c in rec.out_constants], rec.out_spec)
 
-    def _record(self, modules: list[nn.Module], x: Any, call: Callable) -> Optional[_FlatStage]:
-        leaves, spec = pytree.tree_flatten(x)
-        constants = [None if isinstance(v, Tensor) else v for v in leaves]
-        sample = tuple(v.detach().clone().requires_grad_(v.requires_grad) for v in leaves if isinstance(v, Tensor))
-        stage = _FlatStage(modules, spec, constants, call)
+    def _record(self, modules: list[nn.Module], x: Any, call: Callable) -> Optional[_Recorded]:
+        params = [p for m in modules for p in m.parameters()]
         buffers = [b for m in modules for b in m.buffers()]
-        saved = [b.detach().clone() for b in buffers]
+        saved_buffers = [b.detach().clone() for b in buffers]
+        saved_grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         rng = torch.cuda.get_rng_state(self.device)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         try:
-            stage = torch.cuda.make_graphed_callables(stage, sample, pool=self._pool, allow_unused_input=True)
+            return self._capture(modules, x, call)
         except Exception as e:  # anything a graph cannot hold: keep the stage eager
             warnings.warn(f"rptrain: running layers {type(modules[0]).__name__}.. eagerly, CUDA graph capture failed: {e}", stacklevel=3)
-            stage = None
+            return None
         finally:
-            with torch.no_grad():  # the warm-up iterations updated statistics and used random numbers
-                for b, value in zip(buffers, saved):
+            if self._stream is not None:  # a failed capture may leave work on the recording stream
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            with torch.no_grad():  # the warm-up runs updated statistics, gradients and random state
+                for b, value in zip(buffers, saved_buffers):
                     b.copy_(value)
+                for p, value in zip(params, saved_grads):
+                    if value is not None:
+                        p.grad.copy_(value)
             torch.cuda.set_rng_state(rng, self.device)
-        return stage
+
+    def _capture(self, modules: list[nn.Module], x: Any, call: Callable) -> _Recorded:
+        leaves, spec = pytree.tree_flatten(x)
+        constants = [None if isinstance(v, Tensor) else v for v in leaves]
+        inputs = [v.detach().clone().requires_grad_(v.requires_grad) for v in leaves if isinstance(v, Tensor)]
+
+        def stage() -> Any:
+            it = iter(inputs)
+            y = pytree.tree_unflatten([next(it) if c is None else c for c in constants], spec)
+            for layer in modules:
+                y = call(layer, y)
+            return y
+
+        def differentiable(out_leaves: list) -> list[Tensor]:
+            return [v for v in out_leaves if isinstance(v, Tensor) and v.requires_grad]
+
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+            self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+        # Everything on one stream: autograd runs a node's backward on its forward's stream.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream), torch.enable_grad():
+            for _ in range(_WARMUP):
+                outs = differentiable(pytree.tree_leaves(stage()))
+                if outs:
+                    torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs])
+                del outs
+            for t in inputs:
+                t.grad = None
+            forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(forward, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                out_leaves, out_spec = pytree.tree_flatten(stage())
+            outputs = [v for v in out_leaves if isinstance(v, Tensor)]
+            wanted = [i for i, v in enumerate(outputs) if v.requires_grad]
+            grad_outputs = [torch.empty_like(outputs[i]) for i in wanted]
+            with torch.cuda.graph(backward, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                if wanted:
+                    torch.autograd.backward([outputs[i] for i in wanted], grad_outputs)
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        out_constants = [None if isinstance(v, Tensor) else v for v in out_leaves]
+        detached = [o.detach() for o in outputs]
+        return _Recorded(forward, backward, inputs, detached, wanted, grad_outputs, out_spec, out_constants)
