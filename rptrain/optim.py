@@ -64,10 +64,31 @@ class _FlatRuns:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self.cache: dict[tuple, tuple[Tensor, Tensor, Tensor, list[Tensor], list[Tensor]]] = {}
+        self._layouts: dict[tuple, list[list[int]]] = {}
 
     def runs(self, group: dict) -> list[list[Tensor]]:
+        """The group's runs, as lists of parameters. Where every tensor sits decides them, so they
+        are found once per arrangement (the engine's two gradient buffers make two)."""
+        params = group["params"]
+        where = tuple(
+            (p.data_ptr(),) if p.grad is None
+            else (p.data_ptr(), p.grad.data_ptr(), p.grad.untyped_storage().data_ptr(), p.grad.is_contiguous())
+            for p in params
+        )
+        key = (id(params), where)
+        found = self._layouts.get(key)
+        if found is None:
+            index = {id(p): i for i, p in enumerate(params)}
+            found = [[index[id(p)] for p in run] for run in self._find_runs(params)]
+            if len(self._layouts) > 16:  # arrangements come and go (users may set .grad themselves)
+                self._layouts.clear()
+            self._layouts[key] = found
+        return [[params[i] for i in run] for run in found]
+
+    @staticmethod
+    def _find_runs(params: list[Tensor]) -> list[list[Tensor]]:
         runs: list[list[Tensor]] = []
-        for p in group["params"]:
+        for p in params:
             if p.grad is None:
                 continue
             if runs and _follows(runs[-1][-1], p):

@@ -120,3 +120,36 @@ def test_runs_step_over_alignment_padding_only():
     opt.step()
     assert torch.all(data[10:64] == 0)  # padding stays zero
     assert torch.all(data[0:10] < 0) and torch.all(data[80:90] < 0)
+
+
+def test_gradients_moved_between_steps_still_match_torch():
+    """Runs are remembered per arrangement of the tensors: gradients that change places between
+    steps (flat, then separate tensors, then one buffer in reverse order, then flat again) must
+    not reuse a stale arrangement. (Not tried: non-contiguous gradients, which torch's own fused
+    CPU kernel gets wrong in torch 2.14.)"""
+    params, grads = flat_params([(4, 4), (4, 4), (3,)])
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours, theirs = Adam(params, lr=1e-2), torch.optim.Adam(ref, lr=1e-2, fused=True)
+    g = torch.Generator().manual_seed(2)
+    flat_grads = [p.grad for p in params]
+    for arrangement in ("flat", "separate", "reversed", "flat"):
+        new = [torch.randn(p.shape, generator=g) for p in params]
+        if arrangement == "flat":
+            for p, view, value in zip(params, flat_grads, new):
+                view.copy_(value)
+                p.grad = view
+        elif arrangement == "separate":
+            for p, value in zip(params, new):
+                p.grad = value.clone()
+        else:
+            backwards = torch.cat([v.reshape(-1) for v in reversed(new)])
+            offset = backwards.numel()
+            for p, value in zip(params, new):
+                offset -= value.numel()
+                p.grad = backwards[offset : offset + value.numel()].view(value.shape)
+        for r, value in zip(ref, new):
+            r.grad = value.clone()
+        ours.step()
+        theirs.step()
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r, rtol=0, atol=0, msg=arrangement)

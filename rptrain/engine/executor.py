@@ -109,6 +109,7 @@ class PassState:
 
     def __post_init__(self) -> None:
         self.graphs: Optional[StageGraphs] = None
+        self.graph_modes: tuple = ()
         self.chain = Mailbox(self)
         self.prefetched: dict[int, Any] = {}
         self.buffer_events: list[Any] = []
@@ -322,16 +323,22 @@ class Executor:
         graphed = job.kind is JobKind.FUSED and self.cuda_graphs and self.resident and device.is_cuda and not state.profile
         buffers = self._buffers(device, job, scratch=job.kind is JobKind.BACKWARD, state=state, static=graphed)
         shells = [self._shell(device, i) for i in range(job.start, job.stop)]
-        buffer_versions = _buffer_versions(shells)
+        buffer_versions = None if graphed else _buffer_versions(shells)
         with device.stream("compute"):
             device.wait("compute", weights.event)
             device.wait("compute", buffers.event)
             grads = None if job.kind is JobKind.FORWARD else self._grads(device, job, static=graphed)
-            modules = [s.bind(weights.view, buffers.view, grads.view if grads else None) for s in shells]
+            # A replayed graph reads the static tensors directly: the shells are bound only when
+            # something runs them (recording, eager layers), which saves a Python pass per layer.
+            modules = _BoundOnUse(shells, weights, buffers, grads)
+            if not graphed:
+                modules.bind()
             start_mark = device.timer() if state.profile else None
             run = {JobKind.FORWARD: self._forward, JobKind.FUSED: self._fused, JobKind.BACKWARD: self._backward}[job.kind]
             if job.kind is JobKind.FUSED:  # one fused job per call, so no other thread touches this
                 state.graphs = self._graphs.setdefault(device.index, StageGraphs(device.torch_device)) if graphed else None
+                # Train/eval modes select the graph: read from the user's layers, as the shells mirror them.
+                state.graph_modes = tuple(m.training for layer in self.layers[job.start : job.stop] for m in layer.modules()) if graphed else ()
             try:
                 for micro in range(state.num_microbatch):
                     if job.index == 0:
@@ -344,8 +351,7 @@ class Executor:
                 # Graph replays update statistics without bumping the tensors' version counters.
                 buffers_changed = graphed or _buffer_versions(shells) != buffer_versions
             finally:
-                for s in shells:
-                    s.release()
+                modules.release()
             if state.profile:
                 state.timings.append((job, device, start_mark, device.timer()))
             if grads is not None:
@@ -383,7 +389,7 @@ class Executor:
             leaves = make_leaves(x, needs_input_grad)
             key = None if state.graphs is None else signature(leaves)
             if key is not None:
-                key = (job.start, job.stop, tuple(m.training for layer in modules for m in layer.modules()), key)
+                key = (job.start, job.stop, state.graph_modes, key)
                 out = state.graphs.run(key, modules, leaves, call_layer)
             else:
                 out = self._run_layers(modules, job, job.start, job.stop, leaves, micro, state, device)
@@ -498,6 +504,35 @@ def _download(device: Device, value: Any, copy: Callable[[Tensor], Tensor]) -> A
             return copy(t)
 
         return map_tensors(move, value)
+
+
+class _BoundOnUse:
+    """The job's modules: the shells bound to the job's tensors on first use."""
+
+    def __init__(self, shells: list[Shell], weights: StageTensors, buffers: StageTensors, grads: Optional[StageTensors]):
+        self._shells, self._tensors = shells, (weights, buffers, grads)
+        self._modules: Optional[list[torch.nn.Module]] = None
+
+    def bind(self) -> list[torch.nn.Module]:
+        if self._modules is None:
+            weights, buffers, grads = self._tensors
+            self._modules = [s.bind(weights.view, buffers.view, grads.view if grads else None) for s in self._shells]
+        return self._modules
+
+    def __getitem__(self, i: int) -> torch.nn.Module:
+        return self.bind()[i]
+
+    def __iter__(self) -> Any:
+        return iter(self.bind())
+
+    def __len__(self) -> int:
+        return len(self._shells)
+
+    def release(self) -> None:
+        if self._modules is not None:
+            for s in self._shells:
+                s.release()
+            self._modules = None
 
 
 def _buffer_versions(shells: list[Shell]) -> list[int]:
