@@ -16,6 +16,13 @@ import torch.nn.functional as F
 from .errors import DataError
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One asynchronous copy from pinned memory: a pageable copy would wait for the GPU's queue."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def crop_flip(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor, padding: int) -> torch.Tensor:
     """Zero-pad each image by `padding`, cut an HxW window at (top, left) and mirror it where `flip`.
 
@@ -25,9 +32,10 @@ def crop_flip(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip:
     n, c, h, w = images.shape
     dev = images.device
     padded = F.pad(images, (padding, padding, padding, padding)) if padding else images
-    rows = top.to(dev).view(n, 1) + torch.arange(h, device=dev)  # (n, h)
-    cols = left.to(dev).view(n, 1) + torch.arange(w, device=dev)  # (n, w)
-    cols = torch.where(flip.to(dev).view(n, 1), cols.flip(1), cols)  # mirroring = reading columns backwards
+    top, left, flip = _to_device(torch.stack([top.long(), left.long(), flip.long()]), dev)
+    rows = top.view(n, 1) + torch.arange(h, device=dev)  # (n, h)
+    cols = left.view(n, 1) + torch.arange(w, device=dev)  # (n, w)
+    cols = torch.where(flip.bool().view(n, 1), cols.flip(1), cols)  # mirroring = reading columns backwards
     return padded[
         torch.arange(n, device=dev).view(n, 1, 1, 1),
         torch.arange(c, device=dev).view(1, c, 1, 1),
@@ -64,6 +72,7 @@ class BatchAugment:
         self.flip = bool(flip)
         self.out_dtype = out_dtype
         self.training = True
+        self._consts: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def train(self, mode: bool = True) -> "BatchAugment":
         self.training = mode
@@ -87,10 +96,13 @@ class BatchAugment:
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         """(x / 255 - mean) / std, folded into one multiply-add, computed in float32 then cast."""
-        shape = (1, -1, 1, 1)
-        scale = torch.tensor([1.0 / (255.0 * s) for s in self.std], device=images.device).view(shape)
-        shift = torch.tensor([m / s for m, s in zip(self.mean, self.std)], device=images.device).view(shape)
-        return torch.addcmul(-shift, images.float(), scale).to(self.out_dtype)
+        consts = self._consts.get(images.device)
+        if consts is None:  # made once per device: creating them each batch costs two synchronous copies
+            scale = torch.tensor([1.0 / (255.0 * s) for s in self.std]).view(1, -1, 1, 1)
+            shift = torch.tensor([-m / s for m, s in zip(self.mean, self.std)]).view(1, -1, 1, 1)
+            consts = self._consts[images.device] = (scale.to(images.device), shift.to(images.device))
+        scale, shift = consts
+        return torch.addcmul(shift, images.float(), scale).to(self.out_dtype)
 
     def __repr__(self) -> str:
         mode = "train" if self.training else "eval"
