@@ -11,7 +11,7 @@ what=${1:-all}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'threads', torch.get_num_threads())" | tee -a "$out/gpu.txt"
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_engine_*.py tests/test_optim.py 2>&1 | tee "$out/tests.log" | tail -5
+  python3 -m pytest -q -p no:cacheprovider tests/test_engine_*.py tests/test_optim.py tests/test_dist.py 2>&1 | tee "$out/tests.log" | tail -5
 fi
 cd bench
 if [[ $what == resnet || $what == all ]]; then
@@ -26,31 +26,31 @@ if [[ $what == last ]]; then  # under three minutes: re-check the engine and the
   log="$out/last.jsonl"
   timeout 45 python3 -m pytest -q -x -p no:cacheprovider ../tests/test_engine_equivalence.py ../tests/test_engine_scaler.py 2>&1 | tail -2
   timeout 50 python3 resnet.py --impl both --steps 25 --warmup 6 2>&1 | grep '^{' | tee -a "$log"
-  timeout 60 python3 llm.py --model llama_1b --impl rptrain plain --seq 4096 --batch 2 --steps 2 --warmup 1 2>&1 | grep '^{' | tee -a "$log"
+  timeout 60 python3 llm.py --model llama_1b --impl rptrain plain --seq 4096 --batch 2 --steps 2 --warmup 3 2>&1 | grep '^{' | tee -a "$log"
 fi
 if [[ $what == core ]]; then  # the short version for a tight device budget: most important first
   log="$out/core.jsonl"
   run() { timeout "$1" "${@:2}" 2>&1 | grep -v Warning | tee -a "$log" | grep -E '^\{|Error|error' | tail -12; }
   run 80 python3 resnet.py --impl both --trace --steps 30
-  run 100 python3 llm.py --model llama_1b --seq 4096 --batch 2 --steps 3 --warmup 2
+  run 150 python3 llm.py --model llama_1b --seq 4096 --batch 2 --steps 3 --warmup 3
   cd ..
   if [[ -d .whl ]]; then  # issue 4 goal 2: is the whole CLI run, with GPU augmentation, input-bound?
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 60 python3 -m rptrain.cli.main model=resnet34 data=synthetic \
+    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 60 python3 -m rptrain.cli.main --config-path="$PWD/conf" model=resnet34 data=synthetic \
       data.num_train=12800 data.num_test=1000 trainer.epochs=1 trainer.log_interval=25 trainer.progress=false \
       hydra.run.dir=/tmp/cli-run 2>&1 | tail -4
     cp /tmp/cli-run/metrics.jsonl /tmp/cli-run/summary.json "$out/" 2>/dev/null
   fi
   cd bench
   run 60 python3 optimizer.py --params 21.3e6 302e6
-  run 90 python3 llm.py --model llama_3b --impl rptrain plain --seq 4096 --batch 2 --steps 3 --warmup 2
-  run 60 python3 llm.py --model llama_1b --impl rptrain --seq 32768 --batch 1 --steps 1 --warmup 1
+  run 200 python3 llm.py --model llama_3b --impl rptrain plain --seq 4096 --batch 2 --steps 3 --warmup 3
+  run 60 python3 llm.py --model llama_1b --impl rptrain --seq 32768 --batch 1 --steps 1 --warmup 2
   run 20 python3 limits.py
 fi
 if [[ $what == llm || $what == all ]]; then
   {
     timeout 300 python3 llm.py --model llama_1b llama_3b --seq 4096 --batch 2
-    for seq in 16384 32768 65536; do timeout 100 python3 llm.py --model llama_1b --impl rptrain --seq $seq --batch 1 --steps 1 --warmup 1; done
-    for seq in 16384 32768; do timeout 100 python3 llm.py --model llama_3b --impl rptrain --seq $seq --batch 1 --steps 1 --warmup 1; done
+    for seq in 16384 32768 65536; do timeout 100 python3 llm.py --model llama_1b --impl rptrain --seq $seq --batch 1 --steps 1 --warmup 2; done
+    for seq in 16384 32768; do timeout 100 python3 llm.py --model llama_3b --impl rptrain --seq $seq --batch 1 --steps 1 --warmup 2; done
   } 2>&1 | grep -v Warning | tee "$out/llm.jsonl" | grep -E '^\{|Error|error' | tail -30
 fi

@@ -56,7 +56,8 @@ def run_rptrain(args, cfg, name):
         opt = AdamW(engine.parameters(), lr=1e-4)
     x, y = tokens(args, cfg.vocab_size, args.device)
     n = count_tokens(y)
-    run_cfg = RoundPipeRunConfig(num_microbatch=args.microbatches, recompute_grain=args.grain)
+    microbatches = args.microbatches or (1 if args.batch == 1 else None)  # None: the engine's default
+    run_cfg = RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=args.grain)
 
     def step():
         loss = engine.forward_backward(input_args=((x, y),), loss_fn=lambda out, _: out / n, run_config=run_cfg)
@@ -167,6 +168,7 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--grain", choices=["stage", "layer"], default=None)
     p.add_argument("--steps", type=int, default=6)
+    # The engine's first call measures every layer and its second may record CUDA graphs: neither is timed.
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--trace-steps", type=int, default=2, help="extra engine steps traced to split GPU and optimizer time")
     p.add_argument("--peak", type=float, default=780.0, help="bf16 matmul TFLOP/s (bench/limits.py)")
@@ -178,6 +180,8 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     runners = {"rptrain": run_rptrain, "plain": run_plain, "fsdp2": run_fsdp2}
     for name in args.model:
+        # Rotary tables are built up to max_seq_len: longer benchmark sequences raise it.
+        args.overrides = {"max_seq_len": args.seq} if args.seq > llama_config(name).max_seq_len else {}
         cfg = llama_config(name, **args.overrides)
         tokens_per_step = args.batch * args.seq
         model_flops = flops_per_token(cfg, args.seq) * tokens_per_step

@@ -14,6 +14,7 @@ from torch import nn
 from reference import Reference, assert_state_close, split
 from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.optim import Adam
+import rptrain.engine.roundpipe as roundpipe_module
 
 ONE = RoundPipeRunConfig(num_microbatch=1)  # the default is GPUs + 1: pin it where the reference uses one
 
@@ -407,3 +408,16 @@ def test_offloaded_activations_match(grain, monkeypatch):
     monkeypatch.setattr(RoundPipe, "_offload", lambda self, jobs, n: True)
     engine, ref = train_both(convnet(), image_batches(), 2, plan=ExecutePlan.from_cuts(10, [4, 7], [3, 7]), grain=grain)
     assert_state_close(engine.state_dict(), ref.state())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("threshold, recorded", [(None, True), (0.0, False)])
+def test_short_fused_stages_replay_as_cuda_graphs(monkeypatch, threshold, recorded):
+    """By default a fused stage measured as short is recorded and replayed (and still matches
+    PyTorch); one measured as long is left eager."""
+    if threshold is not None:
+        monkeypatch.setattr(roundpipe_module, "GRAPH_BELOW_S", threshold)
+    engine, ref = train_both(convnet(), image_batches(), 2)
+    assert_state_close(engine.state_dict(), ref.state())
+    graphs = [rec for g in engine._executor._graphs.values() for rec in g._graphs.values() if rec is not None]
+    assert bool(graphs) == recorded

@@ -190,8 +190,12 @@ class BatchLoader(ShardedLoader):
     def load_batch(self, indices: torch.Tensor, epoch: int, batch: int) -> Batch:
         """Gather rows `indices` of every tensor, move them to the device, transform."""
         out = []
+        on_device: dict[torch.device, torch.Tensor] = {}
         for t in self.tensors:
-            x = t[indices.to(t.device)]
+            if t.device not in on_device:  # from pinned memory: a pageable copy would wait for the GPU
+                pinned = indices.pin_memory() if t.device.type == "cuda" and indices.device.type == "cpu" else indices
+                on_device[t.device] = pinned.to(t.device, non_blocking=True)
+            x = t[on_device[t.device]]
             if self.device is not None and x.device != self.device:
                 if self.device.type == "cuda" and x.device.type == "cpu":
                     x = x.pin_memory()  # pinned pages let the copy below run asynchronously
