@@ -14,7 +14,6 @@ from torch import nn
 from reference import Reference, assert_state_close, split
 from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.optim import Adam
-import rptrain.engine.roundpipe as roundpipe_module
 
 ONE = RoundPipeRunConfig(num_microbatch=1)  # the default is GPUs + 1: pin it where the reference uses one
 
@@ -411,13 +410,19 @@ def test_offloaded_activations_match(grain, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("threshold, recorded", [(None, True), (0.0, False)])
-def test_short_fused_stages_replay_as_cuda_graphs(monkeypatch, threshold, recorded):
-    """By default a fused stage measured as short is recorded and replayed (and still matches
-    PyTorch); one measured as long is left eager."""
-    if threshold is not None:
-        monkeypatch.setattr(roundpipe_module, "GRAPH_BELOW_S", threshold)
-    engine, ref = train_both(convnet(), image_batches(), 2)
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_fused_stage_replays_as_cuda_graphs_and_matches(cuda_graphs):
+    """The resident fused stage is recorded and replayed (and still matches PyTorch), unless asked not to."""
+    model = convnet()
+    engine, opt = make_engine(model, lr=1e-2, cuda_graphs=cuda_graphs)
+    ref = Reference(model, lr=1e-2, device="cuda")
+    cfg = RoundPipeRunConfig(num_microbatch=2)
+    for x, y in image_batches():
+        loss = engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss(), run_config=cfg)
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        assert loss.item() == pytest.approx(ref.forward_backward(x, y, 2, nn.CrossEntropyLoss()), rel=1e-5, abs=1e-6)
+        ref.step()
+    engine.synchronize()
     assert_state_close(engine.state_dict(), ref.state())
     graphs = [rec for g in engine._executor._graphs.values() for rec in g._graphs.values() if rec is not None]
-    assert bool(graphs) == recorded
+    assert bool(graphs) == cuda_graphs

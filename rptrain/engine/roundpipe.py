@@ -36,7 +36,6 @@ from .trace import span
 from .worker import TaskThread, Ticket
 
 _optimizer_ctx = threading.local()
-GRAPH_BELOW_S = 0.02  # a ResNet-34 microbatch of 64 CIFAR images: ~5 ms; a 1B Llama microbatch of 16k tokens: ~0.4 s
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
 
@@ -66,16 +65,13 @@ class RoundPipe(nn.Module):
         optim_dtype: torch.dtype = torch.float32,
         model_run_config: Optional[RoundPipeRunConfig] = None,
         devices: Any = None,
-        cuda_graphs: Optional[bool] = None,
+        cuda_graphs: bool = True,
         process_group: Any = None,
         optimizer_threads: Optional[int] = None,
     ):
         """``devices``: None (every GPU, else the CPU) or a list like ``["cuda:0", "cuda:1"]``.
         ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
         resident on the GPU (layers that cannot be captured fall back to eager, with a warning).
-        None: only where launches matter, i.e. the first call measured the stage at under
-        ``GRAPH_BELOW_S`` per microbatch (big kernels gain nothing, and recording costs a few
-        steps and keeps its memory); True: always; False: never.
         ``process_group``: a torch.distributed group to train data-parallel over: every rank
         runs this engine on its own data and gradients are averaged before each step (NCCL for
         GPU engines, gloo for CPU ones). BatchNorm statistics stay per rank, as in DDP with
@@ -90,8 +86,8 @@ class RoundPipe(nn.Module):
             raise ValueError("RoundPipe needs a non-empty nn.Sequential")
         if not (isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point):
             raise TypeError(f"optim_dtype must be a floating-point torch.dtype, got {optim_dtype!r}")
-        if cuda_graphs not in (None, True, False):
-            raise TypeError(f"cuda_graphs must be None (automatic), True or False, got {cuda_graphs!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
         if model_run_config is not None and not isinstance(model_run_config, RoundPipeRunConfig):
             raise TypeError(f"model_run_config must be a RoundPipeRunConfig, got {type(model_run_config).__name__}")
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -117,8 +113,7 @@ class RoundPipe(nn.Module):
             cap = min(d.memory_cap() or 0 for d in self._devices)
             weights = sum(t.numel() * t.element_size() for t in self._host.compute[0].values())
             self._executor.resident = self._same_on_all_ranks(2 * weights <= 0.2 * cap)
-            self._executor.cuda_graphs = cuda_graphs is not False
-        self._graphs_choice = cuda_graphs
+            self._executor.cuda_graphs = cuda_graphs
         # Without a GPU the optimizer and the compute share the cores, and a second thread of
         # OpenMP work makes every small op pay a thread wake-up (3x slower on 2 cores): there
         # the step runs inline when submitted. The staleness rules are the same either way.
@@ -457,9 +452,6 @@ class RoundPipe(nn.Module):
         ]
         cap = min(d.memory_cap() or 0 for d in self._devices) or None
         self._plan = self._same_on_all_ranks(plan_stages(costs, len(self._devices), cap))
-        if self._graphs_choice is None:
-            per_microbatch = (sum(forward.values()) + sum(backward.values())) / state.num_microbatch
-            self._executor.cuda_graphs = per_microbatch < GRAPH_BELOW_S
         self._activation_bytes, self._memory_cap = dict(state.activation_bytes), cap or 0
 
     def _same_on_all_ranks(self, value: Any) -> Any:
