@@ -17,7 +17,7 @@ from rptrain.models import (
     load_weights,
     parameter_count,
 )
-from rptrain.models.llama_layers import DecoderBlock, TokenEmbedding, causal_attention
+from rptrain.models.llama_layers import DecoderBlock, TokenEmbedding, causal_attention, rotary_frequencies
 from rptrain.models.llama_loss import LinearCrossEntropy, LMHeadLoss
 
 TINY = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=40, max_seq_len=32, rope_theta=500.0)
@@ -48,6 +48,19 @@ def batch(cfg_or_model, B=2, T=12, n_ignored=3, seed=1):
 
 # ---------------------------------------------------------------------------
 # A plain single-module Llama written the obvious way, to check the Sequential.
+
+
+def scaled_frequency(freq: float, cfg: LlamaConfig) -> float:
+    """Llama 3.1's rotary scaling of one frequency, as Meta describes it, one number at a time."""
+    if cfg.rope_scale_factor == 1:
+        return freq
+    wavelen = 2 * math.pi / freq
+    if wavelen < cfg.rope_original_max_seq_len / cfg.rope_high_freq_factor:
+        return freq
+    if wavelen > cfg.rope_original_max_seq_len / cfg.rope_low_freq_factor:
+        return freq / cfg.rope_scale_factor
+    smooth = (cfg.rope_original_max_seq_len / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    return (1 - smooth) * freq / cfg.rope_scale_factor + smooth * freq
 
 
 class ReferenceLlama(nn.Module):
@@ -96,10 +109,11 @@ class ReferenceLlama(nn.Module):
         x = x.float()
         return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + self.cfg.norm_eps))
 
-    def rope(self, x):  # x: (B, H, T, hd); rotate (x[i], x[i + hd/2]) by pos * theta^(-2i/hd)
+    def rope(self, x):  # x: (B, H, T, hd); rotate (x[i], x[i + hd/2]) by pos * freq_i
         T, hd = x.shape[2], x.shape[3]
-        i = torch.arange(hd // 2, dtype=torch.float64)
-        angle = torch.arange(T, dtype=torch.float64)[:, None] * self.cfg.rope_theta ** (-2 * i / hd)
+        freqs = torch.tensor([scaled_frequency(self.cfg.rope_theta ** (-2 * i / hd), self.cfg) for i in range(hd // 2)],
+                             dtype=torch.float64)
+        angle = torch.arange(T, dtype=torch.float64)[:, None] * freqs
         cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
         x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -134,11 +148,17 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+# head_dim 8 at theta 500: wavelengths 6.3, 30, 140 and 664 positions. With an original context of
+# 64 they fall in all three of the scaling's bands (kept < 16 < blended < 64 < stretched).
+SCALED = dict(rope_scale_factor=4.0, rope_original_max_seq_len=64)
+
+
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
-def test_matches_reference(tie, n_kv_heads):
-    model = tiny_model(tie_embeddings=tie, n_kv_heads=n_kv_heads, loss_chunk_tokens=7)
-    ref = ReferenceLlama(model_cfg(tie_embeddings=tie, n_kv_heads=n_kv_heads))
+@pytest.mark.parametrize("rope", [{}, SCALED], ids=["rope", "scaled_rope"])
+def test_matches_reference(tie, n_kv_heads, rope):
+    model = tiny_model(tie_embeddings=tie, n_kv_heads=n_kv_heads, loss_chunk_tokens=7, **rope)
+    ref = ReferenceLlama(model_cfg(tie_embeddings=tie, n_kv_heads=n_kv_heads, **rope))
     ref.copy_from(model)
     ids, targets = batch(model)
 
@@ -152,6 +172,24 @@ def test_matches_reference(tie, n_kv_heads):
     for ref_p, p in ref.pairs(model):
         assert p.grad is not None
         assert rel_err(p.grad, ref_p.grad) < 1e-4
+
+
+def test_rope_scaling_bands_and_presets():
+    cfg = model_cfg(**SCALED)
+    ours = rotary_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, torch.device("cpu")).double()
+    plain = [cfg.rope_theta ** (-2 * i / cfg.head_dim) for i in range(cfg.head_dim // 2)]
+    expected = torch.tensor([scaled_frequency(f, cfg) for f in plain], dtype=torch.float64)
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)
+    ratios = (torch.tensor(plain, dtype=torch.float64) / expected).tolist()
+    assert ratios[0] == pytest.approx(1) and 1 < ratios[1] < 4 and ratios[2] == pytest.approx(4) and ratios[3] == pytest.approx(4)
+    # The published Llama 3.2 / 3.1 settings, and none for the small presets.
+    assert llama_config("llama_1b").rope_scaling == llama_config("llama_3b").rope_scaling == (32.0, 1.0, 4.0, 8192)
+    assert llama_config("llama_8b").rope_scaling == (8.0, 1.0, 4.0, 8192)
+    assert llama_config("llama_tiny").rope_scaling is None
+    with pytest.raises(ValueError, match="rope_scale_factor"):
+        model_cfg(rope_scale_factor=0.5)
+    with pytest.raises(ValueError, match="low_freq"):
+        model_cfg(rope_scale_factor=2.0, rope_low_freq_factor=4.0, rope_high_freq_factor=1.0)
 
 
 def test_tied_weights_are_one_parameter():

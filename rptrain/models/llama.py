@@ -14,7 +14,8 @@ from rptrain.models.llama_layers import DecoderBlock, Device, TokenEmbedding
 from rptrain.models.llama_loss import LMHeadLoss
 from rptrain.models.registry import register_model
 
-_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=8192)
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=131072,
+               rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_seq_len=8192)
 
 LLAMA_PRESETS: dict[str, dict] = {
     # CPU tests: ffn_hidden comes out at 192.
@@ -22,10 +23,13 @@ LLAMA_PRESETS: dict[str, dict] = {
     # GPT-2-small-sized with a Llama-2-sized vocabulary (~128M parameters).
     "llama_125m": dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=3072,
                        tie_embeddings=True, max_seq_len=2048),
-    # Shapes of Llama 3.2 1B / 3B and Llama 3.1 8B (no long-context rope scaling).
-    "llama_1b": dict(_LLAMA3, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192, tie_embeddings=True),
-    "llama_3b": dict(_LLAMA3, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_hidden=8192, tie_embeddings=True),
-    "llama_8b": dict(_LLAMA3, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, tie_embeddings=False),
+    # Llama 3.2 1B / 3B and Llama 3.1 8B: shapes and rotary scaling as published.
+    "llama_1b": dict(_LLAMA3, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192, tie_embeddings=True,
+                     rope_scale_factor=32.0),
+    "llama_3b": dict(_LLAMA3, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_hidden=8192, tie_embeddings=True,
+                     rope_scale_factor=32.0),
+    "llama_8b": dict(_LLAMA3, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, tie_embeddings=False,
+                     rope_scale_factor=8.0),
 }
 
 

@@ -14,6 +14,13 @@ class LlamaConfig:
     multiple_of: int = 256
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama 3.1/3.2 long-context rotary scaling: wavelengths above original/low_freq_factor
+    # are stretched by rope_scale_factor, those below original/high_freq_factor kept, and
+    # the band between blended. rope_scale_factor 1: no scaling.
+    rope_scale_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -32,9 +39,22 @@ class LlamaConfig:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.rope_scale_factor < 1:
+            raise ValueError(f"rope_scale_factor {self.rope_scale_factor} must be >= 1 (1: no scaling)")
+        if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError("rope scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor")
+        if self.rope_original_max_seq_len < 1:
+            raise ValueError("rope_original_max_seq_len must be positive")
         if self.loss_chunk_tokens < 1:
             raise ValueError("loss_chunk_tokens must be positive")
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def rope_scaling(self) -> tuple[float, float, float, int] | None:
+        """(factor, low_freq_factor, high_freq_factor, original_max_seq_len), or None."""
+        if self.rope_scale_factor == 1:
+            return None
+        return (self.rope_scale_factor, self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_original_max_seq_len)

@@ -41,15 +41,28 @@ class RMSNorm(nn.Module):
 _ROPE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype):
+def rotary_frequencies(head_dim: int, theta: float, scaling: tuple | None, device: torch.device) -> torch.Tensor:
+    """Radians per position of each rotated pair, with Llama 3.1's long-context scaling if given."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    wavelen = 2 * math.pi / inv_freq
+    blend = (original / wavelen - low) / (high - low)  # 0 at the long-wavelength edge, 1 at the short
+    blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+    stretched = torch.where(wavelen > original / low, inv_freq / factor, blended)
+    return torch.where(wavelen < original / high, inv_freq, stretched)
+
+
+def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype, scaling: tuple | None = None):
     """cos/sin tables of shape (seq_len, head_dim) in the rotate_half layout."""
-    key = (seq_len, head_dim, theta, device, dtype)
+    key = (seq_len, head_dim, theta, scaling, device, dtype)
     if key not in _ROPE_CACHE:
         if len(_ROPE_CACHE) >= 32:
             _ROPE_CACHE.clear()
         # A table made under inference_mode could not be saved for a later backward.
         with torch.inference_mode(False), torch.no_grad():
-            inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+            inv_freq = rotary_frequencies(head_dim, theta, scaling, device)
             angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
             angles = torch.cat([angles, angles], dim=-1)  # pair i rotates x[i] with x[i + head_dim/2]
             _ROPE_CACHE[key] = angles.cos().to(dtype), angles.sin().to(dtype)
@@ -104,7 +117,7 @@ class DecoderBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig, device: Device = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.rope_theta = cfg.rope_theta
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         self.init_std = cfg.init_std
         # Projections that write into the residual stream get a smaller init so the
         # stream's variance does not grow with depth (GPT-2).
@@ -134,7 +147,7 @@ class DecoderBlock(nn.Module):
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rotary_cos_sin(T, self.head_dim, self.rope_theta, x.device, x.dtype)
+        cos, sin = rotary_cos_sin(T, self.head_dim, self.rope_theta, x.device, x.dtype, self.rope_scaling)
         y = causal_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 

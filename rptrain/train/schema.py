@@ -74,6 +74,10 @@ class LlamaModelConfig:
     multiple_of: int = 256
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scale_factor: float = 1.0  # Llama 3.1/3.2 long-context rotary scaling; 1: none
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
