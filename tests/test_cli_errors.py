@@ -87,6 +87,11 @@ def test_bad_run_config_and_model_values(cli):
     expect_error(cli("model=llama_tiny", "data=synthetic_tokens", "data.seq_len=1000"), "data.seq_len=1000", "model.max_seq_len=256")
 
 
+def test_bad_engine_values(cli):
+    expect_error(cli(*TINY, "engine.optimizer_threads=0"), "engine.optimizer_threads=0", "positive integer")
+    expect_error(cli(*TINY, "engine.cuda_graphs=maybe"), "engine.cuda_graphs")
+
+
 def test_model_and_data_that_do_not_fit(cli):
     expect_error(cli("model=resnet34", "data=synthetic_tokens"), "model=resnet34", "data=cifar100|cifar10|synthetic")
     expect_error(cli("model=llama_tiny", "data=cifar100"), "model=llama_tiny", "data=text|synthetic_tokens")

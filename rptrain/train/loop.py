@@ -80,7 +80,8 @@ class Trainer:
         say(self.console, f"model {cfg.model.name}: {self.fingerprint['params']:,} parameters, compute {dtype}; data {data.description}{ranks}")
         with peer_errors("the comparison of the ranks' initial weights", d.world > 1):
             engine = RoundPipe(model, torch_dtype(cfg.precision.optim_dtype), build_run_config(cfg.run_config, len(model)),
-                               devices=d.devices, process_group=d.group)
+                               devices=d.devices, process_group=d.group, cuda_graphs=cfg.engine.cuda_graphs,
+                               optimizer_threads=cfg.engine.optimizer_threads)
         engine_ref = weakref.ref(engine)
         del model  # the engine owns the weights now
         # Handed over in a list that _fit empties: a big checkpoint should not stay mapped all run.

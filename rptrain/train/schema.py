@@ -233,6 +233,15 @@ class DistConfig:
     timeout_s: float = 600.0  # a collective waits this long for a peer before the run fails
 
 
+# ----------------------------------------------------------------------------- engine
+@dataclass
+class EngineConfig:
+    """RoundPipe's remaining constructor arguments."""
+
+    cuda_graphs: bool = True
+    optimizer_threads: Optional[int] = None  # None: the engine's default
+
+
 @dataclass
 class RPTrainConfig:
     model: Any = MISSING
@@ -242,6 +251,7 @@ class RPTrainConfig:
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = MISSING
     dist: DistConfig = MISSING
+    engine: EngineConfig = MISSING
     output_root: str = "outputs"
 
 

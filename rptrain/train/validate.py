@@ -91,6 +91,7 @@ def validate_config(cfg: DictConfig) -> None:
     _positive("run_config.num_microbatch", micro)
     micro = micro or default_microbatches()
     source = "run_config.num_microbatch" if cfg.run_config.num_microbatch else "the default num_microbatch (GPUs + 1)"
+    _positive("engine.optimizer_threads", cfg.engine.optimizer_threads)
     if not cfg.dist.timeout_s > 0:
         raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s} must be > 0 seconds")
     world = dist.world_size()
