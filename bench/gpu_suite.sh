@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|last|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,24 +28,29 @@ if [[ $what == last ]]; then  # under three minutes: re-check the engine and the
   timeout 50 python3 resnet.py --impl both --steps 25 --warmup 6 2>&1 | grep '^{' | tee -a "$log"
   timeout 60 python3 llm.py --model llama_1b --impl rptrain plain --seq 4096 --batch 2 --steps 2 --warmup 3 2>&1 | grep '^{' | tee -a "$log"
 fi
-if [[ $what == core ]]; then  # the short version for a tight device budget: most important first
-  log="$out/core.jsonl"
-  run() { timeout "$1" "${@:2}" 2>&1 | grep -v Warning | tee -a "$log" | grep -E '^\{|Error|error' | tail -12; }
-  run 80 python3 resnet.py --impl both --trace --steps 30
-  run 150 python3 llm.py --model llama_1b --seq 4096 --batch 2 --steps 3 --warmup 3
+if [[ $what == core ]]; then  # one device call (under 10 min): what is least measured first, each step within the time left
+  log="$out/core.jsonl" t0=$(date +%s) END=${END:-560}
+  run() {  # run SECONDS CMD...: at most SECONDS, and never past END
+    local left=$(( END - ($(date +%s) - t0) )); local limit=$(( $1 < left ? $1 : left )); shift
+    if (( left < 20 )); then echo "skipped (no time left): $*" | tee -a "$log"; return; fi
+    echo "[t=$(( $(date +%s) - t0 ))s] $*"
+    timeout "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$log" | grep -E '^\{|Error|error|passed|failed' | tail -12
+  }
   cd ..
+  run 80 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py tests/test_optim.py tests/test_dist.py
   if [[ -d .whl ]]; then  # issue 4 goal 2: is the whole CLI run, with GPU augmentation, input-bound?
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 60 python3 -m rptrain.cli.main --config-path="$PWD/conf" model=resnet34 data=synthetic \
-      data.num_train=12800 data.num_test=1000 trainer.epochs=1 trainer.log_interval=25 trainer.progress=false \
-      hydra.run.dir=/tmp/cli-run 2>&1 | tail -4
-    cp /tmp/cli-run/metrics.jsonl /tmp/cli-run/summary.json "$out/" 2>/dev/null
+    (export PYTHONPATH=/tmp/site:$PYTHONPATH; run 50 python3 -m rptrain.cli.main --config-path="$PWD/conf" model=resnet34 data=synthetic \
+      data.num_train=12800 data.num_test=1000 trainer.epochs=1 trainer.log_interval=25 trainer.progress=false hydra.run.dir=/tmp/cli-run)
+    cp /tmp/cli-run/metrics.jsonl "$out/" 2>/dev/null
   fi
   cd bench
+  run 60 python3 resnet.py --impl both --steps 40 --repeat 2
+  run 120 python3 llm.py --model llama_1b --impl rptrain --seq 131072 --batch 1 --steps 1 --warmup 2 --trace-steps 0
+  run 150 python3 llm.py --model llama_3b --impl rptrain --seq 65536 --batch 1 --steps 1 --warmup 2 --trace-steps 0
+  run 150 python3 llm.py --model llama_3b --impl rptrain --seq 4096 --batch 2 --steps 3 --warmup 3
+  run 100 python3 llm.py --model llama_1b --impl fsdp2 --seq 4096 --batch 8 --steps 2 --warmup 1
   run 60 python3 optimizer.py --params 21.3e6 302e6
-  run 200 python3 llm.py --model llama_3b --impl rptrain plain --seq 4096 --batch 2 --steps 3 --warmup 3
-  run 60 python3 llm.py --model llama_1b --impl rptrain --seq 32768 --batch 1 --steps 1 --warmup 2
-  run 20 python3 limits.py
 fi
 if [[ $what == llm || $what == all ]]; then
   {
