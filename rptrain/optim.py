@@ -128,6 +128,17 @@ class _FlatRuns:
         return m, v, step
 
 
+def _match_grad_layouts(groups: list[dict]) -> None:
+    """torch's fused CPU kernels walk parameter, gradient and moments as flat memory, so a gradient
+    strided unlike its parameter (a transposed view, say) gives wrong updates (torch 2.14): copy
+    such gradients into the parameter's layout first."""
+    for group in groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and p.device.type == "cpu" and g.stride() != p.stride():
+                p.grad = torch.empty_strided(p.shape, p.stride(), dtype=g.dtype).copy_(g)
+
+
 class _FlatStepMixin:
     _kernel: Callable
 
@@ -140,6 +151,8 @@ class _FlatStepMixin:
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None) -> Any:
         if not self._flat_eligible():
+            if self.defaults.get("fused"):
+                _match_grad_layouts(self.param_groups)
             return super().step(closure)
         if not hasattr(self, "_flat_runs"):
             self._flat_runs = _FlatRuns(self)
@@ -154,6 +167,7 @@ class _FlatStepMixin:
         all_runs = [self._flat_runs.runs(group) for group in self.param_groups]
         for group, runs in zip(self.param_groups, all_runs):
             if not runs and any(p.grad is not None for p in group["params"]):
+                _match_grad_layouts(self.param_groups)
                 return super().step(None)  # some group cannot be flattened: torch's path for all
         for group, runs in zip(self.param_groups, all_runs):
             beta1, beta2 = group["betas"]

@@ -124,15 +124,14 @@ def test_runs_step_over_alignment_padding_only():
 
 def test_gradients_moved_between_steps_still_match_torch():
     """Runs are remembered per arrangement of the tensors: gradients that change places between
-    steps (flat, then separate tensors, then one buffer in reverse order, then flat again) must
-    not reuse a stale arrangement. (Not tried: non-contiguous gradients, which torch's own fused
-    CPU kernel gets wrong in torch 2.14.)"""
+    steps (flat, then separate tensors, then one buffer in reverse order, then transposed views,
+    then flat again) must not reuse a stale arrangement."""
     params, grads = flat_params([(4, 4), (4, 4), (3,)])
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
     ours, theirs = Adam(params, lr=1e-2), torch.optim.Adam(ref, lr=1e-2, fused=True)
     g = torch.Generator().manual_seed(2)
     flat_grads = [p.grad for p in params]
-    for arrangement in ("flat", "separate", "reversed", "flat"):
+    for arrangement in ("flat", "separate", "reversed", "transposed", "flat"):
         new = [torch.randn(p.shape, generator=g) for p in params]
         if arrangement == "flat":
             for p, view, value in zip(params, flat_grads, new):
@@ -141,6 +140,9 @@ def test_gradients_moved_between_steps_still_match_torch():
         elif arrangement == "separate":
             for p, value in zip(params, new):
                 p.grad = value.clone()
+        elif arrangement == "transposed":  # torch's fused kernel alone would get these wrong
+            for p, value in zip(params, new):
+                p.grad = value.t().contiguous().t() if value.dim() == 2 else value.clone()
         else:
             backwards = torch.cat([v.reshape(-1) for v in reversed(new)])
             offset = backwards.numel()
