@@ -12,13 +12,27 @@ import pytest
 BENCH = Path(__file__).parent.parent / "bench"
 
 
-@pytest.mark.parametrize("script", ["limits.py", "resnet.py", "optimizer.py", "llm.py"])
-def test_bench_runs_tiny_and_prints_json_lines(script):
+def run_tiny(script: str, *flags: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(BENCH.parent), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, script, "--device", "cpu", "--tiny"], cwd=BENCH, capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run([sys.executable, script, "--device", "cpu", "--tiny", *flags], cwd=BENCH, capture_output=True, text=True,
+                         timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line for line in out.stdout.splitlines() if line.strip()]
     assert lines
-    for line in lines:
-        record = json.loads(line)
-        assert isinstance(record, dict) and "bench" in record
+    records = [json.loads(line) for line in lines]
+    assert all(isinstance(r, dict) and "bench" in r for r in records)
+    return records
+
+
+@pytest.mark.parametrize("script", ["limits.py", "resnet.py", "optimizer.py", "llm.py"])
+def test_bench_runs_tiny_and_prints_json_lines(script):
+    run_tiny(script)
+
+
+def test_resnet_diagnostics():
+    """Alternated rounds, the engine without its optimizer, the issuing thread's profile."""
+    records = run_tiny("resnet.py", "--repeat", "2", "--no-step", "--cprofile", "--optimizer-threads", "1", "2")
+    runs = [r for r in records if r["bench"] == "resnet34" and "impl" in r]
+    assert [r["impl"] for r in runs] == ["plain", "rptrain", "rptrain"] * 2
+    assert all(r["adam"] is False and r["rptrain_over_plain"] > 0 for r in runs if r["impl"] == "rptrain")
+    assert any(r["bench"] == "resnet34_main_thread" and r["calls_per_step"] > 0 for r in records)
