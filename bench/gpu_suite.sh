@@ -37,19 +37,23 @@ if [[ $what == core ]]; then  # one device call (under 10 min): what is least me
     timeout "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$log" | grep -E '^\{|Error|error|passed|failed' | tail -12
   }
   cd ..
-  run 80 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py tests/test_optim.py tests/test_dist.py
-  if [[ -d .whl ]]; then  # issue 4 goal 2: is the whole CLI run, with GPU augmentation, input-bound?
+  # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
+  if [[ -d .whl ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    (export PYTHONPATH=/tmp/site:$PYTHONPATH; run 50 python3 -m rptrain.cli.main --config-path="$PWD/conf" model=resnet34 data=synthetic \
-      data.num_train=12800 data.num_test=1000 trainer.epochs=1 trainer.log_interval=25 trainer.progress=false hydra.run.dir=/tmp/cli-run)
-    cp /tmp/cli-run/metrics.jsonl "$out/" 2>/dev/null
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
   fi
+  run 80 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py tests/test_optim.py tests/test_dist.py
+  # issue 4 goal 2: is the whole CLI run, with GPU augmentation, input-bound?
+  run 50 python3 -m rptrain.cli.main --config-path="$PWD/conf" model=resnet34 data=synthetic data.num_train=12800 \
+    data.num_test=1000 trainer.epochs=1 trainer.log_interval=25 trainer.progress=false hydra.run.dir=/tmp/cli-run
+  cp /tmp/cli-run/metrics.jsonl "$out/" 2>/dev/null
   cd bench
-  run 60 python3 resnet.py --impl both --steps 40 --repeat 2
+  run 90 python3 resnet.py --impl all --steps 40 --repeat 2
   run 120 python3 llm.py --model llama_1b --impl rptrain --seq 131072 --batch 1 --steps 1 --warmup 2 --trace-steps 0
   run 150 python3 llm.py --model llama_3b --impl rptrain --seq 65536 --batch 1 --steps 1 --warmup 2 --trace-steps 0
   run 150 python3 llm.py --model llama_3b --impl rptrain --seq 4096 --batch 2 --steps 3 --warmup 3
   run 100 python3 llm.py --model llama_1b --impl fsdp2 --seq 4096 --batch 8 --steps 2 --warmup 1
+  run 100 python3 llm.py --model llama_1b --impl roundpipe --seq 4096 --batch 8 --steps 2 --warmup 2
   run 60 python3 optimizer.py --params 21.3e6 302e6
 fi
 if [[ $what == llm || $what == all ]]; then

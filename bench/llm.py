@@ -4,7 +4,8 @@ rptrain: bf16 compute copy, fp32 master + AdamW on the CPU (async step), the pla
 plain:   fp32 weights on the GPU, bf16 autocast, activation checkpointing per block, fused AdamW.
 fsdp2:   fully_shard per block (+ root) with CPUOffloadPolicy and bf16 MixedPrecisionPolicy,
          activation checkpointing per block, AdamW on the CPU (one process, world size 1).
-All three train the same nn.Sequential (rptrain.models) on the same synthetic tokens.
+roundpipe: the original RoundPipe library (optional, --impl roundpipe) with the same model and loss.
+All train the same nn.Sequential (rptrain.models) on the same synthetic tokens.
 
 Reported: tokens/s, model FLOPs utilisation (6N + attention, per token) and hardware FLOPs
 utilisation (recomputed forwards counted) against the measured bf16 matmul peak (--peak).
@@ -92,6 +93,31 @@ def traced_split(step, finish, steps: int) -> dict[str, float]:
                 wait_weights_s=round(totals.get("wait_weights", 0.0) / steps, 4))
 
 
+def run_roundpipe(args, cfg, name):
+    """The original RoundPipe library (``pip install roundpipe``, CUDA only) on the same Sequential,
+    tokens and loss; AdamW as its Adam with decoupled weight decay. Its recompute is not counted."""
+    import roundpipe
+
+    model = build_model(name, dtype=torch.bfloat16, **args.overrides)
+    engine = roundpipe.RoundPipe(model, optim_dtype=torch.float32)
+    with roundpipe.OptimizerCtx():
+        opt = roundpipe.optim.Adam(engine.parameters(), lr=1e-4, weight_decay=0.01, decoupled_weight_decay=True)
+    x, y = tokens(args, cfg.vocab_size, args.device)
+    n = count_tokens(y)
+    microbatches = args.microbatches or (1 if args.batch == 1 else None)
+    run_cfg = roundpipe.RoundPipeRunConfig(**({"num_microbatch": microbatches} if microbatches else {}))
+
+    def step():
+        loss = engine.forward_backward(input_args=((x, y),), loss_fn=lambda out, _: out / n, run_config=run_cfg)
+        engine.step(lambda: (opt.step(), opt.zero_grad()))
+        return sum(loss) if isinstance(loss, (list, tuple)) else loss
+
+    seconds, loss = timed(step, args, finish=engine.synchronize)
+    del engine, opt
+    torch.cuda.empty_cache()
+    return seconds, loss, 0.0, {"hfu_counts_recompute": False}
+
+
 def run_plain(args, cfg, name):
     model = build_model(name, device="cuda", dtype=torch.float32, **args.overrides)
     for i in range(1, len(model) - 1):
@@ -162,7 +188,8 @@ def timed(step, args, finish=lambda: None):
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--model", nargs="+", default=["llama_1b", "llama_3b"])
-    p.add_argument("--impl", nargs="+", default=["rptrain", "plain", "fsdp2"])
+    p.add_argument("--impl", nargs="+", default=["rptrain", "plain", "fsdp2"], choices=["rptrain", "plain", "fsdp2", "roundpipe"],
+                   help="roundpipe: the original library (its wheel must be installed)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=None)
@@ -178,7 +205,7 @@ def main() -> None:
         args.model, args.impl = ["llama_tiny"], ["rptrain"]
         args.seq, args.batch, args.steps, args.warmup = 32, 2, 2, 1
     torch.backends.cuda.matmul.allow_tf32 = True
-    runners = {"rptrain": run_rptrain, "plain": run_plain, "fsdp2": run_fsdp2}
+    runners = {"rptrain": run_rptrain, "plain": run_plain, "fsdp2": run_fsdp2, "roundpipe": run_roundpipe}
     for name in args.model:
         # Rotary tables are built up to max_seq_len: longer benchmark sequences raise it.
         args.overrides = {"max_seq_len": args.seq} if args.seq > llama_config(name).max_seq_len else {}
@@ -198,7 +225,7 @@ def main() -> None:
             emit(bench="llm", model=name, impl=impl, seq=args.seq, batch=args.batch, step_s=round(seconds, 4),
                  tokens_per_s=round(results[impl], 1), loss=round(loss, 4),
                  mfu=round(model_flops / seconds / (args.peak * 1e12), 3), hfu=round(hardware_flops / seconds / (args.peak * 1e12), 3), **extra)
-        for other in ("plain", "fsdp2"):
+        for other in ("plain", "fsdp2", "roundpipe"):
             if "rptrain" in results and other in results:
                 emit(bench="llm", model=name, what=f"rptrain_over_{other}", ratio=round(results["rptrain"] / results[other], 3))
 

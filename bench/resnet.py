@@ -3,9 +3,13 @@
 plain:   fp32 weights on the GPU, autocast fp16, fused Adam on the GPU, torch GradScaler.
 rptrain: the tutorial's semantics: fp16 compute copy, fp32 master + Adam on the CPU (async step),
          rptrain GradScaler, forward_backward with the default microbatches and return_outputs.
-Both call loss.item() every step, as the tutorial does. Data sits in pinned host memory.
+roundpipe: the original RoundPipe library running the same code, only the imports swapped
+         (``--impl roundpipe`` or ``all``; its wheel must be installed, and it needs CUDA).
+All call loss.item() every step, as the tutorial does. Data sits in pinned host memory.
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -78,17 +82,31 @@ def gpu_busy(run, finish, impl: str) -> None:
     emit(bench="resnet34_gpu_busy", impl=impl, steps=5, kernel_ms=round(busy / 1e3, 2), span_ms=round(span / 1e3, 2), busy_fraction=round(busy / span, 3))
 
 
-def engine(args, model_kwargs):
+def library(name: str) -> SimpleNamespace:
+    """The tutorial's imports: from rptrain, or from the original RoundPipe library (``pip install
+    roundpipe``; CUDA only, builds its C++ Adam on first use)."""
+    if name == "roundpipe":
+        import roundpipe
+
+        return SimpleNamespace(RoundPipe=roundpipe.RoundPipe, OptimizerCtx=roundpipe.OptimizerCtx, GradScaler=roundpipe.GradScaler,
+                               Adam=roundpipe.optim.Adam, RoundPipeRunConfig=roundpipe.RoundPipeRunConfig)
+    return SimpleNamespace(RoundPipe=RoundPipe, OptimizerCtx=OptimizerCtx, GradScaler=GradScaler, Adam=Adam,
+                           RoundPipeRunConfig=RoundPipeRunConfig)
+
+
+def engine(args, model_kwargs, lib_name: str = "rptrain"):
+    lib = library(lib_name)
     dtype = torch.float16 if args.device == "cuda" else torch.float32
-    model = RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32, cuda_graphs=not args.no_graphs,
-                     optimizer_threads=args.optimizer_threads)
-    with OptimizerCtx():
-        optimizer = Adam(model.parameters())
-    scaler = GradScaler(enabled=args.device == "cuda")
+    ours = lib_name == "rptrain"
+    extra = dict(cuda_graphs=not args.no_graphs, optimizer_threads=args.optimizer_threads) if ours else {}
+    model = lib.RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32, **extra)
+    with lib.OptimizerCtx():
+        optimizer = lib.Adam(model.parameters())
+    scaler = lib.GradScaler(enabled=args.device == "cuda")
     criterion = nn.CrossEntropyLoss()
     data = batches(4, args.batch, args.size, dtype, args.device == "cuda")
     n = torch.cuda.device_count() + 1 if args.device == "cuda" else 1
-    cfg = RoundPipeRunConfig(num_microbatch=args.microbatches) if args.microbatches else None
+    cfg = lib.RoundPipeRunConfig(num_microbatch=args.microbatches) if args.microbatches else None
 
     def optimizer_step() -> None:
         if args.no_step:  # the engine alone: the compute copy is still written and uploaded
@@ -107,11 +125,15 @@ def engine(args, model_kwargs):
         loss.item()
         outputs.max(1)
 
-    seconds = time_steps(step, args.steps, args.warmup, args.device, finish=model.wait_for_steps)
+    # The original library has no wait without a refresh: its synchronize() waits for the step.
+    finish = model.wait_for_steps if ours else model.synchronize
+    seconds = time_steps(step, args.steps, args.warmup, args.device, finish=finish)
+    if not ours:
+        return seconds
     if args.profile and args.device == "cuda":
-        gpu_busy(lambda: [step(i) for i in range(5)], model.wait_for_steps, "rptrain")
+        gpu_busy(lambda: [step(i) for i in range(5)], finish, "rptrain")
     if args.cprofile:
-        main_thread_profile(step, model.wait_for_steps)
+        main_thread_profile(step, finish)
     if args.trace:
         trace.clear()
         trace.enable()
@@ -168,7 +190,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--size", type=int, default=32)
     p.add_argument("--microbatches", type=int, default=None)
-    p.add_argument("--impl", choices=["plain", "rptrain", "both"], default="both")
+    p.add_argument("--impl", choices=["plain", "rptrain", "both", "roundpipe", "all"], default="both",
+                   help="both: plain and rptrain; roundpipe: the original library; all: the three")
     p.add_argument("--trace", action="store_true")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--profile", action="store_true", help="report GPU busy time from a torch.profiler trace")
@@ -191,12 +214,12 @@ def main() -> None:
     thread_counts = args.optimizer_threads
     for _ in range(args.repeat):
         plain_rate = None
-        if args.impl in ("plain", "both"):
+        if args.impl in ("plain", "both", "all"):
             seconds = plain(args, model_kwargs)
             plain_rate = args.batch / seconds
             emit(bench="resnet34", impl="plain", device=args.device, batch=args.batch, microbatches=1,
                  step_ms=round(seconds * 1e3, 3), images_per_s=round(plain_rate, 1))
-        if args.impl in ("rptrain", "both"):
+        if args.impl in ("rptrain", "both", "all"):
             for threads in thread_counts:
                 args.optimizer_threads = threads
                 seconds = engine(args, model_kwargs)
@@ -204,6 +227,12 @@ def main() -> None:
                 emit(bench="resnet34", impl="rptrain", device=args.device, batch=args.batch, microbatches=args.microbatches,
                      cuda_graphs=not args.no_graphs, optimizer_threads=threads, adam=not args.no_step, step_ms=round(seconds * 1e3, 3),
                      images_per_s=round(rate, 1), **({"rptrain_over_plain": round(rate / plain_rate, 3)} if plain_rate else {}))
+        if args.impl in ("roundpipe", "all"):
+            seconds = engine(args, model_kwargs, "roundpipe")
+            rate = args.batch / seconds
+            emit(bench="resnet34", impl="roundpipe", device=args.device, batch=args.batch, microbatches=args.microbatches,
+                 step_ms=round(seconds * 1e3, 3), images_per_s=round(rate, 1),
+                 **({"roundpipe_over_plain": round(rate / plain_rate, 3)} if plain_rate else {}))
 
 
 if __name__ == "__main__":
