@@ -13,6 +13,7 @@ from torch import nn
 
 from reference import Reference, assert_state_close, split
 from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from rptrain.engine import graphs as graphs_module
 from rptrain.optim import Adam
 
 ONE = RoundPipeRunConfig(num_microbatch=1)  # the default is GPUs + 1: pin it where the reference uses one
@@ -426,3 +427,21 @@ def test_fused_stage_replays_as_cuda_graphs_and_matches(cuda_graphs):
     assert_state_close(engine.state_dict(), ref.state())
     graphs = [rec for g in engine._executor._graphs.values() for rec in g._graphs.values() if rec is not None]
     assert bool(graphs) == cuda_graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_input_shapes_past_the_recording_limit_run_eagerly(monkeypatch):
+    """Every batch size records its own graphs; past the limit new sizes run eagerly, still exact."""
+    monkeypatch.setattr(graphs_module, "MAX_RECORDED", 2)
+    model = convnet()
+    engine, opt = make_engine(model, lr=1e-2)
+    ref = Reference(model, lr=1e-2, device="cuda")
+    for x, y in [b for size in (4, 6, 8, 10) for b in image_batches(count=1, batch=size)]:
+        loss = engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss(), run_config=RoundPipeRunConfig(num_microbatch=1))
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        assert loss.item() == pytest.approx(ref.forward_backward(x, y, 1, nn.CrossEntropyLoss()), rel=1e-5, abs=1e-6)
+        ref.step()
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+    [stage_graphs] = engine._executor._graphs.values()
+    assert sum(rec is not None for rec in stage_graphs._graphs.values()) == 2

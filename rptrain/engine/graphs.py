@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 _WARMUP = 2  # runs before recording: lazy initialisation and cudnn's algorithm search happen here
+MAX_RECORDED = 8  # each input shape keeps its own graphs and activation memory: shapes past this run eagerly
 
 
 def signature(value: Any) -> Optional[tuple]:
@@ -90,7 +91,12 @@ class StageGraphs:
         """``x`` through the stage: replayed when recorded, recorded on first sight, else eager.
         The caller's backward of the result replays the backward graph."""
         if key not in self._graphs:
-            self._graphs[key] = self._record(modules, x, call)
+            recorded = sum(rec is not None for rec in self._graphs.values())
+            if recorded < MAX_RECORDED:
+                self._graphs[key] = self._record(modules, x, call)
+            else:
+                warnings.warn(f"rptrain: {recorded} input shapes already recorded as CUDA graphs; new shapes run eagerly", stacklevel=3)
+                self._graphs[key] = None
         rec = self._graphs[key]
         if rec is None:
             for layer in modules:
