@@ -14,13 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import DataError
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """One asynchronous copy from pinned memory: a pageable copy would wait for the GPU's queue."""
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+from .transfer import to_device
 
 
 def crop_flip(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor, padding: int) -> torch.Tensor:
@@ -32,7 +26,7 @@ def crop_flip(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip:
     n, c, h, w = images.shape
     dev = images.device
     padded = F.pad(images, (padding, padding, padding, padding)) if padding else images
-    top, left, flip = _to_device(torch.stack([top.long(), left.long(), flip.long()]), dev)
+    top, left, flip = to_device(torch.stack([top.long(), left.long(), flip.long()]), dev)  # one copy
     rows = top.view(n, 1) + torch.arange(h, device=dev)  # (n, h)
     cols = left.view(n, 1) + torch.arange(w, device=dev)  # (n, w)
     cols = torch.where(flip.bool().view(n, 1), cols.flip(1), cols)  # mirroring = reading columns backwards

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .errors import DataError
+from .transfer import to_device
 
 Batch = tuple[torch.Tensor, ...]
 Transform = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
@@ -192,14 +193,11 @@ class BatchLoader(ShardedLoader):
         out = []
         on_device: dict[torch.device, torch.Tensor] = {}
         for t in self.tensors:
-            if t.device not in on_device:  # from pinned memory: a pageable copy would wait for the GPU
-                pinned = indices.pin_memory() if t.device.type == "cuda" and indices.device.type == "cpu" else indices
-                on_device[t.device] = pinned.to(t.device, non_blocking=True)
+            if t.device not in on_device:
+                on_device[t.device] = to_device(indices, t.device)
             x = t[on_device[t.device]]
             if self.device is not None and x.device != self.device:
-                if self.device.type == "cuda" and x.device.type == "cpu":
-                    x = x.pin_memory()  # pinned pages let the copy below run asynchronously
-                x = x.to(self.device, non_blocking=True)
+                x = to_device(x, self.device)
             out.append(x)
         if self.transform is not None:
             out[0] = self.transform(out[0], self.transform_generator(epoch, batch))
