@@ -525,9 +525,6 @@ class _BoundOnUse:
     def __iter__(self) -> Any:
         return iter(self.bind())
 
-    def __len__(self) -> int:
-        return len(self._shells)
-
     def release(self) -> None:
         if self._modules is not None:
             for s in self._shells:

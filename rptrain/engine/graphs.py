@@ -119,7 +119,7 @@ class StageGraphs:
             warnings.warn(f"rptrain: running layers {type(modules[0]).__name__}.. eagerly, CUDA graph capture failed: {e}", stacklevel=3)
             return None
         finally:
-            if self._stream is not None:  # a failed capture may leave work on the recording stream
+            if self._stream is not None:  # the caller's stream continues after the recording stream's work
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
             with torch.no_grad():  # the warm-up runs updated statistics, gradients and random state
                 for b, value in zip(buffers, saved_buffers):
@@ -167,7 +167,6 @@ class StageGraphs:
             with torch.cuda.graph(backward, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
                 if wanted:
                     torch.autograd.backward([outputs[i] for i in wanted], grad_outputs)
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
         out_constants = [None if isinstance(v, Tensor) else v for v in out_leaves]
         detached = [o.detach() for o in outputs]
         return _Recorded(forward, backward, inputs, detached, wanted, grad_outputs, out_spec, out_constants)
