@@ -148,12 +148,15 @@ class _FlatStepMixin:
             return False
         return all(p.device.type == "cpu" for g in self.param_groups for p in g["params"])
 
+    def _torch_step(self, closure: Optional[Callable]) -> Any:
+        if self.defaults.get("fused"):
+            _match_grad_layouts(self.param_groups)
+        return super().step(closure)  # type: ignore[misc]
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None) -> Any:
         if not self._flat_eligible():
-            if self.defaults.get("fused"):
-                _match_grad_layouts(self.param_groups)
-            return super().step(closure)
+            return self._torch_step(closure)
         if not hasattr(self, "_flat_runs"):
             self._flat_runs = _FlatRuns(self)
         found_inf = getattr(self, "found_inf", None)
@@ -167,8 +170,7 @@ class _FlatStepMixin:
         all_runs = [self._flat_runs.runs(group) for group in self.param_groups]
         for group, runs in zip(self.param_groups, all_runs):
             if not runs and any(p.grad is not None for p in group["params"]):
-                _match_grad_layouts(self.param_groups)
-                return super().step(None)  # some group cannot be flattened: torch's path for all
+                return self._torch_step(None)  # some group cannot be flattened: torch's path for all
         for group, runs in zip(self.param_groups, all_runs):
             beta1, beta2 = group["betas"]
             for run in runs:
