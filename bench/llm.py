@@ -55,16 +55,9 @@ def run_rptrain(args, cfg, name):
     engine = RoundPipe(model)
     with OptimizerCtx():
         opt = AdamW(engine.parameters(), lr=1e-4)
-    x, y = tokens(args, cfg.vocab_size, args.device)
-    n = count_tokens(y)
     microbatches = args.microbatches or (1 if args.batch == 1 else None)  # None: the engine's default
     run_cfg = RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=args.grain)
-
-    def step():
-        loss = engine.forward_backward(input_args=((x, y),), loss_fn=lambda out, _: out / n, run_config=run_cfg)
-        engine.step(lambda: (opt.step(), opt.zero_grad()))
-        return loss
-
+    step = pipeline_step(engine, opt, tokens(args, cfg.vocab_size, args.device), run_cfg)
     seconds, loss = timed(step, args, finish=engine.wait_for_steps)
     split = traced_split(step, engine.wait_for_steps, args.trace_steps) if args.trace_steps else {}
     plan = engine.plan
@@ -73,6 +66,19 @@ def run_rptrain(args, cfg, name):
     engine.close()
     stages = dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
     return seconds, loss, recomputed / max(layers - 2, 1), {**stages, **split}
+
+
+def pipeline_step(engine, opt, batch, run_cfg):
+    """One training step through a RoundPipe-style engine (ours and the original library share the API)."""
+    x, y = batch
+    n = count_tokens(y)
+
+    def step():
+        loss = engine.forward_backward(input_args=((x, y),), loss_fn=lambda out, _: out / n, run_config=run_cfg)
+        engine.step(lambda: (opt.step(), opt.zero_grad()))
+        return sum(loss) if isinstance(loss, (list, tuple)) else loss  # the original returns one loss per microbatch
+
+    return step
 
 
 def traced_split(step, finish, steps: int) -> dict[str, float]:
@@ -102,16 +108,9 @@ def run_roundpipe(args, cfg, name):
     engine = roundpipe.RoundPipe(model, optim_dtype=torch.float32)
     with roundpipe.OptimizerCtx():
         opt = roundpipe.optim.Adam(engine.parameters(), lr=1e-4, weight_decay=0.01, decoupled_weight_decay=True)
-    x, y = tokens(args, cfg.vocab_size, args.device)
-    n = count_tokens(y)
     microbatches = args.microbatches or (1 if args.batch == 1 else None)
     run_cfg = roundpipe.RoundPipeRunConfig(**({"num_microbatch": microbatches} if microbatches else {}))
-
-    def step():
-        loss = engine.forward_backward(input_args=((x, y),), loss_fn=lambda out, _: out / n, run_config=run_cfg)
-        engine.step(lambda: (opt.step(), opt.zero_grad()))
-        return sum(loss) if isinstance(loss, (list, tuple)) else loss
-
+    step = pipeline_step(engine, opt, tokens(args, cfg.vocab_size, args.device), run_cfg)
     seconds, loss = timed(step, args, finish=engine.synchronize)
     del engine, opt
     torch.cuda.empty_cache()

@@ -40,9 +40,9 @@ def make_engine(model: nn.Module, lr: float = 1e-2, **kw):
     return engine, opt
 
 
-def train_both(model, batches, n, plan=None, delayed=False, loss_fn=None, grain=None, devices=None, lr=1e-2):
+def train_both(model, batches, n, plan=None, delayed=False, loss_fn=None, grain=None, devices=None, lr=1e-2, **engine_kw):
     loss_fn = loss_fn or nn.CrossEntropyLoss()
-    engine, opt = make_engine(model, lr=lr, devices=devices)
+    engine, opt = make_engine(model, lr=lr, devices=devices, **engine_kw)
     # The reference runs where the engine computes: Adam turns rounding differences between CPU
     # and GPU kernels in near-zero gradients into lr-sized steps.
     ref = Reference(model, lr=lr, delayed=delayed, device=engine.devices[0].type)
@@ -414,16 +414,7 @@ def test_offloaded_activations_match(grain, monkeypatch):
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_fused_stage_replays_as_cuda_graphs_and_matches(cuda_graphs):
     """The resident fused stage is recorded and replayed (and still matches PyTorch), unless asked not to."""
-    model = convnet()
-    engine, opt = make_engine(model, lr=1e-2, cuda_graphs=cuda_graphs)
-    ref = Reference(model, lr=1e-2, device="cuda")
-    cfg = RoundPipeRunConfig(num_microbatch=2)
-    for x, y in image_batches():
-        loss = engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss(), run_config=cfg)
-        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
-        assert loss.item() == pytest.approx(ref.forward_backward(x, y, 2, nn.CrossEntropyLoss()), rel=1e-5, abs=1e-6)
-        ref.step()
-    engine.synchronize()
+    engine, ref = train_both(convnet(), image_batches(), 2, cuda_graphs=cuda_graphs)
     assert_state_close(engine.state_dict(), ref.state())
     graphs = [rec for g in engine._executor._graphs.values() for rec in g._graphs.values() if rec is not None]
     assert bool(graphs) == cuda_graphs
@@ -433,15 +424,8 @@ def test_fused_stage_replays_as_cuda_graphs_and_matches(cuda_graphs):
 def test_input_shapes_past_the_recording_limit_run_eagerly(monkeypatch):
     """Every batch size records its own graphs; past the limit new sizes run eagerly, still exact."""
     monkeypatch.setattr(graphs_module, "MAX_RECORDED", 2)
-    model = convnet()
-    engine, opt = make_engine(model, lr=1e-2)
-    ref = Reference(model, lr=1e-2, device="cuda")
-    for x, y in [b for size in (4, 6, 8, 10) for b in image_batches(count=1, batch=size)]:
-        loss = engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss(), run_config=RoundPipeRunConfig(num_microbatch=1))
-        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
-        assert loss.item() == pytest.approx(ref.forward_backward(x, y, 1, nn.CrossEntropyLoss()), rel=1e-5, abs=1e-6)
-        ref.step()
-    engine.synchronize()
+    batches = [b for size in (4, 6, 8, 10) for b in image_batches(count=1, batch=size)]
+    engine, ref = train_both(convnet(), batches, 1)
     assert_state_close(engine.state_dict(), ref.state())
     [stage_graphs] = engine._executor._graphs.values()
     assert sum(rec is not None for rec in stage_graphs._graphs.values()) == 2
