@@ -42,7 +42,7 @@ if [[ $what == core ]]; then  # one device call (under 10 min): what is least me
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PYTHONPATH
   fi
-  run 80 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py tests/test_optim.py tests/test_dist.py
+  run 100 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py tests/test_optim.py tests/test_dist.py tests/test_data_augment.py tests/test_data_loader.py
   # issue 4 goal 2: is the whole CLI run, with GPU augmentation, input-bound?
   run 50 python3 -m rptrain.cli.main --config-path="$PWD/conf" model=resnet34 data=synthetic data.num_train=12800 \
     data.num_test=1000 trainer.epochs=1 trainer.log_interval=25 trainer.progress=false hydra.run.dir=/tmp/cli-run

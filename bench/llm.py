@@ -213,12 +213,16 @@ def main() -> None:
         model_flops = flops_per_token(cfg, args.seq) * tokens_per_step
         results = {}
         for impl in args.impl:
+            if args.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             try:
                 seconds, loss, recompute_share, extra = runners[impl](args, cfg, name)
             except torch.OutOfMemoryError as e:
                 emit(bench="llm", model=name, impl=impl, seq=args.seq, error=f"out of memory: {str(e).splitlines()[0]}")
                 torch.cuda.empty_cache()
                 continue
+            if args.device == "cuda":  # how far the sequence could still grow on this GPU
+                extra["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             hardware_flops = model_flops + recompute_share * forward_flops(cfg, args.seq) * tokens_per_step
             results[impl] = tokens_per_step / seconds
             emit(bench="llm", model=name, impl=impl, seq=args.seq, batch=args.batch, step_s=round(seconds, 4),
