@@ -28,24 +28,31 @@ if [[ $what == last ]]; then  # under three minutes: re-check the engine and the
   timeout 50 python3 resnet.py --impl both --steps 25 --warmup 6 2>&1 | grep '^{' | tee -a "$log"
   timeout 60 python3 llm.py --model llama_1b --impl rptrain plain --seq 4096 --batch 2 --steps 2 --warmup 3 2>&1 | grep '^{' | tee -a "$log"
 fi
-if [[ $what == core ]]; then  # one device call (under 10 min): what is least measured first, each step within the time left
-  log="$out/core.jsonl" t0=$(date +%s) END=${END:-560}
-  run() {  # run SECONDS CMD...: at most SECONDS, and never past END
-    local left=$(( END - ($(date +%s) - t0) )); local limit=$(( $1 < left ? $1 : left )); shift
-    if (( left < 20 )); then echo "skipped (no time left): $*" | tee -a "$log"; return; fi
-    echo "[t=$(( $(date +%s) - t0 ))s] $*"
-    timeout "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$log" | grep -E '^\{|Error|error|passed|failed' | tail -12
-  }
+# Deadline-bounded modes (one device call each, under 10 min): every step gets at most its own limit
+# and never runs past END seconds; a step that runs out of time dumps its threads' stacks
+# (SIGABRT + faulthandler) into the log, so a slow step shows where it was.
+t0=$(date +%s) END=${END:-560}
+export PYTHONFAULTHANDLER=1
+run() {  # run SECONDS CMD...
+  local left=$(( END - ($(date +%s) - t0) )); local limit=$(( $1 < left ? $1 : left )); shift
+  if (( left < 20 )); then echo "skipped (no time left): $*" | tee -a "$out/suite.log"; return; fi
+  echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
+  timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
+}
+if [[ $what == core || $what == probe ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PYTHONPATH
   fi
+  cli=(python3 -m rptrain.cli.main --config-path="$PWD/conf" model=resnet34 data=synthetic data.num_train=12800
+       data.num_test=1000 trainer.epochs=1 trainer.log_interval=25 trainer.progress=false)
+fi
+if [[ $what == core ]]; then  # what is least measured first
   run 100 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py tests/test_optim.py tests/test_dist.py tests/test_data_augment.py tests/test_data_loader.py
   # issue 4 goal 2: is the whole CLI run, with GPU augmentation, input-bound?
-  run 50 python3 -m rptrain.cli.main --config-path="$PWD/conf" model=resnet34 data=synthetic data.num_train=12800 \
-    data.num_test=1000 trainer.epochs=1 trainer.log_interval=25 trainer.progress=false hydra.run.dir=/tmp/cli-run
+  run 50 "${cli[@]}" hydra.run.dir=/tmp/cli-run
   cp /tmp/cli-run/metrics.jsonl "$out/" 2>/dev/null
   cd bench
   run 90 python3 resnet.py --impl all --steps 40 --repeat 2
@@ -55,6 +62,18 @@ if [[ $what == core ]]; then  # one device call (under 10 min): what is least me
   run 100 python3 llm.py --model llama_1b --impl fsdp2 --seq 4096 --batch 8 --steps 2 --warmup 1
   run 100 python3 llm.py --model llama_1b --impl roundpipe --seq 4096 --batch 8 --steps 2 --warmup 2
   run 60 python3 optimizer.py --params 21.3e6 302e6
+fi
+if [[ $what == probe ]]; then  # this session's open questions: data time, graph memory, 1B long sequences, 3B set-up
+  run 60 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py -k "graph or eager or recording"
+  for pf in false true; do
+    run 40 "${cli[@]}" data.prefetch=$pf hydra.run.dir=/tmp/cli-$pf
+    cp /tmp/cli-$pf/metrics.jsonl "$out/cli-prefetch-$pf.jsonl" 2>/dev/null
+  done
+  cd bench
+  run 30 python3 data.py --cprofile
+  run 130 python3 llm.py --model llama_1b --impl rptrain --seq 131072 --batch 1 --steps 1 --warmup 2 --trace-steps 0
+  run 100 python3 llm.py --model llama_1b --impl roundpipe --seq 4096 --batch 8 --steps 2 --warmup 2
+  run 200 python3 llm.py --model llama_3b --impl rptrain --seq 4096 --batch 8 --steps 2 --warmup 3 --trace-steps 1
 fi
 if [[ $what == llm || $what == all ]]; then
   {

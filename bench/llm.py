@@ -13,6 +13,7 @@ utilisation (recomputed forwards counted) against the measured bf16 matmul peak 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -36,6 +37,14 @@ class Checkpointed(nn.Module):
         return checkpoint(lambda x: self.block((x, targets))[0], h, use_reentrant=False), targets
 
 
+_START = time.perf_counter()
+
+
+def note(message: str) -> None:
+    """Progress on stderr (the JSON lines stay on stdout): where a long run spends its time."""
+    print(f"[llm +{time.perf_counter() - _START:.1f}s] {message}", file=sys.stderr, flush=True)
+
+
 def tokens(args, vocab: int, device: str = "cpu"):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g)
@@ -52,9 +61,11 @@ def forward_flops(cfg, seq: int) -> float:
 
 def run_rptrain(args, cfg, name):
     model = build_model(name, dtype=torch.bfloat16, **args.overrides)
+    note(f"{name} built")
     engine = RoundPipe(model)
     with OptimizerCtx():
         opt = AdamW(engine.parameters(), lr=1e-4)
+    note("engine and optimizer ready")
     microbatches = args.microbatches or (1 if args.batch == 1 else None)  # None: the engine's default
     run_cfg = RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=args.grain)
     step = pipeline_step(engine, opt, tokens(args, cfg.vocab_size, args.device), run_cfg)
@@ -171,8 +182,10 @@ def run_fsdp2(args, cfg, name):
 
 
 def timed(step, args, finish=lambda: None):
-    for _ in range(args.warmup):
+    for i in range(args.warmup):
+        t0 = time.perf_counter()
         step()
+        note(f"warm-up step {i + 1}: {time.perf_counter() - t0:.2f} s (host side)")
     finish()
     torch.cuda.synchronize() if args.device == "cuda" else None
     start = time.perf_counter()

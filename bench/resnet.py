@@ -106,7 +106,7 @@ def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int
     criterion = nn.CrossEntropyLoss()
     data = batches(4, args.batch, args.size, dtype, args.device == "cuda")
     n = torch.cuda.device_count() + 1 if args.device == "cuda" else 1
-    cfg = lib.RoundPipeRunConfig(num_microbatch=args.microbatches) if args.microbatches else None
+    cfg = lib.RoundPipeRunConfig(num_microbatch=args.microbatches) if args.microbatches else lib.RoundPipeRunConfig()
 
     def optimizer_step() -> None:
         if args.no_step:  # the engine alone: the compute copy is still written and uploaded

@@ -429,3 +429,13 @@ def test_input_shapes_past_the_recording_limit_run_eagerly(monkeypatch):
     assert_state_close(engine.state_dict(), ref.state())
     [stage_graphs] = engine._executor._graphs.values()
     assert sum(rec is not None for rec in stage_graphs._graphs.values()) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_stages_too_large_for_a_graph_run_eagerly(monkeypatch):
+    """A stage whose saved activations exceed the graph memory share is never recorded, still exact."""
+    monkeypatch.setattr(graphs_module, "MAX_GRAPH_MEMORY_SHARE", 1e-9)
+    engine, ref = train_both(convnet(), image_batches(count=3), 1)
+    assert_state_close(engine.state_dict(), ref.state())
+    [stage_graphs] = engine._executor._graphs.values()
+    assert stage_graphs._graphs and all(rec is None for rec in stage_graphs._graphs.values())

@@ -20,6 +20,14 @@ from torch.utils import _pytree as pytree
 
 _WARMUP = 2  # runs before recording: lazy initialisation and cudnn's algorithm search happen here
 MAX_RECORDED = 8  # each input shape keeps its own graphs and activation memory: shapes past this run eagerly
+# A graph's activations live in a private memory pool that eager work can never reuse. Stages whose
+# forward keeps more than this share of the GPU run eagerly: their kernels are long enough that
+# launch costs do not matter, and the memory is worth more to the other stages.
+MAX_GRAPH_MEMORY_SHARE = 0.25
+
+
+class _TooLarge(Exception):
+    pass
 
 
 def signature(value: Any) -> Optional[tuple]:
@@ -115,6 +123,9 @@ class StageGraphs:
         rng = torch.cuda.get_rng_state(self.device)
         try:
             return self._capture(modules, x, call)
+        except _TooLarge as e:
+            warnings.warn(f"rptrain: running layers {type(modules[0]).__name__}.. eagerly: {e}", stacklevel=3)
+            return None
         except Exception as e:  # anything a graph cannot hold: keep the stage eager
             warnings.warn(f"rptrain: running layers {type(modules[0]).__name__}.. eagerly, CUDA graph capture failed: {e}", stacklevel=3)
             return None
@@ -152,7 +163,13 @@ class StageGraphs:
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream), torch.enable_grad():
             for _ in range(_WARMUP):
+                before = torch.cuda.memory_allocated(self.device)
                 outs = differentiable(pytree.tree_leaves(stage()))
+                kept = torch.cuda.memory_allocated(self.device) - before  # activations saved for the backward
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                if kept > MAX_GRAPH_MEMORY_SHARE * total:
+                    raise _TooLarge(f"its forward keeps {kept / 2**30:.1f} GiB, over {MAX_GRAPH_MEMORY_SHARE:.0%} of the GPU, "
+                                    "too much for a CUDA graph's private memory")
                 if outs:
                     torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs])
                 del outs

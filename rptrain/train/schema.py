@@ -95,6 +95,7 @@ class CifarDataConfig:
     num_classes: int = MISSING
     pipeline: Pipeline = Pipeline.tensor
     augment_device: AugmentDevice = AugmentDevice.auto
+    prefetch: bool = False  # prepare the next batch on a background thread while the engine's call waits
     crop_padding: int = 4
     flip: bool = True
     mean: list[float] = MISSING
@@ -111,6 +112,7 @@ class SyntheticImagesConfig:
     noise: float = 40.0
     seed: int = 0
     augment_device: AugmentDevice = AugmentDevice.auto
+    prefetch: bool = False  # prepare the next batch on a background thread while the engine's call waits
     crop_padding: int = 4
     flip: bool = True
     mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
