@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == probe ]]; then
+if [[ $what == core || $what == probe || $what == final ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -74,6 +74,20 @@ if [[ $what == probe ]]; then  # this session's open questions: data time, graph
   run 130 python3 llm.py --model llama_1b --impl rptrain --seq 131072 --batch 1 --steps 1 --warmup 2 --trace-steps 0
   run 100 python3 llm.py --model llama_1b --impl roundpipe --seq 4096 --batch 8 --steps 2 --warmup 2
   run 200 python3 llm.py --model llama_3b --impl rptrain --seq 4096 --batch 8 --steps 2 --warmup 3 --trace-steps 1
+fi
+if [[ $what == final ]]; then  # the data pipeline re-measured beside the engine alone, 3B against every baseline
+  run 40 python3 -m pytest -q -p no:cacheprovider tests/test_data_augment.py tests/test_data_loader.py
+  for variant in "data.prefetch=false" "data.prefetch=true" "data.prefetch=false engine.optimizer_threads=12"; do
+    tag=${variant// /_}
+    run 30 "${cli[@]}" $variant hydra.run.dir=/tmp/cli-$tag
+    cp /tmp/cli-$tag/metrics.jsonl "$out/cli-$tag.jsonl" 2>/dev/null
+  done
+  cd bench
+  run 40 python3 resnet.py --impl both --steps 40
+  run 15 python3 data.py
+  run 300 python3 llm.py --model llama_3b --impl rptrain plain fsdp2 roundpipe --seq 4096 --batch 8 --steps 2 --warmup 2 --trace-steps 0
+  run 60 python3 optimizer.py --params 21.3e6 302e6
+  run 120 python3 llm.py --model llama_3b --impl rptrain --seq 32768 --batch 1 --steps 1 --warmup 2 --trace-steps 0
 fi
 if [[ $what == llm || $what == all ]]; then
   {

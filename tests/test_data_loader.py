@@ -87,6 +87,22 @@ def test_resume_mid_epoch_reproduces_batches_and_augmentation():
     assert not torch.equal(full[0][0][:1], full[1][0][:1])
 
 
+@pytest.mark.parametrize("start", [0, 3])
+def test_epoch_draws_equal_batch_by_batch_augmentation(start):
+    """The loader draws an epoch's crops and flips at once; each batch must still get exactly what
+    BatchAugment(images, the batch's own generator) gives, the short last batch included."""
+    images, labels = _cifar_like(61)
+    augment = BatchAugment(CIFAR100_MEAN, CIFAR100_STD)
+    loader = BatchLoader((images, labels), batch_size=8, seed=11, drop_last=False, transform=augment)
+    order = loader.indices(2)
+    batches = list(loader.epoch(2, start_batch=start))
+    assert len(batches) == 8 - start and len(batches[-1][1]) == 61 - 7 * 8
+    for b, (x, y) in enumerate(batches, start):
+        rows = order[b * 8 : (b + 1) * 8]
+        assert torch.equal(y, labels[rows])
+        assert torch.equal(x, augment(images[rows], loader.transform_generator(2, b)))
+
+
 def test_state_after_a_full_epoch_points_at_the_next():
     loader = BatchLoader(_ids(20), batch_size=5)
     list(loader.epoch(0))

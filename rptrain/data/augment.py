@@ -23,19 +23,23 @@ def crop_flip(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip:
     `top`/`left` are per-image offsets in [0, 2*padding] into the padded image,
     exactly like the (i, j) torchvision's RandomCrop draws. Works on any dtype.
     """
+    draws = torch.stack([top.long(), left.long(), flip.long()])
+    return _crop_flip(images, to_device(draws, images.device), padding)
+
+
+def _crop_flip(images: torch.Tensor, draws: torch.Tensor, padding: int) -> torch.Tensor:
+    """crop_flip with the offsets and flips as one (3, n) tensor already on the images' device:
+    one gather over each padded image, a handful of kernels whatever the batch size."""
     n, c, h, w = images.shape
     dev = images.device
     padded = F.pad(images, (padding, padding, padding, padding)) if padding else images
-    top, left, flip = to_device(torch.stack([top.long(), left.long(), flip.long()]), dev)  # one copy
+    top, left, flip = draws
     rows = top.view(n, 1) + torch.arange(h, device=dev)  # (n, h)
     cols = left.view(n, 1) + torch.arange(w, device=dev)  # (n, w)
-    cols = torch.where(flip.bool().view(n, 1), cols.flip(1), cols)  # mirroring = reading columns backwards
-    return padded[
-        torch.arange(n, device=dev).view(n, 1, 1, 1),
-        torch.arange(c, device=dev).view(1, c, 1, 1),
-        rows.view(n, 1, h, 1),
-        cols.view(n, 1, 1, w),
-    ]
+    cols = torch.where(flip.view(n, 1) != 0, cols.flip(1), cols)  # mirroring = reading columns backwards
+    where = (rows.view(n, h, 1) * padded.shape[3] + cols.view(n, 1, w)).view(n, 1, h * w)  # offsets within a padded image
+    out = padded.reshape(n, c, -1).gather(2, where.expand(n, c, h * w))
+    return out.view(n, c, h, w)
 
 
 class BatchAugment:
@@ -76,16 +80,29 @@ class BatchAugment:
         return self.train(False)
 
     def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        draws = self.draw(images.shape[0], generator)
+        return self.apply(images, None if draws is None else to_device(draws, images.device))
+
+    def draw(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor | None:
+        """The random part for `n` images as a (3, n) int64 tensor: crop tops, crop lefts, flips,
+        drawn in that order (None after .eval(), or with nothing random to draw). Loaders draw a
+        whole epoch's worth at once and send it to the device in one copy."""
+        if not (self.training and (self.crop_padding or self.flip)):
+            return None
+        p = self.crop_padding
+        top = torch.randint(0, 2 * p + 1, (n,), generator=generator)
+        left = torch.randint(0, 2 * p + 1, (n,), generator=generator)
+        flip = torch.randint(0, 2, (n,), generator=generator) if self.flip else torch.zeros(n, dtype=torch.long)
+        return torch.stack([top, left, flip])
+
+    def apply(self, images: torch.Tensor, draws: torch.Tensor | None) -> torch.Tensor:
+        """Crop and flip by `draws` (from draw(), on the images' device), then normalise."""
         if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != len(self.mean):
             raise DataError(
                 f"BatchAugment expects a uint8 (N, {len(self.mean)}, H, W) batch, got {images.dtype} {tuple(images.shape)}"
             )
-        if self.training and (self.crop_padding or self.flip):
-            n, p = images.shape[0], self.crop_padding
-            top = torch.randint(0, 2 * p + 1, (n,), generator=generator)
-            left = torch.randint(0, 2 * p + 1, (n,), generator=generator)
-            flip = torch.randint(0, 2, (n,), generator=generator).bool() if self.flip else torch.zeros(n, dtype=torch.bool)
-            images = crop_flip(images, top, left, flip, p)  # still uint8: moves 1 byte per pixel
+        if draws is not None:
+            images = _crop_flip(images, draws, self.crop_padding)  # still uint8: moves 1 byte per pixel
         return self.normalize(images)
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:

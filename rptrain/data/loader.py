@@ -188,8 +188,9 @@ class BatchLoader(ShardedLoader):
     def transform_generator(self, epoch: int, batch: int) -> torch.Generator:
         return torch.Generator().manual_seed(mix_seed(self.seed, epoch, self.rank, batch))
 
-    def load_batch(self, indices: torch.Tensor, epoch: int, batch: int) -> Batch:
-        """Gather rows `indices` of every tensor, move them to the device, transform."""
+    def load_batch(self, indices: torch.Tensor, epoch: int, batch: int, draws: torch.Tensor | None = None) -> Batch:
+        """Gather rows `indices` of every tensor, move them to the device, transform. `draws`: the
+        batch's part of epoch_draws(), when the transform splits drawing from applying."""
         out = []
         on_device: dict[torch.device, torch.Tensor] = {}
         for t in self.tensors:
@@ -200,15 +201,41 @@ class BatchLoader(ShardedLoader):
                 x = to_device(x, self.device)
             out.append(x)
         if self.transform is not None:
-            out[0] = self.transform(out[0], self.transform_generator(epoch, batch))
+            if draws is not None:
+                out[0] = self.transform.apply(out[0], draws)
+            else:
+                out[0] = self.transform(out[0], self.transform_generator(epoch, batch))
         return tuple(out)
+
+    def epoch_draws(self, epoch: int, sizes: Sequence[int], start_batch: int) -> torch.Tensor | None:
+        """Every batch's random draws from its own generator, as one (k, total) tensor: the same
+        numbers a batch-by-batch call would draw, so resumed runs still match."""
+        if not _splits(self.transform):
+            return None
+        parts = [self.transform.draw(n, self.transform_generator(epoch, b)) for b, n in enumerate(sizes) if b >= start_batch]
+        if not parts or parts[0] is None:
+            return None
+        return torch.cat(parts, dim=1)
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
         """Yield batches start_batch..len(self)-1 of `epoch`, tracking the position for state_dict()."""
         self._check_start(start_batch)
-        order = self.indices(epoch)
         bs = self.batch_size
-        make = lambda b: self.load_batch(order[b * bs : (b + 1) * bs], epoch, b)  # noqa: E731
+        order = self.indices(epoch)[start_batch * bs :]
+        sizes = [min(bs, len(order) + start_batch * bs - b * bs) for b in range(self.num_batches)]
+        draws = self.epoch_draws(epoch, sizes, start_batch)
+        # One copy per epoch to where the data and the augmentation live, instead of two per batch.
+        where = self.tensors[0].device if self.device is None else self.device
+        if where.type == "cuda" and all(t.device == where for t in self.tensors):
+            order = to_device(order, where)
+        if draws is not None:
+            draws = to_device(draws, where)
+
+        def make(b: int) -> Batch:
+            lo = (b - start_batch) * bs
+            part = None if draws is None else draws[:, lo : lo + sizes[b]]
+            return self.load_batch(order[lo : lo + bs], epoch, b, part)
+
         batches = range(start_batch, self.num_batches)
         source = _prefetched(make, batches) if self.prefetch else (make(b) for b in batches)
         try:
@@ -217,6 +244,11 @@ class BatchLoader(ShardedLoader):
                 yield batch
         finally:
             source.close()
+
+
+def _splits(transform: Transform | None) -> bool:
+    """Whether the transform draws its random numbers apart from applying them (BatchAugment does)."""
+    return hasattr(transform, "draw") and hasattr(transform, "apply")
 
 
 def _prefetched(make: Callable[[int], Batch], batches: range) -> Iterator[Batch]:
