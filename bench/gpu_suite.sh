@@ -78,7 +78,7 @@ fi
 if [[ $what == final ]]; then  # the data pipeline re-measured beside the engine alone, 3B against every baseline
   run 40 python3 -m pytest -q -p no:cacheprovider tests/test_data_augment.py tests/test_data_loader.py
   for variant in "data.prefetch=false" "data.prefetch=true" "data.prefetch=false engine.optimizer_threads=12"; do
-    tag=${variant// /_}
+    tag=${variant//[ =.]/_}  # hydra.run.dir cannot hold "="
     run 30 "${cli[@]}" $variant hydra.run.dir=/tmp/cli-$tag
     cp /tmp/cli-$tag/metrics.jsonl "$out/cli-$tag.jsonl" 2>/dev/null
   done

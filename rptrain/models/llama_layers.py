@@ -9,6 +9,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import skip_init
 from torch import nn
 
 from rptrain.models.llama_config import LlamaConfig
@@ -122,16 +123,19 @@ class DecoderBlock(nn.Module):
         # Projections that write into the residual stream get a smaller init so the
         # stream's variance does not grow with depth (GPT-2).
         self.out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        kw = dict(bias=False, device=device, dtype=dtype)
+        # skip_init: nn.Linear's own init would be overwritten by reset_parameters, and at billions
+        # of parameters drawing every weight twice costs the model build minutes.
+        # (skip_init needs a real device: None would leave the weights on "meta".)
+        kw = dict(bias=False, device=torch.get_default_device() if device is None else device, dtype=dtype)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, **kw)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, **kw)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, **kw)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, **kw)
+        self.wq = skip_init(nn.Linear, cfg.dim, cfg.n_heads * cfg.head_dim, **kw)
+        self.wk = skip_init(nn.Linear, cfg.dim, cfg.n_kv_heads * cfg.head_dim, **kw)
+        self.wv = skip_init(nn.Linear, cfg.dim, cfg.n_kv_heads * cfg.head_dim, **kw)
+        self.wo = skip_init(nn.Linear, cfg.n_heads * cfg.head_dim, cfg.dim, **kw)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, **kw)  # gate
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, **kw)  # up
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, **kw)  # down
+        self.w1 = skip_init(nn.Linear, cfg.dim, cfg.ffn_hidden, **kw)  # gate
+        self.w3 = skip_init(nn.Linear, cfg.dim, cfg.ffn_hidden, **kw)  # up
+        self.w2 = skip_init(nn.Linear, cfg.ffn_hidden, cfg.dim, **kw)  # down
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
