@@ -54,8 +54,11 @@ def assert_same_training(a: Path, b: Path, steps: int) -> None:
     for step in la:
         assert lb[step] == pytest.approx(la[step], abs=1e-5), step
     wa, wb = weights(a), weights(b)
+    # Two ranks sum the gradients in another order; Adam divides by sqrt(v), which turns those
+    # rounding differences into up to ~5e-6 on weights whose gradients are tiny (seen with some
+    # seeds' initial weights). A real mistake (a missed average, a wrong batch) moves them by ~lr.
     for name in wa:
-        torch.testing.assert_close(wb[name], wa[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-5, atol=2e-5, msg=name)
 
 
 @pytest.fixture(scope="module")
