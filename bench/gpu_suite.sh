@@ -75,19 +75,15 @@ if [[ $what == probe ]]; then  # this session's open questions: data time, graph
   run 100 python3 llm.py --model llama_1b --impl roundpipe --seq 4096 --batch 8 --steps 2 --warmup 2
   run 200 python3 llm.py --model llama_3b --impl rptrain --seq 4096 --batch 8 --steps 2 --warmup 3 --trace-steps 1
 fi
-if [[ $what == final ]]; then  # the data pipeline re-measured beside the engine alone, 3B against every baseline
-  run 40 python3 -m pytest -q -p no:cacheprovider tests/test_data_augment.py tests/test_data_loader.py
+if [[ $what == final ]]; then  # what the last session could not finish: CLI data time after the loader change, 3B against every baseline, 3B long
   for variant in "data.prefetch=false" "data.prefetch=true" "data.prefetch=false engine.optimizer_threads=12"; do
     tag=${variant//[ =.]/_}  # hydra.run.dir cannot hold "="
     run 30 "${cli[@]}" $variant hydra.run.dir=/tmp/cli-$tag
     cp /tmp/cli-$tag/metrics.jsonl "$out/cli-$tag.jsonl" 2>/dev/null
   done
   cd bench
-  run 40 python3 resnet.py --impl both --steps 40
-  run 15 python3 data.py
-  run 300 python3 llm.py --model llama_3b --impl rptrain plain fsdp2 roundpipe --seq 4096 --batch 8 --steps 2 --warmup 2 --trace-steps 0
-  run 60 python3 optimizer.py --params 21.3e6 302e6
-  run 120 python3 llm.py --model llama_3b --impl rptrain --seq 32768 --batch 1 --steps 1 --warmup 2 --trace-steps 0
+  run 300 python3 llm.py --model llama_3b --impl rptrain plain fsdp2 roundpipe --seq 4096 --batch 8 --steps 3 --warmup 2 --trace-steps 0
+  run 150 python3 llm.py --model llama_3b --impl rptrain --seq 32768 --batch 1 --steps 1 --warmup 2 --trace-steps 0
 fi
 if [[ $what == llm || $what == all ]]; then
   {
