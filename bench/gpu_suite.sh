@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|last|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|final|last|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == probe || $what == final ]]; then
+if [[ $what == core || $what == final ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -62,18 +62,6 @@ if [[ $what == core ]]; then  # what is least measured first
   run 100 python3 llm.py --model llama_1b --impl fsdp2 --seq 4096 --batch 8 --steps 2 --warmup 1
   run 100 python3 llm.py --model llama_1b --impl roundpipe --seq 4096 --batch 8 --steps 2 --warmup 2
   run 60 python3 optimizer.py --params 21.3e6 302e6
-fi
-if [[ $what == probe ]]; then  # this session's open questions: data time, graph memory, 1B long sequences, 3B set-up
-  run 60 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py -k "graph or eager or recording"
-  for pf in false true; do
-    run 40 "${cli[@]}" data.prefetch=$pf hydra.run.dir=/tmp/cli-$pf
-    cp /tmp/cli-$pf/metrics.jsonl "$out/cli-prefetch-$pf.jsonl" 2>/dev/null
-  done
-  cd bench
-  run 30 python3 data.py --cprofile
-  run 130 python3 llm.py --model llama_1b --impl rptrain --seq 131072 --batch 1 --steps 1 --warmup 2 --trace-steps 0
-  run 100 python3 llm.py --model llama_1b --impl roundpipe --seq 4096 --batch 8 --steps 2 --warmup 2
-  run 200 python3 llm.py --model llama_3b --impl rptrain --seq 4096 --batch 8 --steps 2 --warmup 3 --trace-steps 1
 fi
 if [[ $what == final ]]; then  # what the last session could not finish: CLI data time after the loader change, 3B against every baseline, 3B long
   for variant in "data.prefetch=false" "data.prefetch=true" "data.prefetch=false engine.optimizer_threads=12"; do

@@ -221,8 +221,9 @@ class BatchLoader(ShardedLoader):
         """Yield batches start_batch..len(self)-1 of `epoch`, tracking the position for state_dict()."""
         self._check_start(start_batch)
         bs = self.batch_size
-        order = self.indices(epoch)[start_batch * bs :]
-        sizes = [min(bs, len(order) + start_batch * bs - b * bs) for b in range(self.num_batches)]
+        order = self.indices(epoch)
+        sizes = [min(bs, len(order) - b * bs) for b in range(self.num_batches)]
+        order = order[start_batch * bs :]
         draws = self.epoch_draws(epoch, sizes, start_batch)
         # One copy per epoch to where the data and the augmentation live, instead of two per batch.
         where = self.tensors[0].device if self.device is None else self.device

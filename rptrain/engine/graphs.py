@@ -161,13 +161,13 @@ class StageGraphs:
             self._anchor = torch.zeros((), device=self.device, requires_grad=True)
         # Everything on one stream: autograd runs a node's backward on its forward's stream.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        budget = MAX_GRAPH_MEMORY_SHARE * torch.cuda.get_device_properties(self.device).total_memory
         with torch.cuda.stream(self._stream), torch.enable_grad():
             for _ in range(_WARMUP):
                 before = torch.cuda.memory_allocated(self.device)
                 outs = differentiable(pytree.tree_leaves(stage()))
                 kept = torch.cuda.memory_allocated(self.device) - before  # activations saved for the backward
-                total = torch.cuda.get_device_properties(self.device).total_memory
-                if kept > MAX_GRAPH_MEMORY_SHARE * total:
+                if kept > budget:
                     raise _TooLarge(f"its forward keeps {kept / 2**30:.1f} GiB, over {MAX_GRAPH_MEMORY_SHARE:.0%} of the GPU, "
                                     "too much for a CUDA graph's private memory")
                 if outs:
