@@ -90,6 +90,7 @@ def test_bad_run_config_and_model_values(cli):
 def test_bad_engine_values(cli):
     expect_error(cli(*TINY, "engine.optimizer_threads=0"), "engine.optimizer_threads=0", "positive integer")
     expect_error(cli(*TINY, "engine.cuda_graphs=maybe"), "engine.cuda_graphs")
+    expect_error(cli(*TINY, "data.chunk_batches=0"), "data.chunk_batches=0", "positive integer")
 
 
 def test_model_and_data_that_do_not_fit(cli):

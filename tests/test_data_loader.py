@@ -103,6 +103,33 @@ def test_epoch_draws_equal_batch_by_batch_augmentation(start):
         assert torch.equal(x, augment(images[rows], loader.transform_generator(2, b)))
 
 
+@pytest.mark.parametrize("chunk,start,prefetch", [(3, 0, False), (3, 4, False), (16, 2, False), (3, 1, True)])
+def test_chunked_batches_equal_batch_by_batch(chunk, start, prefetch):
+    """Gathering and augmenting several batches at once must hand out exactly the batches one at a
+    time would: the short last batch, a start inside a chunk and the prefetch thread included."""
+    images, labels = _cifar_like(61)
+    make = lambda k, p=False: BatchLoader((images, labels), batch_size=8, seed=11, drop_last=False,
+                                          transform=BatchAugment(CIFAR100_MEAN, CIFAR100_STD), chunk_batches=k, prefetch=p)
+    one = list(make(1).epoch(2, start_batch=start))
+    loader = make(chunk, prefetch)
+    it = loader.epoch(2, start_batch=start)
+    for b, (x, y) in enumerate(one, start):
+        cx, cy = next(it)
+        assert torch.equal(cx, x) and torch.equal(cy, y)
+        assert loader.next_batch == b + 1  # the position follows the batch handed out, not the chunk
+    assert next(it, None) is None
+
+
+def test_chunking_falls_back_to_single_batches_for_a_plain_transform():
+    """A transform that only takes a generator draws per batch: chunks would change the numbers."""
+    noise = lambda x, g: x + torch.rand(x.shape, generator=g)
+    one = list(BatchLoader(_ids(20).float(), batch_size=4, transform=noise).epoch(0))
+    chunked = BatchLoader(_ids(20).float(), batch_size=4, transform=noise, chunk_batches=4)
+    assert chunked.chunk_batches == 1
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(one, chunked.epoch(0)))
+    assert _flat(BatchLoader(_ids(20), batch_size=4, chunk_batches=3).epoch(1)) == _flat(BatchLoader(_ids(20), batch_size=4).epoch(1))
+
+
 def test_state_after_a_full_epoch_points_at_the_next():
     loader = BatchLoader(_ids(20), batch_size=5)
     list(loader.epoch(0))
@@ -157,6 +184,8 @@ def test_bad_settings_raise_data_error():
         BatchLoader((torch.zeros(4), torch.zeros(5)), batch_size=2)
     with pytest.raises(DataError, match="batch_size"):
         BatchLoader(_ids(4), batch_size=0)
+    with pytest.raises(DataError, match="chunk_batches=0"):
+        BatchLoader(_ids(4), batch_size=1, chunk_batches=0)
     with pytest.raises(DataError, match="rank"):
         BatchLoader(_ids(4), batch_size=1, rank=2, world_size=2)
     with pytest.raises(DataError, match="no batch of 8"):
@@ -191,8 +220,8 @@ def test_dataset_loader_is_deterministic_resumable_and_worker_independent(tmp_pa
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_device_batches_match_cpu():
     cpu = list(_aug_loader().epoch(0))
-    for prefetch in (False, True):
-        gpu = list(_aug_loader(device="cuda", prefetch=prefetch).epoch(0))
+    for prefetch, chunk in ((False, 1), (True, 1), (False, 3)):
+        gpu = list(_aug_loader(device="cuda", prefetch=prefetch, chunk_batches=chunk).epoch(0))
         assert gpu[0][0].is_cuda and gpu[0][1].is_cuda
         for a, b in zip(cpu, gpu):
             torch.testing.assert_close(b[0].cpu(), a[0], atol=1e-5, rtol=0)

@@ -87,7 +87,8 @@ def _image_data(cfg: DictConfig, dtype: torch.dtype) -> TrainData:
     normalise = BatchAugment(d.mean, d.std, 0, False, out_dtype=dtype).eval()
     return TrainData(
         IMAGE,
-        BatchLoader(train, shuffle=True, drop_last=t.drop_last, seed=t.seed, transform=augment, prefetch=d.prefetch, **_shard(cfg)),
+        BatchLoader(train, shuffle=True, drop_last=t.drop_last, seed=t.seed, transform=augment, prefetch=d.prefetch,
+                    chunk_batches=d.chunk_batches, **_shard(cfg)),
         BatchLoader(test, _eval_batch(cfg), shuffle=False, drop_last=False, seed=t.seed, transform=normalise) if len(test[0]) else None,
         description=f"{d.name}: {len(train[0])} train / {len(test[0])} test images, augmented on {device.type}",
     )

@@ -96,6 +96,7 @@ class CifarDataConfig:
     pipeline: Pipeline = Pipeline.tensor
     augment_device: AugmentDevice = AugmentDevice.auto
     prefetch: bool = False  # prepare the next batch on a background thread while the engine's call waits
+    chunk_batches: int = 16  # batches gathered and augmented together (tensor pipeline): fewer kernel launches per batch
     crop_padding: int = 4
     flip: bool = True
     mean: list[float] = MISSING
@@ -113,6 +114,7 @@ class SyntheticImagesConfig:
     seed: int = 0
     augment_device: AugmentDevice = AugmentDevice.auto
     prefetch: bool = False  # prepare the next batch on a background thread while the engine's call waits
+    chunk_batches: int = 16  # batches gathered and augmented together (tensor pipeline): fewer kernel launches per batch
     crop_padding: int = 4
     flip: bool = True
     mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])

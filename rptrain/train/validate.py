@@ -164,6 +164,7 @@ def _validate_images(cfg: DictConfig) -> None:
         raise ConfigError(f"data.mean={list(d.mean)} / data.std={list(d.std)} need three values each (std > 0)")
     if d.crop_padding < 0:
         raise ConfigError(f"data.crop_padding={d.crop_padding} must be >= 0")
+    _positive("data.chunk_batches", d.chunk_batches, allow_none=False)
     if d.name == "synthetic":
         _positive("data.num_train", d.num_train, allow_none=False)
         if d.num_test < 0:
