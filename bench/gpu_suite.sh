@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|final|last|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|last|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == final ]]; then
+if [[ $what == core || $what == next ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -63,15 +63,14 @@ if [[ $what == core ]]; then  # what is least measured first
   run 100 python3 llm.py --model llama_1b --impl roundpipe --seq 4096 --batch 8 --steps 2 --warmup 2
   run 60 python3 optimizer.py --params 21.3e6 302e6
 fi
-if [[ $what == final ]]; then  # what the last session could not finish: CLI data time after the loader change, 3B against every baseline, 3B long
-  for variant in "data.prefetch=false" "data.prefetch=true" "data.prefetch=false engine.optimizer_threads=12"; do
-    tag=${variant//[ =.]/_}  # hydra.run.dir cannot hold "="
-    run 30 "${cli[@]}" $variant hydra.run.dir=/tmp/cli-$tag
-    cp /tmp/cli-$tag/metrics.jsonl "$out/cli-$tag.jsonl" 2>/dev/null
-  done
+if [[ $what == next ]]; then  # what is still unmeasured: the CLI's epoch beside the bare engine, where a 3B step goes, FSDP2 at batch 4
+  run 40 "${cli[@]}" data.num_train=51200 trainer.log_interval=100 hydra.run.dir=/tmp/cli-chunk16
+  cp /tmp/cli-chunk16/metrics.jsonl "$out/cli-chunk16.jsonl" 2>/dev/null
   cd bench
-  run 300 python3 llm.py --model llama_3b --impl rptrain plain fsdp2 roundpipe --seq 4096 --batch 8 --steps 3 --warmup 2 --trace-steps 0
-  run 150 python3 llm.py --model llama_3b --impl rptrain --seq 32768 --batch 1 --steps 1 --warmup 2 --trace-steps 0
+  run 45 python3 resnet.py --impl both --steps 40
+  run 100 python3 llm.py --model llama_3b --impl rptrain --seq 4096 --batch 2 --steps 3 --warmup 2 --trace-steps 2
+  run 160 python3 llm.py --model llama_3b --impl fsdp2 rptrain --seq 4096 --batch 4 --steps 2 --warmup 2 --trace-steps 2
+  run 70 python3 optimizer.py --params 1e9 --repeats 3
 fi
 if [[ $what == llm || $what == all ]]; then
   {
