@@ -13,9 +13,11 @@ utilisation (recomputed forwards counted) against the measured bf16 matmul peak 
 from __future__ import annotations
 
 import gc
+import statistics
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -82,14 +84,14 @@ def run_rptrain(args, cfg, name):
     microbatches = args.microbatches or (1 if args.batch == 1 else None)  # None: the engine's default
     run_cfg = RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=args.grain)
     step = pipeline_step(engine, opt, tokens(args, cfg.vocab_size, args.device), run_cfg)
-    seconds, loss = timed(step, args, finish=engine.wait_for_steps)
+    timing = timed(step, args, finish=engine.wait_for_steps)
     split = traced_split(step, engine.wait_for_steps, args.trace_steps) if args.trace_steps else {}
     plan = engine.plan
     recomputed = sum(b - a for a, b in plan.backward[:-1]) if plan else 0
     layers = len(model)
     engine.close()
     stages = dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
-    return seconds, loss, recomputed / max(layers - 2, 1), {**stages, **split}
+    return timing, recomputed / max(layers - 2, 1), {**stages, **split}
 
 
 def pipeline_step(engine, opt, batch, run_cfg):
@@ -136,10 +138,10 @@ def run_roundpipe(args, cfg, name):
     microbatches = args.microbatches or (1 if args.batch == 1 else None)
     run_cfg = roundpipe.RoundPipeRunConfig(**({"num_microbatch": microbatches} if microbatches else {}))
     step = pipeline_step(engine, opt, tokens(args, cfg.vocab_size, args.device), run_cfg)
-    seconds, loss = timed(step, args, finish=engine.synchronize)
+    timing = timed(step, args, finish=engine.synchronize)
     del engine, opt
     torch.cuda.empty_cache()
-    return seconds, loss, 0.0, {"hfu_counts_recompute": False}
+    return timing, 0.0, {"hfu_counts_recompute": False}
 
 
 def run_plain(args, cfg, name):
@@ -147,10 +149,10 @@ def run_plain(args, cfg, name):
     for i in range(1, len(model) - 1):
         model[i] = Checkpointed(model[i])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    seconds, loss = timed(torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=True), args)
+    timing = timed(torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=True), args)
     del model, opt
     torch.cuda.empty_cache()
-    return seconds, loss, 1.0, {}
+    return timing, 1.0, {}
 
 
 def torch_step(model: nn.Module, opt: torch.optim.Optimizer, batch, autocast: bool):
@@ -189,10 +191,10 @@ def run_fsdp2(args, cfg, name):
     except (RuntimeError, TypeError):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # FSDP2's MixedPrecisionPolicy already computes in bf16: no autocast.
-    seconds, loss = timed(torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=False), args)
+    timing = timed(torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=False), args)
     del model, opt
     dist.destroy_process_group()
-    return seconds, loss, 1.0, {}
+    return timing, 1.0, {}
 
 
 def release_host_memory() -> None:
@@ -203,20 +205,34 @@ def release_host_memory() -> None:
         torch._C._host_emptyCache()
 
 
-def timed(step, args, finish=lambda: None):
+class Timing(NamedTuple):
+    step_s: float  # wall time of the timed steps, the engine's last optimizer task included, per step
+    steady_step_s: float | None  # median step-to-step interval after the first: a long run's period
+    loss: float
+
+
+def timed(step, args, finish=lambda: None) -> Timing:
+    """The engine's optimizer task for step k overlaps steps k+1's GPU work, so a short run's clock
+    also pays the last task once; `steady_step_s` leaves that out (the GPU is synchronized after
+    every step, for every implementation alike, so each interval is a whole step)."""
+    sync = torch.cuda.synchronize if args.device == "cuda" else lambda: None
     for i in range(args.warmup):
         t0 = time.perf_counter()
         step()
         note(f"warm-up step {i + 1}: {time.perf_counter() - t0:.2f} s (host side)")
     finish()
-    torch.cuda.synchronize() if args.device == "cuda" else None
-    start = time.perf_counter()
+    sync()
+    stamps = [time.perf_counter()]
     loss = None
     for _ in range(args.steps):
         loss = step()
+        sync()
+        stamps.append(time.perf_counter())
     finish()
-    torch.cuda.synchronize() if args.device == "cuda" else None
-    return (time.perf_counter() - start) / args.steps, float(loss)
+    sync()
+    intervals = [b - a for a, b in zip(stamps[1:], stamps[2:])]  # the first step starts with no task queued
+    steady = statistics.median(intervals) if intervals else None
+    return Timing((time.perf_counter() - stamps[0]) / args.steps, steady, float(loss))
 
 
 def main() -> None:
@@ -246,12 +262,12 @@ def main() -> None:
         cfg = llama_config(name, **args.overrides)
         tokens_per_step = args.batch * args.seq
         model_flops = flops_per_token(cfg, args.seq) * tokens_per_step
-        results = {}
+        results, steady = {}, {}
         for impl in args.impl:
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             try:
-                seconds, loss, recompute_share, extra = runners[impl](args, cfg, name)
+                timing, recompute_share, extra = runners[impl](args, cfg, name)
             except torch.OutOfMemoryError as e:
                 emit(bench="llm", model=name, impl=impl, seq=args.seq, error=f"out of memory: {str(e).splitlines()[0]}")
                 torch.cuda.empty_cache()
@@ -261,13 +277,20 @@ def main() -> None:
                 extra["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             release_host_memory()
             hardware_flops = model_flops + recompute_share * forward_flops(cfg, args.seq) * tokens_per_step
+            seconds = timing.step_s
             results[impl] = tokens_per_step / seconds
+            if timing.steady_step_s:
+                steady[impl] = tokens_per_step / timing.steady_step_s
+                extra.update(steady_step_s=round(timing.steady_step_s, 4), steady_tokens_per_s=round(steady[impl], 1))
             emit(bench="llm", model=name, impl=impl, seq=args.seq, batch=args.batch, step_s=round(seconds, 4),
-                 tokens_per_s=round(results[impl], 1), loss=round(loss, 4),
+                 tokens_per_s=round(results[impl], 1), loss=round(timing.loss, 4),
                  mfu=round(model_flops / seconds / (args.peak * 1e12), 3), hfu=round(hardware_flops / seconds / (args.peak * 1e12), 3), **extra)
         for other in ("plain", "fsdp2", "roundpipe"):
             if "rptrain" in results and other in results:
-                emit(bench="llm", model=name, what=f"rptrain_over_{other}", ratio=round(results["rptrain"] / results[other], 3))
+                ratios = dict(ratio=round(results["rptrain"] / results[other], 3))
+                if "rptrain" in steady and other in steady:
+                    ratios["steady_ratio"] = round(steady["rptrain"] / steady[other], 3)
+                emit(bench="llm", model=name, what=f"rptrain_over_{other}", **ratios)
 
 
 if __name__ == "__main__":
