@@ -12,9 +12,12 @@ utilisation (recomputed forwards counted) against the measured bf16 matmul peak 
 """
 from __future__ import annotations
 
+import argparse
 import gc
+import json
 import statistics
 import os
+import subprocess
 import sys
 import time
 from typing import NamedTuple
@@ -249,49 +252,72 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--trace-steps", type=int, default=2, help="extra engine steps traced to split GPU and optimizer time")
     p.add_argument("--peak", type=float, default=780.0, help="bf16 matmul TFLOP/s (bench/limits.py)")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="each implementation in its own process (default: on when several run on a GPU)")
     args = p.parse_args()
     args.overrides = {}
     if args.tiny or args.device == "cpu":
         args.model, args.impl = ["llama_tiny"], ["rptrain"]
         args.seq, args.batch, args.steps, args.warmup = 32, 2, 2, 1
+    if args.isolate is None:
+        args.isolate = args.device == "cuda" and len(args.impl) > 1
     torch.backends.cuda.matmul.allow_tf32 = True
-    runners = {"rptrain": run_rptrain, "plain": run_plain, "fsdp2": run_fsdp2, "roundpipe": run_roundpipe}
     for name in args.model:
-        # Rotary tables are built up to max_seq_len: longer benchmark sequences raise it.
-        args.overrides = {"max_seq_len": args.seq} if args.seq > llama_config(name).max_seq_len else {}
-        cfg = llama_config(name, **args.overrides)
-        tokens_per_step = args.batch * args.seq
-        model_flops = flops_per_token(cfg, args.seq) * tokens_per_step
-        results, steady = {}, {}
+        records = {}
         for impl in args.impl:
-            if args.device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            try:
-                timing, recompute_share, extra = runners[impl](args, cfg, name)
-            except torch.OutOfMemoryError as e:
-                emit(bench="llm", model=name, impl=impl, seq=args.seq, error=f"out of memory: {str(e).splitlines()[0]}")
-                torch.cuda.empty_cache()
-                release_host_memory()
-                continue
-            if args.device == "cuda":  # how far the sequence could still grow on this GPU
-                extra["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-            release_host_memory()
-            hardware_flops = model_flops + recompute_share * forward_flops(cfg, args.seq) * tokens_per_step
-            seconds = timing.step_s
-            results[impl] = tokens_per_step / seconds
-            if timing.steady_step_s:
-                steady[impl] = tokens_per_step / timing.steady_step_s
-                extra.update(steady_step_s=round(timing.steady_step_s, 4), steady_tokens_per_s=round(steady[impl], 1))
-            emit(bench="llm", model=name, impl=impl, seq=args.seq, batch=args.batch, step_s=round(seconds, 4),
-                 tokens_per_s=round(results[impl], 1), loss=round(timing.loss, 4),
-                 mfu=round(model_flops / seconds / (args.peak * 1e12), 3), hfu=round(hardware_flops / seconds / (args.peak * 1e12), 3), **extra)
+            record = measure_in_child(name, impl) if args.isolate else measure(args, name, impl)
+            if record is not None:
+                emit(**record)
+                if "tokens_per_s" in record:
+                    records[impl] = record
         for other in ("plain", "fsdp2", "roundpipe"):
-            if "rptrain" in results and other in results:
-                ratios = dict(ratio=round(results["rptrain"] / results[other], 3))
-                if "rptrain" in steady and other in steady:
-                    ratios["steady_ratio"] = round(steady["rptrain"] / steady[other], 3)
+            if "rptrain" in records and other in records:
+                mine, theirs = records["rptrain"], records[other]
+                ratios = dict(ratio=round(mine["tokens_per_s"] / theirs["tokens_per_s"], 3))
+                if "steady_tokens_per_s" in mine and "steady_tokens_per_s" in theirs:
+                    ratios["steady_ratio"] = round(mine["steady_tokens_per_s"] / theirs["steady_tokens_per_s"], 3)
                 emit(bench="llm", model=name, what=f"rptrain_over_{other}", **ratios)
 
+
+def measure(args, name: str, impl: str) -> dict:
+    """One implementation's JSON record (or its out-of-memory error) in this process."""
+    runners = {"rptrain": run_rptrain, "plain": run_plain, "fsdp2": run_fsdp2, "roundpipe": run_roundpipe}
+    # Rotary tables are built up to max_seq_len: longer benchmark sequences raise it.
+    args.overrides = {"max_seq_len": args.seq} if args.seq > llama_config(name).max_seq_len else {}
+    cfg = llama_config(name, **args.overrides)
+    tokens_per_step = args.batch * args.seq
+    model_flops = flops_per_token(cfg, args.seq) * tokens_per_step
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        timing, recompute_share, extra = runners[impl](args, cfg, name)
+    except torch.OutOfMemoryError as e:
+        torch.cuda.empty_cache()
+        release_host_memory()
+        return dict(bench="llm", model=name, impl=impl, seq=args.seq, error=f"out of memory: {str(e).splitlines()[0]}")
+    if args.device == "cuda":  # how far the sequence could still grow on this GPU
+        extra["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    release_host_memory()
+    hardware_flops = model_flops + recompute_share * forward_flops(cfg, args.seq) * tokens_per_step
+    seconds, peak = timing.step_s, args.peak * 1e12
+    if timing.steady_step_s:
+        extra.update(steady_step_s=round(timing.steady_step_s, 4), steady_tokens_per_s=round(tokens_per_step / timing.steady_step_s, 1))
+    return dict(bench="llm", model=name, impl=impl, seq=args.seq, batch=args.batch, step_s=round(seconds, 4),
+                tokens_per_s=round(tokens_per_step / seconds, 1), loss=round(timing.loss, 4),
+                mfu=round(model_flops / seconds / peak, 3), hfu=round(hardware_flops / seconds / peak, 3), **extra)
+
+
+def measure_in_child(name: str, impl: str) -> dict | None:
+    """measure() in a fresh process: nothing one implementation caches (pinned host blocks, graph
+    pools, the original library's buffers) can starve the next. Same arguments, one model and impl;
+    argparse keeps the last --model/--impl given."""
+    argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--model", name, "--impl", impl, "--no-isolate"]
+    child = subprocess.run(argv, stdout=subprocess.PIPE, text=True)  # stderr (progress notes) passes through
+    lines = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
+    record = next((r for r in lines if r.get("impl") == impl), None)
+    if record is None:
+        return dict(bench="llm", model=name, impl=impl, seq=None, error=f"the child process exited with {child.returncode} and no result")
+    return record
 
 if __name__ == "__main__":
     main()

@@ -36,3 +36,10 @@ def test_resnet_diagnostics():
     assert [r["impl"] for r in runs] == ["plain", "rptrain", "rptrain"] * 2
     assert all(r["adam"] is False and r["rptrain_over_plain"] > 0 for r in runs if r["impl"] == "rptrain")
     assert any(r["bench"] == "resnet34_main_thread" and r["calls_per_step"] > 0 for r in records)
+
+
+def test_llm_in_child_processes():
+    """--isolate measures each implementation in its own process and passes its record on."""
+    records = run_tiny("llm.py", "--isolate")
+    (run,) = [r for r in records if r.get("impl") == "rptrain"]
+    assert run["tokens_per_s"] > 0 and run["steady_tokens_per_s"] > 0 and "error" not in run
