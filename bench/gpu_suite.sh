@@ -63,14 +63,11 @@ if [[ $what == core ]]; then  # what is least measured first
   run 100 python3 llm.py --model llama_1b --impl roundpipe --seq 4096 --batch 8 --steps 2 --warmup 2
   run 60 python3 optimizer.py --params 21.3e6 302e6
 fi
-if [[ $what == next ]]; then  # what is still unmeasured: the CLI's epoch beside the bare engine, where a 3B step goes, FSDP2 at batch 4
-  run 40 "${cli[@]}" data.num_train=51200 trainer.log_interval=100 hydra.run.dir=/tmp/cli-chunk16
-  cp /tmp/cli-chunk16/metrics.jsonl "$out/cli-chunk16.jsonl" 2>/dev/null
-  cd bench
-  run 45 python3 resnet.py --impl both --steps 40
-  run 100 python3 llm.py --model llama_3b --impl rptrain --seq 4096 --batch 2 --steps 3 --warmup 2 --trace-steps 2
-  run 160 python3 llm.py --model llama_3b --impl fsdp2 rptrain --seq 4096 --batch 4 --steps 2 --warmup 2 --trace-steps 2
-  run 70 python3 optimizer.py --params 1e9 --repeats 3
+if [[ $what == next ]]; then  # what the last session left unmeasured: steady 3B periods against every baseline, a second epoch, 3B at 128k
+  run 270 python3 bench/llm.py --model llama_3b --impl rptrain fsdp2 roundpipe plain --seq 4096 --batch 4 --steps 6 --warmup 2 --trace-steps 0
+  run 50 "${cli[@]}" data.num_train=25600 trainer.epochs=2 trainer.log_interval=100 hydra.run.dir=/tmp/cli-epochs
+  cp /tmp/cli-epochs/metrics.jsonl "$out/cli-epochs.jsonl" 2>/dev/null
+  run 180 python3 bench/llm.py --model llama_3b --impl rptrain --seq 131072 --batch 1 --steps 1 --warmup 2 --trace-steps 0
 fi
 if [[ $what == llm || $what == all ]]; then
   {
