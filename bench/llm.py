@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -215,7 +215,7 @@ class Timing(NamedTuple):
 
 
 def timed(step, args, finish=lambda: None) -> Timing:
-    """The engine's optimizer task for step k overlaps steps k+1's GPU work, so a short run's clock
+    """The engine's optimizer task for step k overlaps step k+1's GPU work, so a short run's clock
     also pays the last task once; `steady_step_s` leaves that out (the GPU is synchronized after
     every step, for every implementation alike, so each interval is a whole step)."""
     sync = torch.cuda.synchronize if args.device == "cuda" else lambda: None
@@ -266,10 +266,9 @@ def main() -> None:
         records = {}
         for impl in args.impl:
             record = measure_in_child(name, impl) if args.isolate else measure(args, name, impl)
-            if record is not None:
-                emit(**record)
-                if "tokens_per_s" in record:
-                    records[impl] = record
+            emit(**record)
+            if "tokens_per_s" in record:
+                records[impl] = record
         for other in ("plain", "fsdp2", "roundpipe"):
             if "rptrain" in records and other in records:
                 mine, theirs = records["rptrain"], records[other]
@@ -307,7 +306,7 @@ def measure(args, name: str, impl: str) -> dict:
                 mfu=round(model_flops / seconds / peak, 3), hfu=round(hardware_flops / seconds / peak, 3), **extra)
 
 
-def measure_in_child(name: str, impl: str) -> dict | None:
+def measure_in_child(name: str, impl: str) -> dict:
     """measure() in a fresh process: nothing one implementation caches (pinned host blocks, graph
     pools, the original library's buffers) can starve the next. Same arguments, one model and impl;
     argparse keeps the last --model/--impl given."""
@@ -318,6 +317,7 @@ def measure_in_child(name: str, impl: str) -> dict | None:
     if record is None:
         return dict(bench="llm", model=name, impl=impl, seq=None, error=f"the child process exited with {child.returncode} and no result")
     return record
+
 
 if __name__ == "__main__":
     main()

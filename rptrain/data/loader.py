@@ -250,8 +250,6 @@ class BatchLoader(ShardedLoader):
             lo = (first - start_batch) * bs
             hi = lo + sum(sizes[first:last])
             chunk = self.load_batch(order[lo:hi], epoch, first, None if draws is None else draws[:, lo:hi])
-            if last - first == 1:
-                return [chunk]
             ends = list(itertools.accumulate(sizes[first:last]))
             return [tuple(t[end - n : end] for t in chunk) for n, end in zip(sizes[first:last], ends)]
 
