@@ -63,11 +63,15 @@ if [[ $what == core ]]; then  # what is least measured first
   run 100 python3 llm.py --model llama_1b --impl roundpipe --seq 4096 --batch 8 --steps 2 --warmup 2
   run 60 python3 optimizer.py --params 21.3e6 302e6
 fi
-if [[ $what == next ]]; then  # what the last session left unmeasured: steady 3B periods against every baseline, a second epoch, 3B at 128k
-  run 270 python3 bench/llm.py --model llama_3b --impl rptrain fsdp2 roundpipe plain --seq 4096 --batch 4 --steps 6 --warmup 2 --trace-steps 0
-  run 50 "${cli[@]}" data.num_train=25600 trainer.epochs=2 trainer.log_interval=100 hydra.run.dir=/tmp/cli-epochs
-  cp /tmp/cli-epochs/metrics.jsonl "$out/cli-epochs.jsonl" 2>/dev/null
-  run 180 python3 bench/llm.py --model llama_3b --impl rptrain --seq 131072 --batch 1 --steps 1 --warmup 2 --trace-steps 0
+if [[ $what == next ]]; then  # the optimizer written and uploaded piece by piece: tests, A/B at 3B, GPU busy, baselines at their fastest
+  run 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine_equivalence.py tests/test_optim.py
+  llm=(python3 bench/llm.py --model llama_3b --seq 4096 --batch 4 --steps 6 --warmup 2)
+  run 90 "${llm[@]}" --impl rptrain --busy-steps 3
+  run 80 "${llm[@]}" --impl rptrain --piece-numel 0 --trace-steps 2
+  run 90 "${llm[@]}" --impl fsdp2 --no-checkpoint --trace-steps 0
+  run 70 "${llm[@]}" --impl plain --no-checkpoint --busy-steps 3
+  run 100 python3 bench/optimizer.py --params 990e6 --pieces 0 1048576 4194304 16777216
+  run 60 python3 bench/resnet.py --impl both --steps 40
 fi
 if [[ $what == llm || $what == all ]]; then
   {

@@ -1,9 +1,10 @@
 """Llama-style decoder training throughput: the engine vs plain PyTorch vs FSDP2 + CPUOffloadPolicy.
 
 rptrain: bf16 compute copy, fp32 master + AdamW on the CPU (async step), the planner's stages.
-plain:   fp32 weights on the GPU, bf16 autocast, activation checkpointing per block, fused AdamW.
+plain:   fp32 weights on the GPU, bf16 autocast, activation checkpointing per block (--no-checkpoint:
+         none), fused AdamW.
 fsdp2:   fully_shard per block (+ root) with CPUOffloadPolicy and bf16 MixedPrecisionPolicy,
-         activation checkpointing per block, AdamW on the CPU (one process, world size 1).
+         activation checkpointing per block (or none), AdamW on the CPU (one process, world size 1).
 roundpipe: the original RoundPipe library (optional, --impl roundpipe) with the same model and loss.
 All train the same nn.Sequential (rptrain.models) on the same synthetic tokens.
 
@@ -83,12 +84,16 @@ def run_rptrain(args, cfg, name):
     engine = RoundPipe(model)
     with OptimizerCtx():
         opt = AdamW(engine.parameters(), lr=1e-4)
+    if args.piece_numel is not None:
+        opt.piece_numel = args.piece_numel
     note("engine and optimizer ready")
     microbatches = args.microbatches or (1 if args.batch == 1 else None)  # None: the engine's default
     run_cfg = RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=args.grain)
     step = pipeline_step(engine, opt, tokens(args, cfg.vocab_size, args.device), run_cfg)
     timing = timed(step, args, finish=engine.wait_for_steps)
     split = traced_split(step, engine.wait_for_steps, args.trace_steps) if args.trace_steps else {}
+    if args.busy_steps and args.device == "cuda":
+        split.update(gpu_busy(step, args.busy_steps, finish=engine.wait_for_steps))
     plan = engine.plan
     recomputed = sum(b - a for a, b in plan.backward[:-1]) if plan else 0
     layers = len(model)
@@ -122,10 +127,40 @@ def traced_split(step, finish, steps: int) -> dict[str, float]:
     totals: dict[str, float] = {}
     for name, _, start, stop in trace.spans():
         totals[name] = totals.get(name, 0.0) + stop - start
-    optimizer = sum(totals.get(k, 0.0) for k in ("bind_grads", "step_fn", "write_compute_copy", "upload_resident"))
-    return dict(forward_backward_s=round(totals.get("forward_backward", 0.0) / steps, 4),
-                optimizer_task_s=round(optimizer / steps, 4), adam_s=round(totals.get("step_fn", 0.0) / steps, 4),
-                wait_weights_s=round(totals.get("wait_weights", 0.0) / steps, 4))
+    parts = ("bind_grads", "step_fn", "write_compute_copy", "upload_resident")
+    out = dict(forward_backward_s=totals.get("forward_backward", 0.0), wait_weights_s=totals.get("wait_weights", 0.0),
+               optimizer_task_s=sum(totals.get(k, 0.0) for k in parts), **{f"{k}_s": totals.get(k, 0.0) for k in parts})
+    return {k: round(v / steps, 4) for k, v in out.items()}
+
+
+def gpu_busy(step, steps: int, finish=lambda: None) -> dict[str, float]:
+    """Share of the wall time, from the first kernel of ``steps`` consecutive steps to the last,
+    in which some kernel runs on the GPU (copies not counted): "GPU busy" from a CUDA-only
+    profiler trace (its kernel timestamps; the profiler adds no host-side work per op)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    finish()
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            finish()
+            torch.cuda.synchronize()
+        spans = sorted(
+            (e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset"))
+        )
+    except Exception as e:  # a profiler that cannot trace here must not cost the measurement
+        return dict(gpu_busy_error=f"{type(e).__name__}: {e}"[:200])
+    if not spans:
+        return {}
+    busy, start, end = 0.0, spans[0][0], spans[0][0]
+    for a, b in spans:
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return dict(gpu_busy=round(busy / max(end - start, 1e-9), 3), gpu_busy_window_s=round((end - start) / 1e6, 3), kernels=len(spans))
 
 
 def run_roundpipe(args, cfg, name):
@@ -149,13 +184,20 @@ def run_roundpipe(args, cfg, name):
 
 def run_plain(args, cfg, name):
     model = build_model(name, device="cuda", dtype=torch.float32, **args.overrides)
-    for i in range(1, len(model) - 1):
-        model[i] = Checkpointed(model[i])
+    checkpoint_blocks(model, args.checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    timing = timed(torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=True), args)
+    step = torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=True)
+    timing = timed(step, args)
+    extra = gpu_busy(step, args.busy_steps) if args.busy_steps else {}
     del model, opt
     torch.cuda.empty_cache()
-    return timing, 1.0, {}
+    return timing, float(args.checkpoint), extra
+
+
+def checkpoint_blocks(model: nn.Sequential, on: bool) -> None:
+    if on:
+        for i in range(1, len(model) - 1):
+            model[i] = Checkpointed(model[i])
 
 
 def torch_step(model: nn.Module, opt: torch.optim.Optimizer, batch, autocast: bool):
@@ -183,8 +225,7 @@ def run_fsdp2(args, cfg, name):
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     model = host_model(args, name, torch.float32)
-    for i in range(1, len(model) - 1):
-        model[i] = Checkpointed(model[i])
+    checkpoint_blocks(model, args.checkpoint)
     policy = dict(offload_policy=CPUOffloadPolicy(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     for i in range(1, len(model) - 1):
         fully_shard(model[i], **policy)
@@ -194,10 +235,12 @@ def run_fsdp2(args, cfg, name):
     except (RuntimeError, TypeError):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # FSDP2's MixedPrecisionPolicy already computes in bf16: no autocast.
-    timing = timed(torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=False), args)
+    step = torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=False)
+    timing = timed(step, args)
+    extra = gpu_busy(step, args.busy_steps) if args.busy_steps else {}
     del model, opt
     dist.destroy_process_group()
-    return timing, 1.0, {}
+    return timing, float(args.checkpoint), extra
 
 
 def release_host_memory() -> None:
@@ -251,6 +294,10 @@ def main() -> None:
     # The engine's first call measures every layer and its second may record CUDA graphs: neither is timed.
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--trace-steps", type=int, default=2, help="extra engine steps traced to split GPU and optimizer time")
+    p.add_argument("--busy-steps", type=int, default=0, help="extra steps under a CUDA profiler: the share of time a kernel runs")
+    p.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
+                   help="activation checkpointing per block for plain and fsdp2")
+    p.add_argument("--piece-numel", type=int, default=None, help="the engine's optimizer piece size (0: one piece per run)")
     p.add_argument("--peak", type=float, default=780.0, help="bf16 matmul TFLOP/s (bench/limits.py)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="each implementation in its own process (default: on when several run on a GPU)")
@@ -299,8 +346,12 @@ def measure(args, name: str, impl: str) -> dict:
     release_host_memory()
     hardware_flops = model_flops + recompute_share * forward_flops(cfg, args.seq) * tokens_per_step
     seconds, peak = timing.step_s, args.peak * 1e12
+    if impl in ("plain", "fsdp2"):
+        extra["checkpoint"] = args.checkpoint
     if timing.steady_step_s:
-        extra.update(steady_step_s=round(timing.steady_step_s, 4), steady_tokens_per_s=round(tokens_per_step / timing.steady_step_s, 1))
+        steady = timing.steady_step_s
+        extra.update(steady_step_s=round(steady, 4), steady_tokens_per_s=round(tokens_per_step / steady, 1),
+                     steady_mfu=round(model_flops / steady / peak, 3), steady_hfu=round(hardware_flops / steady / peak, 3))
     return dict(bench="llm", model=name, impl=impl, seq=args.seq, batch=args.batch, step_s=round(seconds, 4),
                 tokens_per_s=round(tokens_per_step / seconds, 1), loss=round(timing.loss, 4),
                 mfu=round(model_flops / seconds / peak, 3), hfu=round(hardware_flops / seconds / peak, 3), **extra)

@@ -439,3 +439,49 @@ def test_stages_too_large_for_a_graph_run_eagerly(monkeypatch):
     assert_state_close(engine.state_dict(), ref.state())
     [stage_graphs] = engine._executor._graphs.values()
     assert stage_graphs._graphs and all(rec is None for rec in stage_graphs._graphs.values())
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["sync", "async"])
+def test_optimizer_pieces_match_pytorch(delayed, optimizer_thread, monkeypatch):
+    """The compute copy written piece by piece during the step (64-element pieces: dozens per
+    layer) gives the losses and weights of plain PyTorch."""
+    monkeypatch.setattr(Adam, "piece_numel", 64)
+    engine, ref = train_both(mlp(), vector_batches(count=5), 2, delayed=delayed)
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+@pytest.mark.parametrize("edit", ["after_the_optimizer", "between_two_optimizers"])
+def test_weights_edited_in_step_fn_reach_the_compute_copy(edit, optimizer_thread, monkeypatch):
+    """A step_fn that writes the master weights after (some of) its pieces were copied: the step
+    must notice and copy again, so the next call computes with the edited weights."""
+    monkeypatch.setattr(Adam, "piece_numel", 64)
+    engine = RoundPipe(mlp())
+    with OptimizerCtx():
+        params = list(engine.parameters())
+        first, second = Adam(params[:4], lr=0.5), Adam(params[4:], lr=0.5)
+
+    def clamp():
+        with torch.no_grad():
+            for p in params:
+                p.clamp_(-0.05, 0.05)
+
+    def step_fn():
+        first.step()
+        if edit == "between_two_optimizers":
+            clamp()
+        second.step()
+        if edit == "after_the_optimizer":
+            clamp()
+        first.zero_grad()
+        second.zero_grad()
+
+    for x, y in vector_batches(count=2):
+        engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss(), run_config=ONE)
+        engine.step(step_fn, is_async=False)
+        engine.forward(x, run_config=ONE)  # shows the compute copy the next call uses
+        master = engine.state_dict()
+        shown = dict(engine.model.named_parameters())
+        for name in ("0.weight", "0.bias", "2.weight", "2.bias"):  # the first optimizer's: clamped after their update
+            assert shown[name].abs().max() <= 0.05
+        for name, p in shown.items():
+            torch.testing.assert_close(p.detach(), master[name], rtol=0, atol=0)
