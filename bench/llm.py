@@ -84,8 +84,6 @@ def run_rptrain(args, cfg, name):
     engine = RoundPipe(model)
     with OptimizerCtx():
         opt = AdamW(engine.parameters(), lr=1e-4)
-    if args.piece_numel is not None:
-        opt.piece_numel = args.piece_numel
     note("engine and optimizer ready")
     microbatches = args.microbatches or (1 if args.batch == 1 else None)  # None: the engine's default
     run_cfg = RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=args.grain)
@@ -297,7 +295,6 @@ def main() -> None:
     p.add_argument("--busy-steps", type=int, default=0, help="extra steps under a CUDA profiler: the share of time a kernel runs")
     p.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
                    help="activation checkpointing per block for plain and fsdp2")
-    p.add_argument("--piece-numel", type=int, default=None, help="the engine's optimizer piece size (0: one piece per run)")
     p.add_argument("--peak", type=float, default=780.0, help="bf16 matmul TFLOP/s (bench/limits.py)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="each implementation in its own process (default: on when several run on a GPU)")

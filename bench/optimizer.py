@@ -14,9 +14,6 @@ from rptrain.engine import trace
 from rptrain.optim import Adam
 
 
-OPTIMIZER_SPANS = ("bind_grads", "step_fn", "write_compute_copy", "upload_resident")
-
-
 def layers_for(n_params: int, width: int) -> nn.Sequential:
     count = max(1, n_params // (width * width))
     return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(count)])
@@ -42,9 +39,7 @@ def plain_adam(model: nn.Sequential, compute_dtype: torch.dtype, repeats: int) -
     return statistics.median(adam), statistics.median(cast)
 
 
-def engine_step(model: nn.Sequential, dtype: torch.dtype, width: int, repeats: int, pieces: list[int]) -> dict[int, dict[str, float]]:
-    """Median seconds of each span of the engine's optimizer task, for each piece size the
-    optimizer updates and reports at (0: one piece per run, the compute copy written after it)."""
+def engine_step(model: nn.Sequential, dtype: torch.dtype, width: int, repeats: int, device: str) -> dict[str, float]:
     engine = RoundPipe(model.to(dtype))
     with OptimizerCtx():
         opt = Adam(engine.parameters())
@@ -56,24 +51,20 @@ def engine_step(model: nn.Sequential, dtype: torch.dtype, width: int, repeats: i
         engine.forward_backward(input_args=(x,), loss_fn=loss_fn, run_config=cfg)
         engine.step(lambda: (opt.step(), opt.zero_grad()))
 
-    results = {}
-    for piece in pieces:
-        opt.piece_numel = piece
-        for _ in range(3):
-            iteration()
-        engine.wait_for_steps()
-        trace.clear()
-        trace.enable()
-        for _ in range(repeats):
-            iteration()
-        engine.wait_for_steps()
-        trace.enable(False)
-        per_span: dict[str, list[float]] = {}
-        for name, thread, start, stop in trace.spans():
-            per_span.setdefault(name, []).append(stop - start)
-        results[piece] = {name: statistics.median(v) for name, v in per_span.items()}
+    for _ in range(3):
+        iteration()
+    engine.wait_for_steps()
+    trace.clear()
+    trace.enable()
+    for _ in range(repeats):
+        iteration()
+    engine.wait_for_steps()
+    trace.enable(False)
+    per_span: dict[str, list[float]] = {}
+    for name, thread, start, stop in trace.spans():
+        per_span.setdefault(name, []).append(stop - start)
     engine.close()
-    return results
+    return {name: statistics.median(v) for name, v in per_span.items()}
 
 
 def flat_vs_per_tensor(shapes: list[torch.Size], repeats: int) -> None:
@@ -105,8 +96,6 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--params", type=float, nargs="+", default=[21.3e6, 302e6])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--pieces", type=int, nargs="+", default=[0, Adam.piece_numel],
-                   help="piece sizes (elements) the optimizer updates and reports at; 0: one piece per run")
     args = p.parse_args()
     width = 1024 if args.tiny else 4096
     if args.tiny:
@@ -121,14 +110,13 @@ def main() -> None:
         model = layers_for(int(n), width)
         count = sum(p.numel() for p in model.parameters())
         adam, cast = plain_adam(model, dtype, args.repeats)
-        for piece, spans in engine_step(model, dtype, width, args.repeats, args.pieces).items():
-            task = sum(spans.get(k, 0.0) for k in OPTIMIZER_SPANS)
-            emit(
-                bench="optimizer", params=count, piece_numel=piece, torch_fused_adam_ms=round(adam * 1e3, 2),
-                compute_copy_pass_ms=round(cast * 1e3, 2), engine_step_task_ms=round(task * 1e3, 2),
-                **{f"engine_{k}_ms": round(v * 1e3, 2) for k, v in spans.items() if k in OPTIMIZER_SPANS},
-                params_per_s_torch=round(count / adam / 1e9, 2), ratio_engine_over_adam_plus_copy=round(task / (adam + cast), 3),
-            )
+        spans = engine_step(model, dtype, width, args.repeats, args.device)
+        task = sum(spans.get(k, 0.0) for k in ("bind_grads", "step_fn", "write_compute_copy", "upload_resident"))
+        emit(
+            bench="optimizer", params=count, torch_fused_adam_ms=round(adam * 1e3, 2), compute_copy_pass_ms=round(cast * 1e3, 2),
+            engine_step_task_ms=round(task * 1e3, 2), **{f"engine_{k}_ms": round(v * 1e3, 2) for k, v in spans.items()},
+            params_per_s_torch=round(count / adam / 1e9, 2), ratio_engine_over_adam_plus_copy=round(task / (adam + cast), 3),
+        )
 
 
 if __name__ == "__main__":

@@ -7,12 +7,6 @@ here the kernel runs once per contiguous run of parameters instead: the moments 
 buffers too, viewed per parameter in ``optimizer.state`` so state dicts look exactly like
 torch's. Anything the flat path does not cover (amsgrad, maximize, non-contiguous parameters,
 CUDA tensors, ...) takes torch's own step.
-
-Inside an engine's optimizer task the flat runs are updated in pieces of ``piece_numel`` elements
-and each piece is reported to the engine (``rptrain.engine.updates``), which writes that piece of
-the compute copy while it is still in cache instead of re-reading the whole master afterwards.
-Pieces start on multiples of ``piece_numel`` (a power of two), so the kernel's vector loops split
-the same way and the update is bitwise the same as one call per run.
 """
 from __future__ import annotations
 
@@ -21,7 +15,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from .engine import updates
 from .engine.layout import ALIGN_BYTES
 
 __all__ = ["Adam", "AdamW"]
@@ -148,8 +141,6 @@ def _match_grad_layouts(groups: list[dict]) -> None:
 
 class _FlatStepMixin:
     _kernel: Callable
-    # 4 Mi elements: 16 MB per fp32 tensor, about 1 MB per core of each of the four the kernel streams.
-    piece_numel: int = 1 << 22
 
     def _flat_eligible(self) -> bool:
         d = self.defaults
@@ -180,25 +171,17 @@ class _FlatStepMixin:
         for group, runs in zip(self.param_groups, all_runs):
             if not runs and any(p.grad is not None for p in group["params"]):
                 return self._torch_step(None)  # some group cannot be flattened: torch's path for all
-        report = updates.listener()
         for group, runs in zip(self.param_groups, all_runs):
             beta1, beta2 = group["betas"]
             for run in runs:
                 m, v, step = self._flat_runs.state(run)
                 step += 1
                 numel = m.numel()
-                param, grad = _flat(run[0], numel), _flat(run[0].grad, numel)
-                piece = self.piece_numel if report is not None and self.piece_numel > 0 else numel
-                for start in range(0, numel, piece):
-                    part = slice(start, min(start + piece, numel))
-                    before = param._version
-                    self._kernel(
-                        [param[part]], [grad[part]], [m[part]], [v[part]], [], [step],
-                        lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                        amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None,
-                    )
-                    if report is not None:
-                        report(param[part], before)
+                self._kernel(
+                    [_flat(run[0], numel)], [_flat(run[0].grad, numel)], [m], [v], [], [step],
+                    lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                    amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None,
+                )
         return loss
 
 

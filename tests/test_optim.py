@@ -155,34 +155,3 @@ def test_gradients_moved_between_steps_still_match_torch():
         theirs.step()
         for p, r in zip(params, ref):
             torch.testing.assert_close(p, r, rtol=0, atol=0, msg=arrangement)
-
-
-def test_pieces_are_reported_in_order_and_update_bitwise_alike():
-    """Inside an engine's step the flat runs are updated and reported in pieces; the numbers are
-    those of one kernel call per run."""
-    from rptrain.engine import updates
-
-    shapes = [(1000, 3), (517,), (64, 40)]
-    params, grads = flat_params(shapes)
-    whole = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    whole_grads = torch.zeros(grads.shape)
-    offset = 0
-    for w in whole:
-        w.grad = whole_grads[offset : offset + w.numel()].view_as(w)
-        offset += w.numel()
-    pieced, plain = AdamW(params, lr=1e-2, weight_decay=0.1), AdamW(whole, lr=1e-2, weight_decay=0.1)
-    pieced.piece_numel = 256
-    reported = []
-    g = torch.Generator().manual_seed(3)
-    for _ in range(3):
-        grads.copy_(torch.randn(grads.shape, generator=g))
-        whole_grads.copy_(grads)
-        reported.clear()
-        with updates.listening(lambda piece, before: reported.append((piece.storage_offset(), piece.numel()))):
-            pieced.step()
-        plain.step()
-    for p, w in zip(params, whole):
-        torch.testing.assert_close(p, w, rtol=0, atol=0)
-    assert all(n <= 256 for _, n in reported)
-    assert [o for o, _ in reported] == sorted(o for o, _ in reported)
-    assert sum(n for _, n in reported) == grads.numel()  # every element once: one contiguous run

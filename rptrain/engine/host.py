@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -88,65 +88,15 @@ class HostState:
             self.grads.append(GradBuffer(self.params, self.pin_memory))
         return self.grads[index]
 
-    def write_compute(self, version: int, lo: int = 0, hi: int | None = None) -> list[tuple[str, int, int]]:
-        """Compute copy ``version`` := master cast to the model's dtype, over master elements
-        [lo, hi) (default: all of it, one pass per dtype). Returns the (key, start, stop) ranges
-        of the compute flats it wrote."""
-        hi = self.master.numel() if hi is None else hi
-        written = []
-        for key, flat in self.compute[version % 2].items():
+    def write_compute(self, version: int) -> None:
+        """Compute copy ``version`` := master cast to the model's dtype (one pass per dtype)."""
+        flats = self.compute[version % 2]
+        for key, flat in flats.items():
             base = self.params.base[key]
-            a, b = max(lo, base), min(hi, base + flat.numel())
-            if a < b:
-                flat[a - base : b - base].copy_(self.master[a:b])
-                written.append((key, a - base, b - base))
-        return written
+            flat.copy_(self.master[base : base + flat.numel()])
 
     def compute_range(self, version: int, r: Range) -> Tensor:
         return self.compute[version % 2][r.key][r.start : r.stop]
 
     def buffer_range(self, r: Range) -> Tensor:
         return self.buffers[r.key][r.start : r.stop]
-
-
-class ComputeRefresh:
-    """Writes compute copy ``version`` during and after one optimizer step: each piece the
-    optimizer reports (rptrain.engine.updates) right away, the rest in ``finish()``. If anything
-    else wrote to the master after a piece was copied (a user's step_fn clamping weights after
-    ``opt.step()``, say), the master's version counter shows it and ``finish()`` copies everything.
-    ``upload`` (an executor's ResidentUpload, or None) gets every range as soon as it is written."""
-
-    def __init__(self, host: HostState, version: int, upload: Any = None):
-        self.host = host
-        self.version = version
-        self.upload = upload
-        self.done: list[tuple[int, int]] = []  # master element ranges already copied
-        self.seen = host.master._version
-        self.stale = False
-
-    def piece(self, piece: Tensor, version_before: int) -> None:
-        master = self.host.master
-        if piece.untyped_storage().data_ptr() != master.untyped_storage().data_ptr() or not piece.is_contiguous():
-            return  # not the master (an optimizer over other tensors): finish() covers it
-        if version_before != self.seen and self.done:
-            self.stale = True
-        lo = piece.storage_offset()
-        self._write(lo, lo + piece.numel())
-        self.done.append((lo, lo + piece.numel()))
-        self.seen = master._version
-
-    def finish(self) -> None:
-        if self.stale or self.host.master._version != self.seen:
-            self.done = []
-        position = 0
-        for lo, hi in sorted(self.done) + [(self.host.master.numel(), self.host.master.numel())]:
-            if position < lo:
-                self._write(position, lo)
-            position = max(position, hi)
-        if self.upload is not None:
-            self.upload.finish()
-
-    def _write(self, lo: int, hi: int) -> None:
-        for key, start, stop in self.host.write_compute(self.version, lo, hi):
-            if self.upload is not None:
-                self.upload.write(key, start, stop)

@@ -28,12 +28,11 @@ from .batching import iter_tensors, map_tensors, merge_outputs, split_inputs, sp
 from .config import RoundPipeRunConfig, ResolvedRunConfig, resolve
 from .device import make_devices
 from .executor import Args, Executor, PassState, float_tensors
-from .host import ComputeRefresh, GradBuffer, HostState
+from .host import GradBuffer, HostState
 from .plan import ExecutePlan, LayerCost, plan_stages
 from .scaler import register_step_queue, step_context
 from .schedule import JobKind, backward_schedule, forward_schedule, training_schedule
 from .trace import span
-from .updates import listening
 from .worker import TaskThread, Ticket
 
 _optimizer_ctx = threading.local()
@@ -345,27 +344,23 @@ class RoundPipe(nn.Module):
 
     # ----------------------------------------------------------------------------- the optimizer thread
     def _run_step(self, step_fn: Callable[[], Any], buffer: Optional[GradBuffer], scalers: dict, version: int) -> None:
-        refresh = self._refresh(version)
         try:
             with span("bind_grads"):
                 self._bind_master_grads(buffer)
-            with step_context(scalers), listening(refresh.piece), span("step_fn"):
+            with step_context(scalers), span("step_fn"):
                 step_fn()
         finally:
             if buffer is not None:
                 buffer.held = any(_same_storage(p.grad, buffer.flat) for p in self._host.master_params)
                 if not buffer.held:
                     buffer.free.set()
-            self._host_refresh(version, refresh)
+            self._host_refresh(version)
 
-    def _refresh(self, version: int) -> ComputeRefresh:
-        with span("upload_resident"):
-            upload = self._executor.resident_upload(version)
-        return ComputeRefresh(self._host, version, upload)
-
-    def _host_refresh(self, version: int, refresh: Optional[ComputeRefresh] = None) -> None:
+    def _host_refresh(self, version: int) -> None:
         with span("write_compute_copy"):
-            (refresh or self._refresh(version)).finish()
+            self._host.write_compute(version)
+        with span("upload_resident"):
+            self._executor.prefetch_resident(version)
 
     def _bind_master_grads(self, buffer: Optional[GradBuffer]) -> None:
         """Master ``.grad`` := views of ``buffer`` for every slot that got a gradient this window."""
