@@ -63,12 +63,13 @@ if [[ $what == core ]]; then  # what is least measured first
   run 100 python3 llm.py --model llama_1b --impl roundpipe --seq 4096 --batch 8 --steps 2 --warmup 2
   run 60 python3 optimizer.py --params 21.3e6 302e6
 fi
-if [[ $what == next ]]; then  # ResNet re-check; 3B with one microbatch and at batch 8 (GPU-bound), GPU busy; FSDP2 at its fastest
-  run 100 python3 bench/resnet.py --impl both --steps 40 --repeat 2
+if [[ $what == next ]]; then  # gradients sent during the last backward: CUDA tests, ResNet, 3B at batch 4 and 8 (GPU busy), FSDP2 at its fastest
+  run 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine_equivalence.py tests/test_engine_scaler.py tests/test_optim.py
+  run 60 python3 bench/resnet.py --impl both --steps 40
   llm=(python3 bench/llm.py --model llama_3b --seq 4096 --steps 6 --warmup 2)
-  run 90 "${llm[@]}" --batch 4 --impl rptrain --microbatches 1 --busy-steps 3
+  run 90 "${llm[@]}" --batch 4 --impl rptrain --busy-steps 3
+  run 80 "${llm[@]}" --batch 4 --impl rptrain --no-cuda-graphs
   run 90 "${llm[@]}" --batch 8 --impl rptrain --busy-steps 2
-  run 90 "${llm[@]}" --batch 8 --impl rptrain --microbatches 1 --busy-steps 2
   run 100 "${llm[@]}" --batch 8 --impl fsdp2 --no-checkpoint --trace-steps 0
 fi
 if [[ $what == llm || $what == all ]]; then

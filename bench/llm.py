@@ -81,7 +81,7 @@ def host_model(args, name: str, dtype: torch.dtype) -> nn.Module:
 def run_rptrain(args, cfg, name):
     model = host_model(args, name, torch.bfloat16)
     note(f"{name} built")
-    engine = RoundPipe(model)
+    engine = RoundPipe(model, cuda_graphs=args.cuda_graphs)
     with OptimizerCtx():
         opt = AdamW(engine.parameters(), lr=1e-4)
     note("engine and optimizer ready")
@@ -293,6 +293,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--trace-steps", type=int, default=2, help="extra engine steps traced to split GPU and optimizer time")
     p.add_argument("--busy-steps", type=int, default=0, help="extra steps under a CUDA profiler: the share of time a kernel runs")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help="the engine's cuda_graphs option")
     p.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
                    help="activation checkpointing per block for plain and fsdp2")
     p.add_argument("--peak", type=float, default=780.0, help="bf16 matmul TFLOP/s (bench/limits.py)")

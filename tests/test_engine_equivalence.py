@@ -439,3 +439,18 @@ def test_stages_too_large_for_a_graph_run_eagerly(monkeypatch):
     assert_state_close(engine.state_dict(), ref.state())
     [stage_graphs] = engine._executor._graphs.values()
     assert stage_graphs._graphs and all(rec is None for rec in stage_graphs._graphs.values())
+
+
+def test_gradients_go_home_during_the_last_backward(monkeypatch):
+    """Each parameter's gradient is sent as soon as the last microbatch's backward has
+    accumulated it (one piece per tensor, before the stage ends), and training still matches."""
+    from rptrain.engine.executor import Executor
+
+    calls = []
+    send = Executor._send_grads
+    monkeypatch.setattr(Executor, "_send_grads", lambda self, device, job, pieces, state: (calls.append(len(pieces)), send(self, device, job, pieces, state)))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 12, (6, 3), generator=g), torch.randint(0, 12, (6,), generator=g)) for _ in range(3)]
+    engine, ref = train_both(tied_model(), batches, 2, plan=ExecutePlan.from_cuts(5, [2], [2]))
+    assert_state_close(engine.state_dict(), ref.state())
+    assert calls.count(1) >= 2 * 3  # single tensors, every call

@@ -9,6 +9,8 @@ several, each device gets a thread for the call.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -102,6 +104,7 @@ class PassState:
     scalers: dict = field(default_factory=dict)  # GradScaler -> scale used
     nonfinite: dict = field(default_factory=dict)  # device index -> bool tensor
     deferred_adds: list = field(default_factory=list)  # (host dst, staged src) added after the sync
+    early_grads: dict = field(default_factory=dict)  # job index -> _EarlyGrads
     timings: list = field(default_factory=list)  # (job, device, start mark, stop mark)
     saved_bytes: dict = field(default_factory=dict)  # layer -> bytes of one microbatch's graph
     activation_bytes: dict = field(default_factory=dict)  # layer -> bytes of one microbatch's output
@@ -328,6 +331,8 @@ class Executor:
             device.wait("compute", weights.event)
             device.wait("compute", buffers.event)
             grads = None if job.kind is JobKind.FORWARD else self._grads(device, job, static=graphed)
+            if grads is not None and self.reducer is None:  # a reducer needs each stage's gradients in one call
+                state.early_grads[job.index] = _EarlyGrads(self, device, job, grads, state, shells)
             # A replayed graph reads the static tensors directly: the shells are bound only when
             # something runs them (recording, eager layers), which saves a Python pass per layer.
             modules = _BoundOnUse(shells, weights, buffers, grads)
@@ -355,7 +360,8 @@ class Executor:
             if state.profile:
                 state.timings.append((job, device, start_mark, device.timer()))
             if grads is not None:
-                self._send_grads(device, job, grads, state)
+                early = state.early_grads.pop(job.index, None)
+                self._send_grads(device, job, early.rest() if early else grads.pieces, state)
             if job.kind is not JobKind.BACKWARD and device.is_cuda and buffers_changed:
                 self._send_buffers(device, buffers, state)
         for _, t in weights.pieces + buffers.pieces:
@@ -400,7 +406,8 @@ class Executor:
                 raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
             counter.stop()
             if loss.requires_grad:
-                loss.backward()
+                with self._watch_grads(job, micro, state, eager=key is None or not state.graphs.replays(key)):
+                    loss.backward()
         state.losses[micro] = loss.detach().reshape(())
         if state.want_outputs:
             # A graph's outputs live in memory its next replay overwrites: copy them first.
@@ -412,6 +419,15 @@ class Executor:
         return [t.grad if key is None or t.grad is None else t.grad.clone() for t in float_tensors(leaves)]
 
     def _backward(self, job: Job, modules: list, grads: Any, micro: int, state: PassState, device: Device) -> Any:
+        with self._watch_grads(job, micro, state, eager=True):
+            return self._backward_segments(job, modules, grads, micro, state, device)
+
+    def _watch_grads(self, job: Job, micro: int, state: PassState, eager: bool) -> contextlib.AbstractContextManager:
+        """During the last microbatch's eager backward, send each gradient home once it is final."""
+        early = state.early_grads.get(job.index)
+        return early.watching() if early is not None and eager and micro == state.num_microbatch - 1 else contextlib.nullcontext()
+
+    def _backward_segments(self, job: Job, modules: list, grads: Any, micro: int, state: PassState, device: Device) -> Any:
         starts = job.checkpoints or (job.start,)
         segments = list(zip(starts, list(starts[1:]) + [job.stop]))
         for a, b in reversed(segments):
@@ -445,12 +461,14 @@ class Executor:
         return _download(device, value, pinned)
 
     # ----------------------------------------------------------------------------- sending results home
-    def _send_grads(self, device: Device, job: Job, grads: StageTensors, state: PassState) -> None:
+    def _send_grads(self, device: Device, job: Job, pieces: list[tuple[Range, Tensor]], state: PassState) -> None:
         """Gradients to the open window's fp32 buffer: copied where it is still empty, else added."""
         buffer = state.grad_buffer
         layout = self.host.params
+        if not pieces:
+            return
         if state.scalers:  # a GradScaler scaled this call's loss: it needs the inf/NaN verdict
-            for _, g in grads.pieces:
+            for _, g in pieces:
                 bad = ~torch.isfinite(g).all()
                 previous = state.nonfinite.get(device.index)
                 state.nonfinite[device.index] = bad if previous is None else previous | bad
@@ -458,7 +476,7 @@ class Executor:
         with device.stream("download"):
             device.wait("download", ready)
             converted = []
-            for r, g in grads.pieces:
+            for r, g in pieces:
                 converted.append((r, g.float()))
                 device.keep_alive(g, "download")
 
@@ -504,6 +522,62 @@ def _download(device: Device, value: Any, copy: Callable[[Tensor], Tensor]) -> A
             return copy(t)
 
         return map_tensors(move, value)
+
+
+class _EarlyGrads:
+    """Sends each parameter's gradient home as soon as the last microbatch's backward has
+    accumulated it, so the downloads overlap the rest of the backward instead of following the
+    whole stage (3 B params in one stage: 12.8 GB of fp32 gradients, 0.23 s at 55 GB/s). Only
+    eager autograd reports accumulations: a replayed CUDA graph sends everything at the end."""
+
+    def __init__(self, executor: "Executor", device: Device, job: Job, grads: StageTensors, state: PassState, shells: list[Shell]):
+        self.executor, self.device, self.job, self.grads, self.state = executor, device, job, grads, state
+        self.params = [(p, slot) for shell in shells for p, slot in shell.params if slot.requires_grad]
+        self.sent: set[int] = set()
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def watching(self):
+        # A tied tensor has one parameter per layer using it: its gradient is final after the last.
+        self.pending: dict[int, int] = {}
+        for _, slot in self.params:
+            self.pending[slot.index] = self.pending.get(slot.index, 0) + 1
+        handles = [p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, slot)) for p, slot in self.params]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _accumulated(self, slot: Slot, _param: Tensor) -> None:
+        with self.lock:  # autograd may run hooks on its own threads
+            self.pending[slot.index] -= 1
+            if self.pending[slot.index] > 0 or slot.index in self.sent:
+                return
+            self.sent.add(slot.index)
+        piece = (Range(slot.key, slot.offset, slot.offset + slot.numel), self.grads.view(slot).reshape(-1))
+        self.executor._send_grads(self.device, self.job, [piece], self.state)
+
+    def rest(self) -> list[tuple[Range, Tensor]]:
+        """The stage's gradient pieces minus what was already sent, as runs of adjacent slots."""
+        if not self.sent:
+            return self.grads.pieces
+        layout = self.grads.layout
+        out: list[tuple[Range, Tensor]] = []
+        for r, t in self.grads.pieces:
+            run: Optional[tuple[int, int]] = None
+            for slot in layout.slots_in_range(r):
+                if slot.index in self.sent:
+                    continue
+                if run is not None and layout.adjacent(run[1], slot):
+                    run = (run[0], slot.offset + slot.numel)
+                    continue
+                if run is not None:
+                    out.append((Range(r.key, *run), t[run[0] - r.start : run[1] - r.start]))
+                run = (slot.offset, slot.offset + slot.numel)
+            if run is not None:
+                out.append((Range(r.key, *run), t[run[0] - r.start : run[1] - r.start]))
+        return out
 
 
 class _BoundOnUse:

@@ -95,6 +95,10 @@ class StageGraphs:
         # Outputs of the replay node need an input that requires grad even when nothing else does.
         self._anchor: Optional[Tensor] = None
 
+    def replays(self, key: tuple) -> bool:
+        """Whether inputs with ``key`` replay a recorded graph (else they run eagerly)."""
+        return self._graphs.get(key) is not None
+
     def run(self, key: tuple, modules: list[nn.Module], x: Any, call: Callable) -> Any:
         """``x`` through the stage: replayed when recorded, recorded on first sight, else eager.
         The caller's backward of the result replays the backward graph."""
