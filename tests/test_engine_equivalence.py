@@ -421,6 +421,15 @@ def test_fused_stage_replays_as_cuda_graphs_and_matches(cuda_graphs):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_big_stages_run_eagerly_and_match(monkeypatch):
+    """Past MAX_GRAPH_PARAMS the fused stage runs eagerly (its gradients leave during the backward)."""
+    monkeypatch.setattr(graphs_module, "MAX_GRAPH_PARAMS", 100)
+    engine, ref = train_both(convnet(), image_batches(), 2, cuda_graphs=True)
+    assert_state_close(engine.state_dict(), ref.state())
+    assert not [rec for g in engine._executor._graphs.values() for rec in g._graphs.values() if rec is not None]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_input_shapes_past_the_recording_limit_run_eagerly(monkeypatch):
     """Every batch size records its own graphs; past the limit new sizes run eagerly, still exact."""
     monkeypatch.setattr(graphs_module, "MAX_RECORDED", 2)

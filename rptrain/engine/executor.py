@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .batching import iter_tensors, map_tensors
 from .device import Device
-from .graphs import StageGraphs, signature
+from .graphs import StageGraphs, signature, worth_recording
 from .host import GradBuffer, HostState
 from .layout import FlatLayout, Range, Slot
 from .replica import Shell
@@ -323,7 +323,8 @@ class Executor:
         following = state.next_on_device.get(job.index)
         if following is not None and device.is_cuda and not self.resident:
             state.prefetched[following.index] = self._weights(device, following, state.version)
-        graphed = job.kind is JobKind.FUSED and self.cuda_graphs and self.resident and device.is_cuda and not state.profile
+        graphed = (job.kind is JobKind.FUSED and self.cuda_graphs and self.resident and device.is_cuda and not state.profile
+                   and worth_recording(sum(r.numel for r in self.host.params.ranges(job.start, job.stop))))
         buffers = self._buffers(device, job, scratch=job.kind is JobKind.BACKWARD, state=state, static=graphed)
         shells = [self._shell(device, i) for i in range(job.start, job.stop)]
         buffer_versions = None if graphed else _buffer_versions(shells)

@@ -71,7 +71,8 @@ class RoundPipe(nn.Module):
     ):
         """``devices``: None (every GPU, else the CPU) or a list like ``["cuda:0", "cuda:1"]``.
         ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
-        resident on the GPU (layers that cannot be captured fall back to eager, with a warning).
+        resident on the GPU and the stage has at most ``graphs.MAX_GRAPH_PARAMS`` parameters
+        (layers that cannot be captured fall back to eager, with a warning).
         ``process_group``: a torch.distributed group to train data-parallel over: every rank
         runs this engine on its own data and gradients are averaged before each step (NCCL for
         GPU engines, gloo for CPU ones). BatchNorm statistics stay per rank, as in DDP with
