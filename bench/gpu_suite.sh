@@ -64,9 +64,9 @@ if [[ $what == core ]]; then  # what is least measured first
   run 60 python3 optimizer.py --params 21.3e6 302e6
 fi
 if [[ $what == next ]]; then  # big stages run eagerly: their test, and 3B at batch 6 (GPU and optimizer about equal) against FSDP2 at its fastest
-  run 25 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine_equivalence.py -k "big_stages or cuda_graphs"
+  run 20 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine_equivalence.py -k "big_stages or cuda_graphs"
   llm=(python3 bench/llm.py --model llama_3b --seq 4096 --batch 6 --steps 6 --warmup 2 --trace-steps 0)
-  run 85 "${llm[@]}" --impl rptrain
+  run 75 "${llm[@]}" --impl rptrain
   run 95 "${llm[@]}" --impl fsdp2 --no-checkpoint
 fi
 if [[ $what == llm || $what == all ]]; then
