@@ -63,11 +63,14 @@ if [[ $what == core ]]; then  # what is least measured first
   run 100 python3 llm.py --model llama_1b --impl roundpipe --seq 4096 --batch 8 --steps 2 --warmup 2
   run 60 python3 optimizer.py --params 21.3e6 302e6
 fi
-if [[ $what == next ]]; then  # big stages run eagerly: their test, and 3B at batch 6 (GPU and optimizer about equal) against FSDP2 at its fastest
-  run 20 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine_equivalence.py -k "big_stages or cuda_graphs"
-  llm=(python3 bench/llm.py --model llama_3b --seq 4096 --batch 6 --steps 6 --warmup 2 --trace-steps 0)
-  run 75 "${llm[@]}" --impl rptrain
-  run 95 "${llm[@]}" --impl fsdp2 --no-checkpoint
+if [[ $what == next ]]; then  # unmeasured: big stages running eagerly by default (CUDA test, 3B at batch 4 and 6), FSDP2 at batch 6
+  run 30 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine_equivalence.py -k "big_stages or cuda_graphs"
+  run 60 python3 bench/resnet.py --impl both --steps 40
+  llm=(python3 bench/llm.py --model llama_3b --seq 4096 --steps 6 --warmup 2)
+  run 85 "${llm[@]}" --batch 4 --impl rptrain --busy-steps 3
+  run 85 "${llm[@]}" --batch 6 --impl rptrain --trace-steps 0
+  run 95 "${llm[@]}" --batch 6 --impl fsdp2 --no-checkpoint --trace-steps 0
+  run 95 "${llm[@]}" --batch 6 --impl fsdp2 --trace-steps 0
 fi
 if [[ $what == llm || $what == all ]]; then
   {
