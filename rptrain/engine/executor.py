@@ -13,7 +13,7 @@ import contextlib
 import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -535,12 +535,13 @@ class _EarlyGrads:
         self.executor, self.device, self.job, self.grads, self.state = executor, device, job, grads, state
         self.params = [(p, slot) for shell in shells for p, slot in shell.params if slot.requires_grad]
         self.sent: set[int] = set()
+        self.pending: dict[int, int] = {}  # slot index -> its parameters autograd has yet to accumulate
         self.lock = threading.Lock()
 
     @contextlib.contextmanager
-    def watching(self):
+    def watching(self) -> Iterator[None]:
         # A tied tensor has one parameter per layer using it: its gradient is final after the last.
-        self.pending: dict[int, int] = {}
+        self.pending = {}
         for _, slot in self.params:
             self.pending[slot.index] = self.pending.get(slot.index, 0) + 1
         handles = [p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, slot)) for p, slot in self.params]
