@@ -533,7 +533,7 @@ class _EarlyGrads:
 
     def __init__(self, executor: "Executor", device: Device, job: Job, grads: StageTensors, state: PassState, shells: list[Shell]):
         self.executor, self.device, self.job, self.grads, self.state = executor, device, job, grads, state
-        self.params = [(p, slot) for shell in shells for p, slot in shell.params if slot.requires_grad]
+        self.params = [(p, slot) for shell in shells for p, slot in shell.params if slot.requires_grad and p.requires_grad]
         self.sent: set[int] = set()
         self.pending: dict[int, int] = {}  # slot index -> its parameters autograd has yet to accumulate
         self.lock = threading.Lock()
