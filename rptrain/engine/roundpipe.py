@@ -278,6 +278,9 @@ class RoundPipe(nn.Module):
         self.wait_for_steps()
         self._optimizer_thread.close()
         self._executor.drop_resident()
+        # Let go of the process group: one still referenced when the interpreter exits is torn
+        # down after torch's globals, and its threads abort the process (seen with gloo).
+        self._reducer = self._executor.reducer = None
 
     # ----------------------------------------------------------------------------- state dicts
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
