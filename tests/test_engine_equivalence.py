@@ -339,11 +339,14 @@ def tied_model() -> nn.Sequential:
     return nn.Sequential(Embed(shared), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), Unembed(shared))
 
 
+def token_batches(count=3):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 12, (6, 3), generator=g), torch.randint(0, 12, (6,), generator=g)) for _ in range(count)]
+
+
 @pytest.mark.parametrize("plan", [ExecutePlan.single_stage(5), ExecutePlan.from_cuts(5, [2, 4], [1, 4])], ids=["single", "multi"])
 def test_tied_weights(plan):
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 12, (6, 3), generator=g), torch.randint(0, 12, (6,), generator=g)) for _ in range(3)]
-    engine, ref = train_both(tied_model(), batches, 2, plan=plan)
+    engine, ref = train_both(tied_model(), token_batches(), 2, plan=plan)
     state = engine.state_dict()
     assert state["0.weight"] is state["4.weight"] or torch.equal(state["0.weight"], state["4.weight"])
     assert_state_close(state, ref.state())
@@ -458,8 +461,6 @@ def test_gradients_go_home_during_the_last_backward(monkeypatch):
     calls = []
     send = Executor._send_grads
     monkeypatch.setattr(Executor, "_send_grads", lambda self, device, job, pieces, state: (calls.append(len(pieces)), send(self, device, job, pieces, state)))
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 12, (6, 3), generator=g), torch.randint(0, 12, (6,), generator=g)) for _ in range(3)]
-    engine, ref = train_both(tied_model(), batches, 2, plan=ExecutePlan.from_cuts(5, [2], [2]))
+    engine, ref = train_both(tied_model(), token_batches(), 2, plan=ExecutePlan.from_cuts(5, [2], [2]))
     assert_state_close(engine.state_dict(), ref.state())
     assert calls.count(1) >= 2 * 3  # single tensors, every call

@@ -532,19 +532,19 @@ class _EarlyGrads:
     eager autograd reports accumulations: a replayed CUDA graph sends everything at the end."""
 
     def __init__(self, executor: "Executor", device: Device, job: Job, grads: StageTensors, state: PassState, shells: list[Shell]):
-        self.executor, self.device, self.job, self.grads, self.state = executor, device, job, grads, state
-        self.params = [(p, slot) for shell in shells for p, slot in shell.params if slot.requires_grad and p.requires_grad]
+        self.executor, self.device, self.job, self.grads, self.state, self.shells = executor, device, job, grads, state, shells
         self.sent: set[int] = set()
         self.pending: dict[int, int] = {}  # slot index -> its parameters autograd has yet to accumulate
         self.lock = threading.Lock()
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
+        params = [(p, slot) for shell in self.shells for p, slot in shell.params if slot.requires_grad and p.requires_grad]
         # A tied tensor has one parameter per layer using it: its gradient is final after the last.
         self.pending = {}
-        for _, slot in self.params:
+        for _, slot in params:
             self.pending[slot.index] = self.pending.get(slot.index, 0) + 1
-        handles = [p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, slot)) for p, slot in self.params]
+        handles = [p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, slot)) for p, slot in params]
         try:
             yield
         finally:
@@ -567,18 +567,15 @@ class _EarlyGrads:
         layout = self.grads.layout
         out: list[tuple[Range, Tensor]] = []
         for r, t in self.grads.pieces:
-            run: Optional[tuple[int, int]] = None
+            runs: list[list[int]] = []  # [start, stop) in the flat tensor
             for slot in layout.slots_in_range(r):
                 if slot.index in self.sent:
                     continue
-                if run is not None and layout.adjacent(run[1], slot):
-                    run = (run[0], slot.offset + slot.numel)
-                    continue
-                if run is not None:
-                    out.append((Range(r.key, *run), t[run[0] - r.start : run[1] - r.start]))
-                run = (slot.offset, slot.offset + slot.numel)
-            if run is not None:
-                out.append((Range(r.key, *run), t[run[0] - r.start : run[1] - r.start]))
+                if runs and layout.adjacent(runs[-1][1], slot):
+                    runs[-1][1] = slot.offset + slot.numel
+                else:
+                    runs.append([slot.offset, slot.offset + slot.numel])
+            out += [(Range(r.key, a, b), t[a - r.start : b - r.start]) for a, b in runs]
         return out
 
 
