@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|last|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|last|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next ]]; then
+if [[ $what == core || $what == next || $what == refresh ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -71,6 +71,15 @@ if [[ $what == next ]]; then  # unmeasured: big stages running eagerly by defaul
   run 85 "${llm[@]}" --batch 6 --impl rptrain --trace-steps 0
   run 95 "${llm[@]}" --batch 6 --impl fsdp2 --no-checkpoint --trace-steps 0
   run 95 "${llm[@]}" --batch 6 --impl fsdp2 --trace-steps 0
+fi
+if [[ $what == refresh ]]; then  # resident weights cast partly on the GPU (engine/refresh.py): tests, share sweep, 3B at batch 4 and 5
+  run 110 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine_refresh.py tests/test_engine_equivalence.py tests/test_engine_scaler.py tests/test_optim.py
+  run 110 python3 bench/optimizer.py --params 990e6 --gpu-shares 0 0.3 0.45 0.6 1 --repeats 4
+  run 45 python3 bench/resnet.py --impl both --steps 40
+  llm=(python3 bench/llm.py --model llama_3b --seq 4096 --steps 6 --warmup 2)
+  run 85 "${llm[@]}" --batch 4 --impl rptrain
+  run 95 "${llm[@]}" --batch 4 --impl fsdp2 --no-checkpoint --trace-steps 0
+  run 85 "${llm[@]}" --batch 5 --impl rptrain --trace-steps 0
 fi
 if [[ $what == llm || $what == all ]]; then
   {

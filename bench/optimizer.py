@@ -1,7 +1,9 @@
 """The optimizer step: torch's fused CPU Adam on N params (+ one pass writing the compute copy)
-against the engine's whole step task (bind gradients, fused Adam, write the compute copy)."""
+against the engine's whole step task (bind gradients, fused Adam, make the compute copy: on GPUs
+that keep the model resident, partly cast there from the master; see engine/refresh.py)."""
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 
@@ -10,7 +12,7 @@ from torch import nn
 
 from common import emit, parser
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
-from rptrain.engine import trace
+from rptrain.engine import refresh, trace
 from rptrain.optim import Adam
 
 
@@ -96,6 +98,8 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--params", type=float, nargs="+", default=[21.3e6, 302e6])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--gpu-shares", type=float, nargs="+", default=[refresh.GPU_SHARE],
+                   help="shares of the resident copy cast on the GPU (engine/refresh.py) to compare")
     args = p.parse_args()
     width = 1024 if args.tiny else 4096
     if args.tiny:
@@ -110,13 +114,16 @@ def main() -> None:
         model = layers_for(int(n), width)
         count = sum(p.numel() for p in model.parameters())
         adam, cast = plain_adam(model, dtype, args.repeats)
-        spans = engine_step(model, dtype, width, args.repeats, args.device)
-        task = sum(spans.get(k, 0.0) for k in ("bind_grads", "step_fn", "write_compute_copy", "upload_resident"))
-        emit(
-            bench="optimizer", params=count, torch_fused_adam_ms=round(adam * 1e3, 2), compute_copy_pass_ms=round(cast * 1e3, 2),
-            engine_step_task_ms=round(task * 1e3, 2), **{f"engine_{k}_ms": round(v * 1e3, 2) for k, v in spans.items()},
-            params_per_s_torch=round(count / adam / 1e9, 2), ratio_engine_over_adam_plus_copy=round(task / (adam + cast), 3),
-        )
+        for share in args.gpu_shares:
+            refresh.GPU_SHARE = share
+            spans = engine_step(copy.deepcopy(model), dtype, width, args.repeats, args.device)
+            task = sum(spans.get(k, 0.0) for k in ("bind_grads", "step_fn", "write_compute_copy", "upload_resident", "stage_from_master"))
+            emit(
+                bench="optimizer", params=count, gpu_share=share, torch_fused_adam_ms=round(adam * 1e3, 2),
+                compute_copy_pass_ms=round(cast * 1e3, 2), engine_step_task_ms=round(task * 1e3, 2),
+                **{f"engine_{k}_ms": round(v * 1e3, 2) for k, v in spans.items()},
+                params_per_s_torch=round(count / adam / 1e9, 2), ratio_engine_over_adam_plus_copy=round(task / (adam + cast), 3),
+            )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""The device interface the executor runs on: three streams, events, copies, RNG state and timers.
+"""The device interface the executor runs on: four streams, events, copies, RNG state and timers.
 
-``CudaDevice`` overlaps uploads, compute and downloads on separate CUDA streams ordered by events.
+``CudaDevice`` overlaps uploads, compute and downloads on separate CUDA streams ordered by events;
+the optimizer thread stages the next weights on a fourth, so that upload never queues ahead of a
+running call's.
 ``CpuDevice`` runs the same calls inline: its streams are no-ops, its events are always complete
 and its "uploads" hand back the host tensor itself, so the executor's logic runs unchanged in CI.
 """
@@ -15,7 +17,7 @@ from torch import Tensor
 
 from .batching import map_tensors
 
-STREAMS = ("compute", "upload", "download")
+STREAMS = ("compute", "upload", "download", "prefetch")
 
 
 class _DoneEvent:

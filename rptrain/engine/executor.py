@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .batching import iter_tensors, map_tensors
+from . import refresh
 from .device import Device
 from .graphs import StageGraphs, signature, worth_recording
 from .host import GradBuffer, HostState
@@ -166,6 +167,7 @@ class Executor:
         self.reducer = None  # a GradReducer when gradients are averaged across processes
         self.resident = False  # keep the whole compute copy on every GPU
         self.cuda_graphs = False  # replay fused stages as CUDA graphs (needs resident weights)
+        self._refresh_plan: Optional[tuple[list[Range], list[Range]]] = None
 
     # ----------------------------------------------------------------------------- running a call
     def run(self, state: PassState) -> None:
@@ -270,6 +272,19 @@ class Executor:
         if self.resident:
             for device in self.devices:
                 self.resident_copy(device, version)
+
+    def stage_from_master(self, version: int) -> None:
+        """Version ``version`` on every GPU, cast partly there from the master (refresh.py); the
+        host compute copy gets only the host's share. Returns once the master may change again."""
+        if self._refresh_plan is None:
+            self._refresh_plan = refresh.split(self.host.params, self.host.master.dtype)
+        staged = refresh.stage_version(self.host, self.devices, version, self._refresh_plan)
+        with self._resident_lock:  # held only to publish: a running call looks up its own version here
+            for index, (pieces, event) in staged.items():
+                resident = self._resident.setdefault(index, _Resident())
+                resident.staged[version] = StageTensors(self.host.params, pieces, event)
+                for old in [v for v in resident.staged if v < version - 1]:
+                    del resident.staged[old]
 
     def drop_resident(self) -> None:
         with self._resident_lock:

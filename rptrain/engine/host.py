@@ -33,7 +33,7 @@ class GradBuffer:
 
 
 class HostState:
-    def __init__(self, layers: Sequence[nn.Module], optim_dtype: torch.dtype, pin_memory: bool):
+    def __init__(self, layers: Sequence[nn.Module], optim_dtype: torch.dtype, pin_memory: bool, pin_master: bool = False):
         for layer in layers:
             for name, p in layer.named_parameters():
                 if not p.is_floating_point():
@@ -45,7 +45,8 @@ class HostState:
         originals = self._unique_tensors(layers, "parameters")
 
         self.compute = [self.params.allocate(pin_memory), self.params.allocate(pin_memory)]
-        self.master = torch.zeros(self.params.total, dtype=optim_dtype)
+        # Pinned when GPUs cast their resident copy from it (refresh.py): DMA reads it directly.
+        self.master = torch.zeros(self.params.total, dtype=optim_dtype, pin_memory=pin_master)
         with torch.no_grad():
             for slot, p in zip(self.params.slots, originals):
                 self.params.view(self.compute[0], slot).copy_(p.detach())
@@ -94,6 +95,10 @@ class HostState:
         for key, flat in flats.items():
             base = self.params.base[key]
             flat.copy_(self.master[base : base + flat.numel()])
+
+    def write_compute_range(self, version: int, r: Range) -> None:
+        """One range of compute copy ``version`` := the master's, cast."""
+        self.compute_range(version, r).copy_(self.params.master_range(self.master, r))
 
     def compute_range(self, version: int, r: Range) -> Tensor:
         return self.compute[version % 2][r.key][r.start : r.stop]

@@ -101,20 +101,24 @@ class RoundPipe(nn.Module):
             self._run_config.execute_plan.check_layers(len(self._layers))
         self._devices = make_devices(devices)
         self._cuda = self._devices[0].is_cuda
-        self._host = HostState(self._layers, optim_dtype, pin_memory=self._cuda)
-        self._executor = Executor(self._layers, self._host, self._devices)
         self._reducer = None
         if process_group is not None:
             from .reduce import GradReducer
 
-            self._reducer = self._executor.reducer = GradReducer(process_group)
-            self._reducer.check_same(self._host.master, self._devices[0].torch_device)
+            self._reducer = GradReducer(process_group)
+        resident = False
         if self._cuda:
             # Small models stay on every GPU (uploaded once per version, not once per stage).
             cap = min(d.memory_cap() or 0 for d in self._devices)
-            weights = sum(t.numel() * t.element_size() for t in self._host.compute[0].values())
-            self._executor.resident = self._same_on_all_ranks(2 * weights <= 0.2 * cap)
-            self._executor.cuda_graphs = cuda_graphs
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            resident = self._same_on_all_ranks(2 * weights <= 0.2 * cap)
+        self._host = HostState(self._layers, optim_dtype, pin_memory=self._cuda, pin_master=resident)
+        self._executor = Executor(self._layers, self._host, self._devices)
+        self._executor.resident = resident
+        self._executor.cuda_graphs = self._cuda and cuda_graphs
+        if self._reducer is not None:
+            self._executor.reducer = self._reducer
+            self._reducer.check_same(self._host.master, self._devices[0].torch_device)
         # Without a GPU the optimizer and the compute share the cores, and a second thread of
         # OpenMP work makes every small op pay a thread wake-up (3x slower on 2 cores): there
         # the step runs inline when submitted. The staleness rules are the same either way.
@@ -358,9 +362,14 @@ class RoundPipe(nn.Module):
                 buffer.held = any(_same_storage(p.grad, buffer.flat) for p in self._host.master_params)
                 if not buffer.held:
                     buffer.free.set()
-            self._host_refresh(version)
+            if self._executor.resident:
+                with span("stage_from_master"):
+                    self._executor.stage_from_master(version)
+            else:
+                self._host_refresh(version)
 
     def _host_refresh(self, version: int) -> None:
+        """Compute copy ``version`` := the master, whole on the host (and staged on resident GPUs)."""
         with span("write_compute_copy"):
             self._host.write_compute(version)
         with span("upload_resident"):

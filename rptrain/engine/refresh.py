@@ -1,0 +1,88 @@
+"""Staging a new version of the weights on GPUs that keep the whole model resident.
+
+After an optimizer step the compute copy (the model's dtype, e.g. bf16) has to be made from the
+fp32 master and uploaded. Casting on the host costs a pass over host memory (read 4 bytes, write 2
+per parameter: 0.29 s for 3.2 B parameters on the H200 machine) that sits between one optimizer step
+and the next. A GPU casts for free but has to receive fp32, twice the bytes of bf16. So the work is
+split: the GPU share of every flat tensor is uploaded straight from the (pinned) master and cast on
+the GPU, while the host casts the rest in chunks, each uploaded as soon as it is written. The two
+run at the same time, on the copy engine and on the CPU cores.
+
+Only the ranges cast on the host are written into the host compute copy, so between steps that
+copy (which the wrapped model's parameters show) is partly stale; ``synchronize()`` writes it whole.
+The call returns when every copy out of host memory has finished: only then may the next optimizer
+step change the master.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .device import Device
+from .host import HostState
+from .layout import FlatLayout, Range
+
+# Fraction of each cast tensor that goes up as fp32 and is cast on the GPU. Balances the copy
+# engine (fp32 share, then bf16 of the rest) against the host's casting pass.
+GPU_SHARE = float(os.environ.get("RPTRAIN_REFRESH_GPU_SHARE", "0.4"))
+CHUNK = 1 << 25  # elements per copy: bounds the GPU's fp32 scratch and lets uploads follow the host's pass
+_ALIGN = 1024  # elements: keeps every chunk boundary aligned for vector loads
+
+
+def split(layout: FlatLayout, master_dtype: torch.dtype, gpu_share: Optional[float] = None, chunk: int = CHUNK) -> tuple[list[Range], list[Range]]:
+    """(ranges uploaded from the master and cast on the GPU, ranges cast on the host), in chunks.
+
+    A flat tensor at least as wide as the master goes up whole from the master: casting it on the
+    host would save no bytes.
+    """
+    gpu_share = GPU_SHARE if gpu_share is None else gpu_share
+    if not 0.0 <= gpu_share <= 1.0:
+        raise ValueError(f"gpu_share must be in [0, 1], got {gpu_share}")
+    on_gpu: list[Range] = []
+    on_host: list[Range] = []
+    for key, size in layout.sizes.items():
+        if master_dtype.itemsize <= layout.dtypes[key].itemsize or gpu_share == 1.0:
+            cut = size
+        else:
+            cut = min(size, int(size * gpu_share) // _ALIGN * _ALIGN)
+        on_gpu += _chunks(key, 0, cut, chunk)
+        on_host += _chunks(key, cut, size, chunk)
+    return on_gpu, on_host
+
+
+def _chunks(key: str, start: int, stop: int, chunk: int) -> list[Range]:
+    return [Range(key, a, min(a + chunk, stop)) for a in range(start, stop, chunk)]
+
+
+def stage_version(host: HostState, devices: Sequence[Device], version: int, plan: tuple[list[Range], list[Range]]) -> dict[int, tuple[list[tuple[Range, Tensor]], object]]:
+    """Compute copy ``version`` on every device, made from the master: device index -> (one
+    (range, tensor) piece per flat tensor, event marking it complete). Blocks until no copy reads
+    host memory any more."""
+    layout = host.params
+    on_gpu, on_host = plan
+    staged: dict[int, dict[str, Tensor]] = {}
+    for device in devices:
+        with device.stream("prefetch"):
+            flats = {k: torch.empty(n, dtype=layout.dtypes[k], device=device.torch_device) for k, n in layout.sizes.items()}
+            for r in on_gpu:
+                source = layout.master_range(host.master, r)
+                if source.dtype == flats[r.key].dtype:
+                    flats[r.key][r.start : r.stop].copy_(source, non_blocking=True)
+                else:  # copy_ across devices would cast on the host: upload as is, then cast here
+                    flats[r.key][r.start : r.stop].copy_(device.upload(source))
+        staged[device.index] = flats
+    for r in on_host:  # the host casts chunk by chunk; each goes up while the next is cast
+        host.write_compute_range(version, r)
+        for device in devices:
+            with device.stream("prefetch"):
+                staged[device.index][r.key][r.start : r.stop].copy_(host.compute_range(version, r), non_blocking=True)
+    result = {}
+    for device in devices:
+        with device.stream("prefetch"):
+            event = device.record("prefetch")
+        event.synchronize()
+        result[device.index] = ([(Range(k, 0, t.numel()), t) for k, t in staged[device.index].items()], event)
+    return result

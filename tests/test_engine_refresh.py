@@ -1,0 +1,98 @@
+"""Staging new weights on resident GPUs from the master (engine/refresh.py).
+
+The staged copy must equal the master cast to the model's dtype bit for bit, whichever side did
+the cast: CPU and GPU both round to nearest even.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from reference import Reference, assert_state_close
+from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from rptrain.engine import refresh
+from rptrain.engine.device import CpuDevice
+from rptrain.engine.host import HostState
+from rptrain.engine.layout import FlatLayout
+from rptrain.optim import Adam
+
+
+class ToFloat(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+
+def mixed_model() -> nn.Sequential:
+    """fp16 layers (cast on the way) and an fp32 layer (copied straight from the master)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(40, 300).half(), nn.Linear(300, 30).half(), ToFloat(), nn.Linear(30, 5))
+
+
+def test_split_covers_every_element_once():
+    layout = FlatLayout.of_parameters(list(mixed_model()))
+    on_gpu, on_host = refresh.split(layout, torch.float32, gpu_share=0.4, chunk=2048)
+    for key, size in layout.sizes.items():
+        ranges = sorted((r.start, r.stop) for r in on_gpu + on_host if r.key == key)
+        assert ranges[0][0] == 0 and ranges[-1][1] == size
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, no overlap
+        assert all(stop - start <= 2048 for start, stop in ranges)
+    half = sum(r.numel for r in on_gpu if r.key == "float16")
+    assert half % 1024 == 0 and 0.3 * layout.sizes["float16"] < half <= 0.4 * layout.sizes["float16"]
+    assert not [r for r in on_host if r.key == "float32"]  # as wide as the master: always uploaded whole
+    gpu_only, host_none = refresh.split(layout, torch.float32, gpu_share=1.0)
+    assert not host_none and sum(r.numel for r in gpu_only) == sum(layout.sizes.values())
+    with pytest.raises(ValueError, match="gpu_share"):
+        refresh.split(layout, torch.float32, gpu_share=1.5)
+
+
+def test_staged_copy_is_the_master_cast_and_host_gets_its_share():
+    layers = list(mixed_model())
+    host = HostState(layers, torch.float32, pin_memory=False)
+    with torch.no_grad():
+        host.master.normal_()  # a new version, different from what the compute copies hold
+    before = {k: t.clone() for k, t in host.compute[1].items()}
+    plan = refresh.split(host.params, torch.float32, gpu_share=0.5, chunk=4096)
+    [(pieces, event)] = refresh.stage_version(host, [CpuDevice(0)], 1, plan).values()
+    event.synchronize()
+    for r, t in pieces:
+        expected = host.params.master_range(host.master, r).to(t.dtype)
+        assert torch.equal(t, expected)
+    on_gpu, on_host = plan
+    for r in on_host:
+        assert torch.equal(host.compute_range(1, r), host.params.master_range(host.master, r).to(host.params.dtypes[r.key]))
+    for r in on_gpu:  # the GPU's share is not written on the host (synchronize() does that)
+        assert torch.equal(host.compute_range(1, r), before[r.key][r.start : r.stop])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="resident weights need a GPU")
+@pytest.mark.parametrize("share", [0.0, 0.4, 1.0])
+def test_resident_gpu_weights_are_the_master_cast_after_every_step(monkeypatch, share):
+    """fp16 model, async steps: the GPU's copy of each version equals the fp32 master cast, and
+    training matches plain PyTorch one step stale."""
+    monkeypatch.setattr(refresh, "GPU_SHARE", share)
+    model = mixed_model()
+    engine = RoundPipe(copy.deepcopy(model))
+    assert engine._executor.resident
+    with OptimizerCtx():
+        opt = Adam(engine.parameters(), lr=1e-2)
+    ref = Reference(model, lr=1e-2, delayed=True, device="cuda")
+    loss_fn = lambda out, y: nn.functional.cross_entropy(out.float(), y)
+    torch.manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(8, 40).half(), torch.randint(0, 5, (8,))
+        loss = engine.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=RoundPipeRunConfig(num_microbatch=2))
+        engine.step(lambda: (opt.step(), opt.zero_grad()))
+        assert loss.item() == pytest.approx(ref.forward_backward(x, y, 2, loss_fn), rel=2e-3)
+        ref.step()
+        engine.wait_for_steps()
+        newest = max(engine._executor._resident[0].staged)
+        for r, t in engine._executor._resident[0].staged[newest].pieces:
+            master = engine._host.params.master_range(engine._host.master, r)
+            assert torch.equal(t.cpu(), master.to(t.dtype))
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state(), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(engine.model[0].weight, engine.state_dict()["0.weight"].half(), rtol=0, atol=0)
+    engine.close()
