@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|last|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -80,6 +80,15 @@ if [[ $what == refresh ]]; then  # resident weights cast partly on the GPU (engi
   run 85 "${llm[@]}" --batch 4 --impl rptrain
   run 95 "${llm[@]}" --batch 4 --impl fsdp2 --no-checkpoint --trace-steps 0
   run 85 "${llm[@]}" --batch 5 --impl rptrain --trace-steps 0
+fi
+if [[ $what == final ]]; then  # issue 4 goal 3 at 3B x 4096 x 4, every implementation in its own process, then batch 5 and 8
+  llm=(python3 bench/llm.py --model llama_3b --seq 4096 --steps 6 --warmup 2)
+  run 90 "${llm[@]}" --batch 4 --impl rptrain --busy-steps 3
+  run 95 "${llm[@]}" --batch 4 --impl fsdp2 --trace-steps 0
+  run 100 "${llm[@]}" --batch 4 --impl roundpipe --trace-steps 0
+  run 80 "${llm[@]}" --batch 4 --impl plain --no-checkpoint --trace-steps 0
+  run 95 "${llm[@]}" --batch 5 --impl fsdp2 --no-checkpoint --trace-steps 0
+  run 90 "${llm[@]}" --batch 8 --impl rptrain --trace-steps 0
 fi
 if [[ $what == llm || $what == all ]]; then
   {
