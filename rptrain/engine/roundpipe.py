@@ -8,6 +8,9 @@ Staleness: after ``step(is_async=True)`` the next call uses the weights written 
 it, so the gradient of iteration k is computed at the weights after max(k-1, 0) steps; after
 ``step(is_async=False)`` or ``synchronize()`` the next call uses the newest weights.
 
+The wrapped model's parameters show the host compute copy. It is whole after ``synchronize()``; on GPUs
+that keep the model resident a step writes only the host's share of it (refresh.py).
+
 Gradients go to one of two fp32 buffers: the open window's. ``step()`` hands the window's buffer
 to the optimizer thread (as the master parameters' ``.grad``) and the next call opens the other
 one, so the next iteration's backward overlaps the optimizer step.
