@@ -16,7 +16,7 @@ from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.engine import refresh
 from rptrain.engine.device import CpuDevice
 from rptrain.engine.host import HostState
-from rptrain.engine.layout import FlatLayout
+from rptrain.engine.layout import FlatLayout, Range
 from rptrain.optim import Adam
 
 
@@ -95,4 +95,26 @@ def test_resident_gpu_weights_are_the_master_cast_after_every_step(monkeypatch, 
     engine.synchronize()
     assert_state_close(engine.state_dict(), ref.state(), rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(engine.model[0].weight, engine.state_dict()["0.weight"].half(), rtol=0, atol=0)
+    engine.close()
+
+
+def test_a_version_that_fails_to_stage_is_written_whole_on_the_host(monkeypatch):
+    """If staging fails (say the GPU is out of memory), the error reaches the caller and the host
+    copy of that version is whole, so a call that needs it can upload it from there."""
+    engine = RoundPipe(copy.deepcopy(mixed_model()), devices=["cpu"])
+    engine._executor.resident = True  # the staging path, which only GPU engines take on their own
+
+    def fail(*_args, **_kw):
+        raise torch.OutOfMemoryError("no memory for the staged copy")
+
+    monkeypatch.setattr(refresh, "stage_version", fail)
+    with OptimizerCtx():
+        opt = Adam(engine.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 40).half(), torch.randint(0, 5, (8,))
+    engine.forward_backward(input_args=(x,), label=y, loss_fn=lambda out, t: nn.functional.cross_entropy(out.float(), t))
+    with pytest.raises(RuntimeError, match="optimizer step failed"):
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    host = engine._host
+    for key, flat in host.compute[1].items():
+        assert torch.equal(flat, host.params.master_range(host.master, Range(key, 0, flat.numel())).to(flat.dtype))
     engine.close()

@@ -65,25 +65,26 @@ def stage_version(host: HostState, devices: Sequence[Device], version: int, plan
     layout = host.params
     on_gpu, on_host = plan
     staged: dict[int, dict[str, Tensor]] = {}
-    for device in devices:
-        with device.stream("prefetch"):
-            flats = {k: torch.empty(n, dtype=layout.dtypes[k], device=device.torch_device) for k, n in layout.sizes.items()}
-            for r in on_gpu:
-                source = layout.master_range(host.master, r)
-                if source.dtype == flats[r.key].dtype:
-                    flats[r.key][r.start : r.stop].copy_(source, non_blocking=True)
-                else:  # copy_ across devices would cast on the host: upload as is, then cast here
-                    flats[r.key][r.start : r.stop].copy_(device.upload(source))
-        staged[device.index] = flats
-    for r in on_host:  # the host casts chunk by chunk; each goes up while the next is cast
-        host.write_compute_range(version, r)
+    events: dict[int, object] = {}
+    try:
         for device in devices:
             with device.stream("prefetch"):
-                staged[device.index][r.key][r.start : r.stop].copy_(host.compute_range(version, r), non_blocking=True)
-    result = {}
-    for device in devices:
-        with device.stream("prefetch"):
-            event = device.record("prefetch")
-        event.synchronize()
-        result[device.index] = ([(Range(k, 0, t.numel()), t) for k, t in staged[device.index].items()], event)
-    return result
+                flats = {k: torch.empty(n, dtype=layout.dtypes[k], device=device.torch_device) for k, n in layout.sizes.items()}
+                staged[device.index] = flats
+                for r in on_gpu:
+                    source = layout.master_range(host.master, r)
+                    if source.dtype == flats[r.key].dtype:
+                        flats[r.key][r.start : r.stop].copy_(source, non_blocking=True)
+                    else:  # copy_ across devices would cast on the host: upload as is, then cast here
+                        flats[r.key][r.start : r.stop].copy_(device.upload(source))
+        for r in on_host:  # the host casts chunk by chunk; each goes up while the next is cast
+            host.write_compute_range(version, r)
+            for device in devices:
+                with device.stream("prefetch"):
+                    staged[device.index][r.key][r.start : r.stop].copy_(host.compute_range(version, r), non_blocking=True)
+    finally:  # also after an error (e.g. no GPU memory left): no copy may still read the master
+        for device in devices:
+            with device.stream("prefetch"):
+                events[device.index] = device.record("prefetch")
+            events[device.index].synchronize()
+    return {index: ([(Range(k, 0, t.numel()), t) for k, t in flats.items()], events[index]) for index, flats in staged.items()}

@@ -366,8 +366,12 @@ class RoundPipe(nn.Module):
                 if not buffer.held:
                     buffer.free.set()
             if self._executor.resident:
-                with span("stage_from_master"):
-                    self._executor.stage_from_master(version)
+                try:
+                    with span("stage_from_master"):
+                        self._executor.stage_from_master(version)
+                except BaseException:  # not staged: a call that needs it uploads it from the host copy
+                    self._host.write_compute(version)
+                    raise
             else:
                 self._host_refresh(version)
 
