@@ -278,17 +278,12 @@ class Executor:
         host compute copy gets only the host's share. Returns once the master may change again."""
         if self._refresh_plan is None:
             self._refresh_plan = refresh.split(self.host.params, self.host.master.dtype)
-        self._forget_staged(below=version - 1)  # calls from now on use version - 1 or newer: one copy less on the GPU
         staged = refresh.stage_version(self.host, self.devices, version, self._refresh_plan)
         with self._resident_lock:  # held only to publish: a running call looks up its own version here
             for index, (pieces, event) in staged.items():
-                self._resident.setdefault(index, _Resident()).staged[version] = StageTensors(self.host.params, pieces, event)
-        self._forget_staged(below=version - 1)
-
-    def _forget_staged(self, below: int) -> None:
-        with self._resident_lock:
-            for resident in self._resident.values():
-                for old in [v for v in resident.staged if v < below]:
+                resident = self._resident.setdefault(index, _Resident())
+                resident.staged[version] = StageTensors(self.host.params, pieces, event)
+                for old in [v for v in resident.staged if v < version - 1]:
                     del resident.staged[old]
 
     def drop_resident(self) -> None:
