@@ -90,7 +90,7 @@ def run_rptrain(args, cfg, name):
     step = pipeline_step(engine, opt, tokens(args, cfg.vocab_size, args.device), run_cfg)
     timing = timed(step, args, finish=engine.wait_for_steps)
     split = traced_split(step, engine.wait_for_steps, args.trace_steps) if args.trace_steps else {}
-    if args.busy_steps and args.device == "cuda":
+    if args.device == "cuda":
         split.update(gpu_busy(step, args.busy_steps, finish=engine.wait_for_steps))
     plan = engine.plan
     recomputed = sum(b - a for a, b in plan.backward[:-1]) if plan else 0
@@ -134,7 +134,10 @@ def traced_split(step, finish, steps: int) -> dict[str, float]:
 def gpu_busy(step, steps: int, finish=lambda: None) -> dict[str, float]:
     """Share of the wall time, from the first kernel of ``steps`` consecutive steps to the last,
     in which some kernel runs on the GPU (copies not counted): "GPU busy" from a CUDA-only
-    profiler trace (its kernel timestamps; the profiler adds no host-side work per op)."""
+    profiler trace (its kernel timestamps; the profiler adds no host-side work per op). Nothing
+    when ``steps`` is 0."""
+    if steps <= 0:
+        return {}
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -186,7 +189,7 @@ def run_plain(args, cfg, name):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     step = torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=True)
     timing = timed(step, args)
-    extra = gpu_busy(step, args.busy_steps) if args.busy_steps else {}
+    extra = gpu_busy(step, args.busy_steps)
     del model, opt
     torch.cuda.empty_cache()
     return timing, float(args.checkpoint), extra
@@ -235,7 +238,7 @@ def run_fsdp2(args, cfg, name):
     # FSDP2's MixedPrecisionPolicy already computes in bf16: no autocast.
     step = torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=False)
     timing = timed(step, args)
-    extra = gpu_busy(step, args.busy_steps) if args.busy_steps else {}
+    extra = gpu_busy(step, args.busy_steps)
     del model, opt
     dist.destroy_process_group()
     return timing, float(args.checkpoint), extra

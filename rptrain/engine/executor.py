@@ -152,6 +152,12 @@ class _Resident:
         self.live: Optional[list[tuple[Range, Tensor]]] = None
         self.live_version: Optional[int] = None
 
+    def publish(self, version: int, staged: StageTensors) -> None:
+        """Keep ``staged`` as ``version`` and forget versions no call can ask for any more."""
+        self.staged[version] = staged
+        for old in [v for v in self.staged if v < version - 1]:
+            del self.staged[old]
+
 
 class Executor:
     def __init__(self, layers: Sequence[torch.nn.Module], host: HostState, devices: Sequence[Device]):
@@ -247,9 +253,7 @@ class Executor:
                         (Range(k, 0, t.numel()), device.upload(t)) for k, t in self.host.compute[version % 2].items()
                     ]
                     found = StageTensors(self.host.params, pieces, device.record("upload"))
-                resident.staged[version] = found
-                for old in [v for v in resident.staged if v < version - 1]:
-                    del resident.staged[old]
+                resident.publish(version, found)
             return found
 
     def _live_weights(self, device: Device, version: int) -> StageTensors:
@@ -281,10 +285,7 @@ class Executor:
         staged = refresh.stage_version(self.host, self.devices, version, self._refresh_plan)
         with self._resident_lock:  # held only to publish: a running call looks up its own version here
             for index, (pieces, event) in staged.items():
-                resident = self._resident.setdefault(index, _Resident())
-                resident.staged[version] = StageTensors(self.host.params, pieces, event)
-                for old in [v for v in resident.staged if v < version - 1]:
-                    del resident.staged[old]
+                self._resident.setdefault(index, _Resident()).publish(version, StageTensors(self.host.params, pieces, event))
 
     def drop_resident(self) -> None:
         with self._resident_lock:

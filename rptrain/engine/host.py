@@ -91,10 +91,8 @@ class HostState:
 
     def write_compute(self, version: int) -> None:
         """Compute copy ``version`` := master cast to the model's dtype (one pass per dtype)."""
-        flats = self.compute[version % 2]
-        for key, flat in flats.items():
-            base = self.params.base[key]
-            flat.copy_(self.master[base : base + flat.numel()])
+        for key, flat in self.compute[version % 2].items():
+            self.write_compute_range(version, Range(key, 0, flat.numel()))
 
     def write_compute_range(self, version: int, r: Range) -> None:
         """One range of compute copy ``version`` := the master's, cast."""
