@@ -130,6 +130,43 @@ def test_unwritable_output_directory(cli, tmp_path):
         expect_error(cli(*TINY, f"hydra.run.dir={locked / 'run'}"), "not writable")
 
 
+def test_bad_values_caught_before_a_run_directory_exists(cli, tmp_path):
+    expect_error(cli(*TINY, "precision.grad_scaler.growth_factor=1"), "precision.grad_scaler.growth_factor=1", "must be > 1")
+    expect_error(cli(*TINY, "precision.grad_scaler.backoff_factor=1.5"), "precision.grad_scaler.backoff_factor=1.5")
+    expect_error(cli(*TINY, "optim.optimizer.eps=-1e-8"), "optim.optimizer.eps=-1e-08", "must be >= 0")
+    if not torch.cuda.is_available():
+        expect_error(cli(*TINY, "data.augment_device=cuda"), "data.augment_device=cuda", "no CUDA device")
+    expect_error(cli("model=llama_tiny", "data=synthetic_tokens", f"model.weights={tmp_path / 'nope.safetensors'}"),
+                 "model.weights=", "nope.safetensors", "no such file")
+    empty = tmp_path / "corpus"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    expect_error(cli("model=llama_tiny", "data=text", f"data.path={empty}"), f"data.path={empty}", "empty")
+
+
+def test_cifar_labels_that_are_not_class_indices(cli, tmp_path):
+    """A modified copy (data.verify_checksums=false) is read before the run: labels out of range,
+    negative or not integers are refused with the file and the label's position."""
+    import pickle
+
+    root = write_fake_cifar(tmp_path / "cifar", "cifar10", n_train=20, n_test=10)
+    batch = root / "cifar-10-batches-py" / "data_batch_2"
+    original = batch.read_bytes()
+    for bad in (10, -1, 2.5):
+        entry = pickle.loads(original, encoding="latin1")
+        entry["labels"][1] = bad
+        batch.write_bytes(pickle.dumps(entry))
+        expect_error(cli("data=cifar10", f"data.root={root}", "data.download=false", "data.verify_checksums=false"),
+                     "cifar-10-batches-py", f"training label 5 is {bad!r}", "0..9")
+
+
+def test_output_root_that_cannot_be_created(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*TINY, "output_root=/proc/x"])  # root may "write" anywhere, but not there
+    expect_error((exit_info.value.code, error_lines(capsys.readouterr().err)), "/proc/x", "choose another output_root")
+
+
 def _tiny_state(**fingerprint) -> dict:
     return {"fingerprint": {"model": "resnet18", "params": 1, "shapes": "x", **fingerprint}, "loader": {"batch_size": 16}}
 
@@ -142,7 +179,7 @@ def test_corrupt_or_foreign_checkpoint(cli, tmp_path):
     torch.save({"weights": torch.zeros(2)}, foreign)
     expect_error(cli(*TINY, f"trainer.resume={foreign}"), str(foreign), "not an rptrain checkpoint")
     expect_error(cli(*TINY, f"trainer.resume={tmp_path / 'nothing.pt'}"), "nothing.pt", "no such checkpoint")
-    expect_error(cli(*TINY, f"trainer.resume={tmp_path}"), "no checkpoints/last.pt")
+    expect_error(cli(*TINY, f"trainer.resume={tmp_path}"), "no checkpoints/ in that directory")
 
 
 def test_checkpoint_of_another_model(cli, tmp_path):

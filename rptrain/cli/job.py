@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -20,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
 
-from rptrain.train import dist
+from rptrain.train import checkpoint, dist, rundir
 from rptrain.train.console import config_tree, make_console, say
 from rptrain.train.errors import USER_ERRORS, one_line
 from rptrain.train.loop import Trainer
@@ -40,31 +41,54 @@ def fail(message: str, code: int = 2, to_log: bool = True, kind: str = "error") 
 
 def resume_command(argv: list[str]) -> str:
     """The command that continues this run: the same arguments with trainer.resume=auto."""
-    kept = [a for a in argv if a.lstrip("+").split("=", 1)[0] != "trainer.resume"]
+    kept = [a for a in argv if a.lstrip("+").split("=", 1)[0] != "trainer.resume" and a not in rundir.CLAIMED]
     if dist.world_size() > 1:  # torchrun's own arguments are not ours to know; any world size dividing the batch fits
         return shlex.join(["torchrun", "...", "-m", "rptrain.cli.main", *kept, "trainer.resume=auto"])
     return shlex.join(["rptrain", *kept, "trainer.resume=auto"])
 
 
 def run_job(cfg: DictConfig) -> dict:
-    hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
-    overrides = list(hydra_cfg.overrides.task)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     main = dist.rank() == 0
+    if main:
+        try:
+            rundir.own(run_dir)  # a sweep's job directory; a single run's main() owns it already
+        except USER_ERRORS as err:
+            fail(one_line(err))
+    try:
+        return _run(cfg, run_dir, main)
+    finally:
+        rundir.release(run_dir)  # the next job of a sweep may resume it
+
+
+def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
+    overrides = list(HydraConfig.get().overrides.task)
     console = make_console() if main else Console(quiet=True)  # the other ranks keep quiet
 
     def status(state: str, **details: object) -> None:  # rank 0's run directory only
         if main:
-            write_status(run_dir, state, **details)
+            try:
+                write_status(run_dir, state, **details)
+            except OSError:  # a full disk: the one-line error says more than a status would
+                pass
 
+    notes = rundir.take_over(run_dir) if main else []
     status("running")
     console.print(config_tree(cfg, label=f"rptrain  {run_dir}"))
+    for note in notes:
+        say(console, note)
     hint = resume_command(sys.argv[1:])
     # Under torchrun the launcher forwards a signal to every rank, and SLURM may deliver it too.
     duplicate_s = 10.0 if dist.world_size() > 1 else 0.0
     group = dist.Dist()
+
+    def stopped_now(signum: int) -> None:  # a second signal: no checkpoint, but the status says how it ended
+        for tmp in list(checkpoint.in_flight):  # a write it cut short
+            tmp.unlink(missing_ok=True)
+        status("interrupted", signal=signal.Signals(signum).name, error="second signal: stopped at once without a checkpoint", resume=hint)
+
     try:
-        with stop_on_signals(announce=main, duplicate_s=duplicate_s) as stop:
+        with stop_on_signals(announce=main, duplicate_s=duplicate_s, on_abort=stopped_now) as stop:
             group = dist.setup(cfg.dist)
             summary = Trainer(cfg, run_dir, overrides, console, hint, group).fit(stop)
     except Interrupted as stopped:
@@ -86,6 +110,10 @@ def run_job(cfg: DictConfig) -> dict:
     except KeyboardInterrupt:
         status("interrupted", error="second signal: stopped without a checkpoint")
         raise SystemExit(130)
+    except OSError as err:  # writing the run directory failed (disk full, permissions)
+        where = err.filename or run_dir
+        status("failed", error=one_line(f"{where}: {err.strerror or err}"))
+        fail(f"cannot write {where}: {err.strerror or one_line(err)}: free some space or make it writable, or set output_root elsewhere")
     except BaseException as err:
         status("failed", error=one_line(repr(err)))
         if dist.world_size() > 1 and not isinstance(err, SystemExit):  # one line before the traceback, naming the rank

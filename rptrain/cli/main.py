@@ -24,8 +24,9 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from rptrain.data import DataError
-from rptrain.train import dist
+from rptrain.train import dist, rundir
 from rptrain.train.errors import USER_ERRORS
+from rptrain.train.resume import AlreadyCompleted
 from rptrain.train.schema import register_configs
 
 from .errors import describe
@@ -44,11 +45,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         rank = dist.rank()
-        preflight(argv)
+        place = preflight(argv)
+        claimed = rundir.claim(place) if place is not None else None  # a directory of its own, before Hydra makes one
+    except AlreadyCompleted as done:
+        print(f"rptrain: {done}", flush=True)
+        raise SystemExit(0)
     except (*USER_ERRORS, HydraException, OmegaConfBaseException) as err:
         if dist.other_rank() and not isinstance(err, DataError):
             raise SystemExit(2)  # the same command line on every rank: rank 0 reports it
         fail(describe(err), to_log=False)
+    except OSError as err:  # the output directory could not be created
+        fail(f"cannot create the run directory {err.filename or ''}: {err.strerror or err}: choose another output_root or hydra.run.dir", to_log=False)
+    if claimed is not None:
+        argv.append(claimed)
     args = parse_args(argv)
     if args.cfg == "job" and not args.resolve:
         argv.append("--resolve")  # show values (num_classes: 100), not ${data.num_classes}

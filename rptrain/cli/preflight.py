@@ -33,7 +33,9 @@ from rptrain.train.checkpoint import load_checkpoint
 from rptrain.train.errors import ConfigError
 from rptrain.train.model import LM, build_model, fingerprint, model_kind
 from rptrain.train.precision import torch_dtype
-from rptrain.train.resume import check_resume_state, resolve_resume
+from rptrain.train.resume import AlreadyCompleted, check_resume_state, resolve_resume
+from rptrain.train.rundir import Place
+from rptrain.train.status import read_status
 from rptrain.train.run_config import build_run_config
 from rptrain.train.validate import check_inputs, check_writable, validate_config
 
@@ -74,14 +76,16 @@ def _hydra(args: argparse.Namespace) -> Hydra:
     return Hydra.create_main_hydra2(task_name="rptrain", config_search_path=search_path)
 
 
-def preflight(argv: list[str]) -> None:
-    """Raise (ConfigError, DataError, CheckpointError or Hydra's own) if any job would fail to start."""
+def preflight(argv: list[str]) -> Optional[Place]:
+    """Raise (ConfigError, DataError, CheckpointError or Hydra's own) if any job would fail to start.
+    Returns where the run (or the sweep) goes, for rank 0 to claim; None when nothing runs here."""
     args = parse_args(argv)
     if args.help or args.hydra_help or args.info or args.shell_completion:
         return  # Hydra answers these without running anything
     if args.config_path and not (args.config_path.startswith("pkg://") or os.path.isabs(args.config_path)):
         return  # a path relative to the calling file: only hydra.main can resolve it
     running = args.cfg is None
+    place = None
     try:
         hydra = _hydra(args)
         for overrides in job_overrides(args):
@@ -89,9 +93,10 @@ def preflight(argv: list[str]) -> None:
             job_cfg = _without_hydra(cfg)  # what the job itself will see
             validate_config(job_cfg)
             if running:
-                check_job(job_cfg, overrides, cfg.hydra, multirun=args.multirun)
+                place = check_job(job_cfg, overrides, cfg.hydra, multirun=args.multirun)
     finally:
         GlobalHydra.instance().clear()
+    return place
 
 
 def _without_hydra(cfg: DictConfig) -> DictConfig:
@@ -101,21 +106,29 @@ def _without_hydra(cfg: DictConfig) -> DictConfig:
     return job_cfg
 
 
-def check_job(cfg: DictConfig, overrides: list[str], hydra_cfg: DictConfig, multirun: bool) -> None:
+def check_job(cfg: DictConfig, overrides: list[str], hydra_cfg: DictConfig, multirun: bool) -> Optional[Place]:
     if dist.local_rank() == 0:  # the machine's other ranks wait for it (dist.setup's barrier)
         check_inputs(cfg)
     dtype = torch_dtype(cfg.precision.compute_dtype)
     model = build_model(cfg, dtype, device="meta", vocab_size=_data_vocab(cfg))
     build_run_config(cfg.run_config, len(model))
     if dist.rank() != 0:
-        return
+        return None
     key, directory = ("hydra.sweep.dir", hydra_cfg.sweep.dir) if multirun else ("hydra.run.dir", hydra_cfg.run.dir)
     check_writable(Path(directory), key)
+    explicit = any(o.split("=", 1)[0] == key for o in hydra_cfg.overrides.hydra)
     run_dir: Optional[Path] = None if multirun else Path(hydra_cfg.run.dir)
-    resume = resolve_resume(cfg.trainer.resume, Path(cfg.output_root), run_dir, overrides)
-    if resume is not None:
-        state = load_checkpoint(resume, fingerprint(cfg.model.name, model))
-        check_resume_state(resume, state, cfg)
+    choice = resolve_resume(cfg.trainer.resume, Path(cfg.output_root), run_dir, overrides)
+    if choice.path is not None:
+        state = load_checkpoint(choice.path, fingerprint(cfg.model.name, model))
+        check_resume_state(choice.path, state, cfg)
+    if not multirun and choice.run_dir is not None and (not explicit or choice.run_dir == Path(directory).absolute()):
+        status = read_status(choice.run_dir)
+        if status.get("state") == "completed":
+            raise AlreadyCompleted(f"{choice.run_dir} already completed this run (step {status.get('step')}): nothing to do")
+        if not explicit:  # continue in the run's own directory
+            return Place(key, choice.run_dir, "resume")
+    return Place(key, Path(directory), "given" if explicit else "new")
 
 
 def _data_vocab(cfg: DictConfig) -> Optional[int]:

@@ -8,6 +8,7 @@ transforms.
 from __future__ import annotations
 
 import functools
+import numbers
 import pickle
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -127,6 +128,12 @@ def load_cifar(
     ds = cifar_dataset(name, root, train, download, verify_checksums)
     # ds.data is an HWC view of the channel-major arrays in the files, so this permute is copy-free.
     images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
+    bad = next((i for i, y in enumerate(ds.targets) if not (isinstance(y, numbers.Integral) and not isinstance(y, bool) and 0 <= y < len(ds.classes))), None)
+    if bad is not None:
+        raise DataError(
+            f"{ds.root}/{ds.base_folder}: {'training' if train else 'test'} label {bad} is {ds.targets[bad]!r}, not a class index "
+            f"in 0..{len(ds.classes) - 1}: restore the data set (data.download=true with a fresh data.root) or fix its labels"
+        )
     labels = torch.as_tensor(ds.targets, dtype=torch.int64)
     if images.shape[1:] != (3, 32, 32) or len(labels) != len(images):
         raise DataError(f"{ds.root} has images {tuple(images.shape)} and {len(labels)} labels: expected (N, 3, 32, 32) and N")

@@ -15,8 +15,16 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable, or written for another model or data set."""
 
 
+class OutputError(ValueError):
+    """The run directory cannot be written (disk full, permissions) or belongs to another live run."""
+
+
+class NonFiniteLoss(ValueError):
+    """A NaN/inf training loss without a GradScaler, with trainer.on_nonfinite=stop."""
+
+
 # DataError comes from rptrain.data (missing dataset, bad text corpus, ...).
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, DataError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, DataError, OutputError, NonFiniteLoss)
 
 
 def one_line(text: str) -> str:

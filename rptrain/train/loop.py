@@ -29,11 +29,11 @@ from rich.console import Console
 
 from rptrain import OptimizerCtx, RoundPipe
 
-from .checkpoint import LAST, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import LAST, load_checkpoint, rng_state, save_rotating, set_rng_state
 from .console import ProgressBar, epoch_line, log, say, step_line
 from .data import TrainData, build_data
 from .dist import Dist, FailedOnRankZero, inject_fault, peer_errors
-from .errors import CheckpointError, one_line
+from .errors import CheckpointError, NonFiniteLoss, one_line
 from .meters import Meter, RunProgress, progress_from, progress_state, rank_share
 from .metrics import MetricsLog
 from .model import IMAGE, build_model, fingerprint
@@ -42,7 +42,7 @@ from .precision import build_scaler, torch_dtype
 from .resume import check_resume_state, loader_state_for, resolve_resume
 from .run_config import build_run_config
 from .signals import SIGNALS, Interrupted, StopRequest
-from .tasks import make_task
+from .tasks import StepResult, make_task
 from .validate import check_vocab, num_microbatch, validate_config
 
 
@@ -108,7 +108,10 @@ class Trainer:
         found, error = None, None
         if d.main:
             try:
-                found = resolve_resume(cfg.trainer.resume, Path(cfg.output_root), self.run_dir, self.overrides)
+                choice = resolve_resume(cfg.trainer.resume, Path(cfg.output_root), self.run_dir, self.overrides)
+                found = choice.path
+                if choice.note():
+                    say(self.console, choice.note())
             except CheckpointError as err:
                 if d.world == 1:
                     raise
@@ -133,6 +136,7 @@ class Trainer:
         progress = RunProgress()
         if state is not None:
             progress = rank_share(self._restore(state, resume, engine, optimizer, scheduler, scaler, data), self.dist.main)
+            self._ckpt_step = progress.step  # the checkpoint it resumed from is the last one there is
         self.metrics = MetricsLog(self.run_dir if self.dist.main else None, state["history"] if state else None)
         del state
         self.task = make_task(data.kind, num_microbatch(cfg), dtype, self.dist.world)
@@ -170,15 +174,28 @@ class Trainer:
         # still advances (as in torch's AMP recipes), which torch would warn about on every skip.
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
 
+        params = [q for g in optimizer.param_groups for q in g["params"]]
+        # Without a GradScaler, non-finite values are ours to catch: the loss below, and with
+        # on_nonfinite=skip also gradients that overflowed under a finite loss (averaged over the
+        # ranks, so every rank decides the same).
+        guard = not scaler.is_enabled()
+        skip = guard and t.on_nonfinite.value == "skip"
+
+        def skip_fn() -> None:  # a step without the update; the schedule advances, as GradScaler's skips do
+            optimizer.zero_grad()
+            scheduler.step()
+
         def step_fn() -> None:  # runs on the optimizer thread
+            if skip and not all(bool(torch.isfinite(q.grad).all()) for q in params if q.grad is not None):
+                return skip_fn()
             if clip is not None:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_([q for g in optimizer.param_groups for q in g["params"]], clip)
+                torch.nn.utils.clip_grad_norm_(params, clip)
             scaler.step(optimizer)
             optimizer.zero_grad()
             scheduler.step()
 
-        window = Meter()
+        window, window_skipped = Meter(), 0
         epoch, batch_index = data.train.position()
         if p.step >= self.total_steps:
             say(self.console, f"the checkpoint is already at step {p.step} of {self.total_steps}: nothing left to train")
@@ -201,8 +218,13 @@ class Trainer:
                     scale = scaler.get_scale()
                     with peer_errors("gradient averaging", d.world > 1):
                         result = self.task.train_step(engine, batch, scaler, total)
-                    engine.step(step_fn, is_async=t.async_step)
+                    nonfinite = self._nonfinite(result.loss, p.step + 1, stop_on_it=guard and not skip)
+                    engine.step(skip_fn if nonfinite and guard else step_fn, is_async=t.async_step)
                     scaler.update()
+                    if nonfinite:  # left out of the logged means (GradScaler runs skip such steps by design)
+                        if guard:
+                            say(self.console, f"step {p.step + 1}: the loss is {result.loss}: this step's update is skipped (trainer.on_nonfinite=skip)")
+                        result, window_skipped = StepResult(0.0, 0, 0, result.samples), window_skipped + 1
                     t2 = time.perf_counter()
                     p.step += 1
                     for meter in (window, p.epoch_meter):
@@ -212,8 +234,9 @@ class Trainer:
                     p.tokens += result.count if data.kind != IMAGE else 0
                     bar.advance(self._bar_stats(window))
                     if p.step % t.log_interval == 0 or p.step == self.total_steps:
-                        self._log_train(p, window, epoch, lr_of(p.step - 1), scale, bar.enabled)
-                        window = Meter()
+                        if window.steps > window_skipped:  # skipped steps alone have no loss to log
+                            self._log_train(p, window, epoch, lr_of(p.step - 1), scale, bar.enabled)
+                        window, window_skipped = Meter(), 0
                     # One process: a signal during the step stops after it. Several: after the step all agreed on.
                     self._after_step(p, epoch, data.train.next_batch >= len(data.train), stop, bool(stop) if d.world == 1 else stopping)
                 batches.close()
@@ -223,6 +246,22 @@ class Trainer:
         if self._ckpt_step != p.step:  # not the file's existence: every rank must decide the same
             self._checkpoint(p)
         self._write_reports()
+
+    def _nonfinite(self, loss: float, step: int, stop_on_it: bool) -> bool:
+        """Whether this step's loss is NaN/inf on any rank (then every rank skips or stops alike)."""
+        bad = float(not math.isfinite(loss))
+        if self.dist.world > 1:
+            bad = self.dist.sum([bad], "the check for a non-finite loss")[0]
+        if bad and stop_on_it:  # before the step: the update never happens, the last checkpoint stays the last
+            raise NonFiniteLoss(self._nonfinite_message(step, loss))
+        return bad > 0
+
+    def _nonfinite_message(self, step: int, loss: float) -> str:
+        kept = f"the last checkpoint (step {self._ckpt_step}, {self.checkpoint_path}) is kept" if self._ckpt_step >= 0 else "no checkpoint was written yet"
+        return (
+            f"the training loss is {loss} at step {step} (without a GradScaler nothing skips it): the weights were not updated with it and "
+            f"{kept}; lower optim.optimizer.lr, set optim.clip_grad_norm, or let such steps be skipped with trainer.on_nonfinite=skip"
+        )
 
     def _exchange(self, count: int, stop: StopRequest) -> tuple[int, bool]:
         """One small all_reduce per step, before it: the loss count over all ranks (the loss
@@ -324,7 +363,7 @@ class Trainer:
             log.info(f"step {p.step}: the {self.dist.world} ranks hold identical weights")
         if not self.dist.main:
             return
-        save_checkpoint(self.checkpoint_path, {
+        save_rotating(self.checkpoint_path.parent, {
             "fingerprint": self.fingerprint,
             "model": model_state,
             "optimizer": parts["optimizer"].state_dict(),
@@ -336,7 +375,7 @@ class Trainer:
             "history": self.metrics.records,
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
             "overrides": self.overrides,
-        })
+        }, p.step, self.cfg.trainer.keep_checkpoints)
         self.metrics.write_csv()
 
     def _global_progress(self, p: RunProgress) -> RunProgress:

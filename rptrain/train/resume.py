@@ -1,21 +1,44 @@
 """Which checkpoint trainer.resume means.
 
   null   start fresh;
-  auto   the newest checkpoints/last.pt under output_root (or in this run's directory) of a run
-         started with the same overrides, apart from trainer.resume itself; fresh if none. The
-         same command therefore continues after a pre-emption or a SLURM requeue, and each job of
-         a sweep finds its own checkpoint;
-  PATH   a checkpoint file, or a run directory holding checkpoints/last.pt.
+  auto   the newest checkpoint under output_root (or in this run's directory) of a run started
+         with the same overrides, apart from trainer.resume itself, that no live process owns;
+         fresh if none. The run then continues in that run's directory. The same command
+         therefore continues after a pre-emption or a SLURM requeue, and each job of a sweep finds
+         its own checkpoint;
+  PATH   a checkpoint file, or a run directory holding checkpoints.
+
+Every candidate is verified (checkpoint.load_checkpoint checks its checksum); for auto and a run
+directory, a newer checkpoint that fails is skipped for the newest that passes, and the run says
+so. A file named explicitly must pass.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from .checkpoint import LAST
+from . import rundir
+from .checkpoint import checkpoint_files, load_checkpoint
 from .errors import CheckpointError
+
+
+@dataclass
+class Choice:
+    path: Optional[Path] = None  # the checkpoint to load; None: start fresh
+    run_dir: Optional[Path] = None  # auto: the run it belongs to, which continues in place
+    skipped: list[str] = field(default_factory=list)  # newer checkpoints that failed verification, with why
+
+    def note(self) -> Optional[str]:
+        if not self.skipped:
+            return None
+        return f"{'; '.join(self.skipped)}: resuming from the newest checkpoint that verifies, {self.path}"
+
+
+class AlreadyCompleted(Exception):
+    """trainer.resume=auto found this run finished: there is nothing to do."""
 
 
 def job_key(overrides: Iterable[str]) -> tuple[str, ...]:
@@ -23,29 +46,48 @@ def job_key(overrides: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "trainer.resume"))
 
 
-def resolve_resume(resume: Optional[str], output_root: Path, run_dir: Optional[Path], overrides: Iterable[str]) -> Optional[Path]:
+def resolve_resume(resume: Optional[str], output_root: Path, run_dir: Optional[Path], overrides: Iterable[str]) -> Choice:
     if resume is None:
-        return None
+        return Choice()
     if resume == "auto":
-        found = newest_matching(Path(output_root), run_dir, job_key(overrides))
-        return found.absolute() if found else None
+        return _first_verified(_auto_candidates(Path(output_root), run_dir, job_key(overrides)), "trainer.resume=auto", owned=True)
     path = Path(resume).expanduser().absolute()
     if path.is_dir():
-        for candidate in (path / "checkpoints" / LAST, path / LAST):
-            if candidate.is_file():
-                return candidate
-        raise CheckpointError(f"trainer.resume={resume}: no checkpoints/{LAST} in that directory: point it at a run directory with a checkpoint or at a .pt file")
+        files = checkpoint_files(path / "checkpoints") or checkpoint_files(path)
+        if not files:
+            raise CheckpointError(f"trainer.resume={resume}: no checkpoints/ in that directory: point it at a run directory with a checkpoint or at a .pt file")
+        return _first_verified([(f, path) for f in files], f"trainer.resume={resume}", owned=False)
     if not path.is_file():
         raise CheckpointError(f"trainer.resume={resume}: no such checkpoint file or run directory: fix the path, use trainer.resume=auto, or start fresh with trainer.resume=null")
-    return path
+    return Choice(path)
 
 
-def newest_matching(output_root: Path, run_dir: Optional[Path], key: tuple[str, ...]) -> Optional[Path]:
-    candidates = set(output_root.glob(f"**/checkpoints/{LAST}")) if output_root.is_dir() else set()
-    if run_dir is not None and (Path(run_dir) / "checkpoints" / LAST).is_file():
-        candidates.add(Path(run_dir) / "checkpoints" / LAST)
-    matching = [c for c in candidates if _run_overrides(c.parent.parent) == key]
-    return max(matching, key=lambda c: c.stat().st_mtime) if matching else None
+def _auto_candidates(output_root: Path, run_dir: Optional[Path], key: tuple[str, ...]) -> list[tuple[Path, Path]]:
+    """(checkpoint, run directory) of every run with these overrides that no other live process owns, newest first."""
+    runs = {p.parent for p in output_root.glob("**/checkpoints")} if output_root.is_dir() else set()
+    if run_dir is not None and (Path(run_dir) / "checkpoints").is_dir():
+        runs.add(Path(run_dir))
+    files = [
+        (f.absolute(), run.absolute())
+        for run in runs
+        if _run_overrides(run) == key and rundir.owned_elsewhere(run) is None
+        for f in checkpoint_files(run / "checkpoints")
+    ]
+    return sorted(files, key=lambda fr: fr[0].stat().st_mtime, reverse=True)
+
+
+def _first_verified(candidates: list[tuple[Path, Path]], what: str, owned: bool) -> Choice:
+    skipped = []
+    for path, run in candidates:
+        try:
+            load_checkpoint(path)
+        except CheckpointError as err:
+            skipped.append(str(err).split(": ")[0])  # "checkpoint PATH fails its checksum (...)"
+            continue
+        return Choice(path, run if owned else None, skipped)
+    if skipped:
+        raise CheckpointError(f"{what}: no checkpoint passes verification ({'; '.join(skipped)}): start fresh with trainer.resume=null")
+    return Choice()
 
 
 def _run_overrides(run_dir: Path) -> Optional[tuple[str, ...]]:

@@ -45,6 +45,11 @@ class Decay(Enum):
     cosine = "cosine"
 
 
+class OnNonfinite(Enum):
+    stop = "stop"  # one line naming the step, exit 2; the last checkpoint is kept
+    skip = "skip"  # that step's update is skipped (as GradScaler does)
+
+
 class Backend(Enum):
     auto = "auto"  # nccl when CUDA is available, gloo otherwise
     nccl = "nccl"
@@ -225,7 +230,9 @@ class TrainerConfig:
     num_workers: int = 2
     resume: Optional[str] = None  # None | auto | a checkpoint file or run directory
     async_step: bool = True
-    progress: Optional[bool] = None  # None: a live bar on a terminal, plain log lines otherwise
+    progress: Optional[bool] = None
+    keep_checkpoints: int = 2  # the newest N checkpoints stay (checkpoints/step-*.pt)
+    on_nonfinite: OnNonfinite = OnNonfinite.stop  # a NaN/inf loss without a GradScaler  # None: a live bar on a terminal, plain log lines otherwise
 
 
 # ----------------------------------------------------------------------------- dist

@@ -2,7 +2,10 @@
 
 Cluster pre-emption sends SIGTERM and waits a grace period; Ctrl-C sends SIGINT. The loop then
 finishes the step, writes a checkpoint and exits with 128 + the signal number. A second signal
-stops at once (KeyboardInterrupt), for when the checkpoint itself hangs.
+stops at once, for when the checkpoint itself hangs: with `on_abort` (the CLI) the process calls
+it (to write status.json) and exits with 128 + that signal right there, wherever the main thread
+was (in the optimizer step, in a checkpoint write: the previous checkpoint is untouched, since
+a checkpoint only replaces it by a rename once complete); without, KeyboardInterrupt is raised.
 
 Under torchrun the launcher forwards the signal to every rank, and SLURM may signal the ranks
 directly as well: there the same signal again within `duplicate_s` seconds is one request, not
@@ -15,7 +18,7 @@ import os
 import signal
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -49,9 +52,11 @@ class Interrupted(Exception):
 
 
 @contextlib.contextmanager
-def stop_on_signals(announce: bool = True, duplicate_s: float = 0.0) -> Iterator[StopRequest]:
+def stop_on_signals(
+    announce: bool = True, duplicate_s: float = 0.0, on_abort: Optional[Callable[[int], None]] = None
+) -> Iterator[StopRequest]:
     """Within the block, SIGINT/SIGTERM set the returned request instead of killing the process.
-    `announce`: say so on stderr (under torchrun only rank 0 does)."""
+    `announce`: say so on stderr (under torchrun only rank 0 does). `on_abort(signum)`: see above."""
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
         yield request
@@ -67,7 +72,14 @@ def stop_on_signals(announce: bool = True, duplicate_s: float = 0.0) -> Iterator
             if signum == request.signum and time.monotonic() - request.since < duplicate_s:
                 return  # the same request delivered twice (launcher and scheduler)
             _say("rptrain: second signal, stopping now without a checkpoint\n")
-            raise KeyboardInterrupt
+            if on_abort is None:
+                raise KeyboardInterrupt
+            try:
+                on_abort(signum)
+            finally:
+                # Not an exception: raised inside the optimizer step or a checkpoint write, it would
+                # surface as that code's failure (and a traceback) instead of a stop.
+                os._exit(128 + signum)
         request.set(signum)
         if announce:
             _say(f"\nrptrain: {signal.Signals(signum).name} received: finishing the current step, then writing a checkpoint\n")

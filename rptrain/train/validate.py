@@ -85,6 +85,7 @@ def validate_config(cfg: DictConfig) -> None:
     _positive("trainer.log_interval", t.log_interval, allow_none=False)
     for key in ("max_steps", "eval_batch_size", "eval_interval", "checkpoint_interval"):
         _positive(f"trainer.{key}", t[key])
+    _positive("trainer.keep_checkpoints", t.keep_checkpoints, allow_none=False)
     if t.num_workers < 0:
         raise ConfigError(f"trainer.num_workers={t.num_workers} must be >= 0")
     micro = cfg.run_config.num_microbatch
@@ -103,6 +104,7 @@ def validate_config(cfg: DictConfig) -> None:
     if world > 1:
         _validate_dist(cfg, world, micro, source)
     _validate_optim(cfg.optim)
+    _validate_scaler(cfg.precision.grad_scaler)
     if cfg.precision.optim_dtype.value not in ("float32", "float64"):
         raise ConfigError(f"precision.optim_dtype={cfg.precision.optim_dtype.value}: master weights must be float32 (or float64)")
     if kind == LM:
@@ -145,6 +147,8 @@ def _validate_optim(optim: DictConfig) -> None:
     o, s = optim.optimizer, optim.schedule
     if not o.lr > 0:
         raise ConfigError(f"optim.optimizer.lr={o.lr} must be > 0")
+    if not o.eps >= 0:
+        raise ConfigError(f"optim.optimizer.eps={o.eps} must be >= 0 (it keeps Adam's division finite; the default is 1e-8)")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise ConfigError(f"optim.optimizer.betas={list(o.betas)} must be two numbers in [0, 1)")
     if s.warmup_steps < 0:
@@ -156,8 +160,20 @@ def _validate_optim(optim: DictConfig) -> None:
         raise ConfigError(f"optim.clip_grad_norm={optim.clip_grad_norm} must be > 0 or null")
 
 
+def _validate_scaler(g: DictConfig) -> None:
+    if not g.growth_factor > 1:
+        raise ConfigError(f"precision.grad_scaler.growth_factor={g.growth_factor} must be > 1 (the scale grows by it after growth_interval clean steps; the default is 2)")
+    if not 0 < g.backoff_factor < 1:
+        raise ConfigError(f"precision.grad_scaler.backoff_factor={g.backoff_factor} must be in (0, 1) (the scale shrinks by it on an overflow; the default is 0.5)")
+    if not g.init_scale > 0:
+        raise ConfigError(f"precision.grad_scaler.init_scale={g.init_scale} must be > 0")
+    _positive("precision.grad_scaler.growth_interval", g.growth_interval, allow_none=False)
+
+
 def _validate_images(cfg: DictConfig) -> None:
     d = cfg.data
+    if d.augment_device.value == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("data.augment_device=cuda but no CUDA device is available: use data.augment_device=auto or cpu")
     if d.name in ("cifar10", "cifar100") and d.num_classes != {"cifar10": 10, "cifar100": 100}[d.name]:
         raise ConfigError(f"data.num_classes={d.num_classes} but {d.name} has {10 if d.name == 'cifar10' else 100} classes: leave data.num_classes alone")
     if len(d.mean) != 3 or len(d.std) != 3 or not all(s > 0 for s in d.std):
@@ -197,12 +213,17 @@ def check_inputs(cfg: DictConfig) -> None:
     """The dataset or corpus the run will read is there; a missing CIFAR is downloaded now (if allowed),
     so that a failed download leaves no run directory behind."""
     d = cfg.data
+    weights = cfg.model.get("weights")
+    if weights and not Path(weights).expanduser().exists():
+        raise ConfigError(f"model.weights={weights}: no such file or directory: give the path of a checkpoint of this model, or model.weights=null to start from random weights")
     if d.name in ("cifar10", "cifar100"):
         _check_cifar(d.name, str(d.root), bool(d.download), bool(d.verify_checksums))
     if d.name == "text":
         from rptrain.data.text import corpus_files
 
-        corpus_files(d.path)  # raises DataError naming data.path
+        files = corpus_files(d.path)  # raises DataError naming data.path
+        if not any(f.stat().st_size for f in files):
+            raise DataError(f"data.path={d.path}: the text corpus is empty ({len(files)} file(s), 0 bytes): add text or point data.path elsewhere")
         if d.tokenizer != "byte" and not Path(d.tokenizer).expanduser().is_file():
             raise DataError(f"data.tokenizer={d.tokenizer}: no such file: give a tokenizer.json path or data.tokenizer=byte")
 
@@ -228,13 +249,18 @@ def _check_cifar(name: str, root_path: str, download: bool, verify_checksums: bo
             )
         cifar_dataset(name, root, train=True, download=True, verify_checksums=verify_checksums)  # raises DataError offline
         return
-    if verify_checksums:
-        for fname, md5 in files:
-            if not check_integrity(str(root / cls.base_folder / fname), md5):
-                raise DataError(
-                    f"{root / cls.base_folder / fname} does not match the published {title} checksum: "
-                    f"delete {root / cls.base_folder} and use data.download=true, or set data.verify_checksums=false for a modified copy"
-                )
+    if not verify_checksums:  # a modified copy: its labels must still be class indices (the published files' are)
+        from rptrain.data.cifar import load_cifar
+
+        for train in (True, False):
+            load_cifar(name, root, train=train, verify_checksums=False)  # raises DataError naming the bad label
+        return
+    for fname, md5 in files:
+        if not check_integrity(str(root / cls.base_folder / fname), md5):
+            raise DataError(
+                f"{root / cls.base_folder / fname} does not match the published {title} checksum: "
+                f"delete {root / cls.base_folder} and use data.download=true, or set data.verify_checksums=false for a modified copy"
+            )
 
 
 def check_writable(directory: Path, key: str) -> None:

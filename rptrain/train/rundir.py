@@ -1,0 +1,168 @@
+"""Run directories: each run claims its own, and owns it while it runs.
+
+A new run's directory (outputs/DATE/TIME by default) is created with os.mkdir, which fails if it
+exists: two runs started in the same second get TIME and TIME-1. The process that runs in a
+directory holds a POSIX lock on its `.owner` file (pid, host, start time inside, for people);
+the kernel, or the NFS lock manager, drops the lock when the process dies however it dies, so
+"is another live run using this directory" is a lock test, not a guess from a pid.
+
+Taking over a directory (resume in place) removes the temporary files of writes that were killed
+midway and turns a status.json that still says `running` into `interrupted`.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .errors import OutputError
+from .status import read_status, write_status
+
+OWNER = ".owner"
+_held: dict[Path, int] = {}  # run directories this process owns -> the locked file descriptor
+
+
+@dataclass
+class Place:
+    """Where a run (key hydra.run.dir) or a sweep (hydra.sweep.dir) goes."""
+
+    key: str
+    path: Path
+    how: str  # "new": claim a fresh directory (suffixed if taken); "resume": continue in it; "given": on the command line
+
+
+CLAIMED: set[str] = set()  # overrides added by claim(): not part of the command a user re-runs
+
+
+def claim(place: Place) -> Optional[str]:
+    """Create or own the place; the override that points Hydra at it (None: the command line does already)."""
+    path = claim_new(place.path) if place.how == "new" else Path(place.path).absolute()
+    own(path)
+    if place.how == "given":
+        return None
+    text = str(path)
+    if not re.fullmatch(r"[\w./+-]+", text):  # quoted for Hydra's override parser
+        text = "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    CLAIMED.add(f"{place.key}={text}")
+    return f"{place.key}={text}"
+
+
+def claim_new(path: Path) -> Path:
+    """Create `path`, or `path-1`, `path-2`, ... if it exists, and own it."""
+    path = Path(path).absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for i in range(10_000):
+        candidate = path if i == 0 else path.with_name(f"{path.name}-{i}")
+        try:
+            os.mkdir(candidate)
+        except FileExistsError:
+            continue
+        own(candidate)
+        return candidate
+    raise OutputError(f"{path}: 10,000 run directories of that name exist: choose another hydra.run.dir")
+
+
+def own(run_dir: Path) -> None:
+    """Lock run_dir for this process (a no-op if it already does); OutputError if a live run holds it."""
+    run_dir = Path(run_dir).absolute()
+    if run_dir in _held:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / OWNER, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        # EACCES/EAGAIN: another process holds it. Anything else (ENOLCK: no locks here): the pid check decides.
+        if err.errno in (errno.EACCES, errno.EAGAIN) or _pid_alive(_read(run_dir)):
+            os.close(fd)
+            raise _busy(run_dir) from err
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+    _held[run_dir] = fd
+
+
+def release(run_dir: Path) -> None:
+    fd = _held.pop(Path(run_dir).absolute(), None)
+    if fd is not None:
+        os.close(fd)  # drops the lock; the file stays, naming the last owner
+
+
+def live_owner(run_dir: Path) -> Optional[dict]:
+    """The live process (pid, host, started) that owns run_dir, if any; this process counts too."""
+    run_dir = Path(run_dir).absolute()
+    if run_dir in _held:
+        return _read(run_dir)
+    try:
+        fd = os.open(run_dir / OWNER, os.O_RDONLY)
+    except OSError:
+        return None  # never owned (an older run) or unreadable: nobody to protect
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except OSError as err:
+        if err.errno in (errno.EACCES, errno.EAGAIN):
+            return _read(run_dir) or {"pid": "?", "host": "?"}
+        return _read(run_dir) if _pid_alive(_read(run_dir)) else None
+    finally:
+        os.close(fd)  # also releases the test lock
+
+
+def owned_elsewhere(run_dir: Path) -> Optional[dict]:
+    """The live process other than this one that owns run_dir, if any."""
+    return None if Path(run_dir).absolute() in _held else live_owner(run_dir)
+
+
+def take_over(run_dir: Path) -> list[str]:
+    """For a directory this process now owns: clean up after a run that was killed. Returns what was done, one line each."""
+    run_dir = Path(run_dir)
+    said = []
+    stale = [p for d in (run_dir, run_dir / "checkpoints") for pattern in (".*.tmp", ".*.tmp-*") for p in d.glob(pattern)]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    if stale:
+        said.append(f"removed {len(stale)} temporary file(s) left by an interrupted write: {', '.join(p.name for p in stale)}")
+    status = read_status(run_dir)
+    if status.get("state") == "running":
+        details = {k: v for k, v in status.items() if k not in ("state", "time")}
+        write_status(run_dir, "interrupted", reason="its process ended without a final status (killed, or the machine went down)", **details)
+        said.append(f"{run_dir}: status.json said running but its process is gone: marked interrupted")
+    return said
+
+
+def _read(run_dir: Path) -> dict:
+    try:
+        return json.loads((Path(run_dir) / OWNER).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _pid_alive(info: dict) -> bool:
+    """Where locks are not available: a process of that pid on this host is running (on another host: assume so)."""
+    if not info:
+        return False
+    if info.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(info["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError, KeyError):
+        return True
+    return True
+
+
+def _busy(run_dir: Path) -> OutputError:
+    who = _read(run_dir)
+    since = f", started {who['started']}" if who.get("started") else ""
+    return OutputError(
+        f"{run_dir} belongs to a run that is still going (pid {who.get('pid', '?')} on {who.get('host', '?')}{since}): "
+        f"wait for it or stop it, or choose another hydra.run.dir"
+    )

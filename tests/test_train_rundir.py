@@ -1,0 +1,90 @@
+"""Run directories: claimed atomically, owned while a run is live, cleaned up when taken over."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_train_resume import make_run
+
+from rptrain.train import rundir
+from rptrain.train.errors import OutputError
+from rptrain.train.resume import resolve_resume
+from rptrain.train.status import read_status, write_status
+
+
+def _claim(args):
+    path, barrier = args
+    barrier.wait()  # every process at the starting line, then all claim the same name at once
+    return str(rundir.claim_new(path))
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path):
+    path = tmp_path / "outputs" / "2026-01-31" / "14-02-11"
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Manager() as manager:
+        barrier = manager.Barrier(4)
+        with ctx.Pool(4) as pool:
+            claimed = pool.map(_claim, [(path, barrier)] * 4)
+    assert sorted(claimed) == [str(path)] + [f"{path}-{i}" for i in (1, 2, 3)]
+    again = rundir.claim_new(path)  # in this process too
+    assert again.name == "14-02-11-4" and json.loads((again / rundir.OWNER).read_text())["pid"] == os.getpid()
+    rundir.release(again)
+
+
+# Another rptrain process as far as the owner file is concerned: the same lock, the same record.
+HOLDER = """
+import fcntl, json, os, socket, sys, time
+fd = os.open(sys.argv[1] + "/.owner", os.O_RDWR | os.O_CREAT)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+print("holding", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def live_run(tmp_path):
+    """A run directory with a checkpoint, owned by a live process; yields (run, process)."""
+    run = make_run(tmp_path / "outputs", "2026-01-31/14-02-11", ["a=1"])
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "holding"
+    yield run, proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_live_run_keeps_its_directory(tmp_path, live_run):
+    run, proc = live_run
+    assert rundir.live_owner(run)["pid"] == proc.pid
+    with pytest.raises(OutputError, match=f"still going \\(pid {proc.pid} on "):
+        rundir.own(run)
+    # trainer.resume=auto does not pick it: this command starts fresh instead of sharing the directory.
+    assert resolve_resume("auto", tmp_path / "outputs", None, ["a=1"]).path is None
+
+    proc.send_signal(signal.SIGKILL)  # kill -9: no cleanup, yet the lock goes with the process
+    proc.wait()
+    assert rundir.live_owner(run) is None
+    assert resolve_resume("auto", tmp_path / "outputs", None, ["a=1"]).run_dir == run.absolute()
+    rundir.own(run)
+    assert rundir.live_owner(run)["pid"] == os.getpid() and rundir.owned_elsewhere(run) is None
+    rundir.release(run)
+
+
+def test_take_over_cleans_up_after_a_killed_run(tmp_path):
+    run = make_run(tmp_path, "run", ["a=1"])
+    write_status(run, "running")
+    stale = [run / "checkpoints" / ".step-00000008.pt.4242.deadbeef.tmp", run / ".status.json.tmp-4242", run / ".metrics.csv.tmp"]
+    for p in stale:
+        p.write_bytes(b"half")
+    notes = rundir.take_over(run)
+    assert not any(p.exists() for p in stale) and (run / "checkpoints" / "step-00000004.pt").is_file()
+    assert read_status(run)["state"] == "interrupted" and "process ended" in read_status(run)["reason"]
+    assert len(notes) == 2 and "3 temporary file(s)" in notes[0] and "marked interrupted" in notes[1]
+    write_status(run, "completed")
+    assert rundir.take_over(run) == [] and read_status(run)["state"] == "completed"
