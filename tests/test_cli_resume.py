@@ -27,7 +27,7 @@ def test_resumed_run_reproduces_the_straight_run(tmp_path):
     resumed = tmp_path / "resumed"
     proc = rptrain([*RESUME, "trainer.max_steps=10", f"trainer.resume={short}", f"hydra.run.dir={resumed}"], cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)
-    assert f"resumed from {short / 'checkpoints' / 'last.pt'} at step 4" in proc.stdout
+    assert f"resumed from {short / 'checkpoints' / 'step-00000004.pt'} at step 4" in proc.stdout
 
     a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
     la, lb = train_losses(a), train_losses(b)
@@ -40,7 +40,7 @@ def test_resumed_run_reproduces_the_straight_run(tmp_path):
     first_epoch = lambda records: next(r for r in records if r["kind"] == "epoch")  # noqa: E731
     assert first_epoch(b)["train_loss"] == pytest.approx(first_epoch(a)["train_loss"], abs=1e-6)
     summary = json.loads((resumed / "summary.json").read_text())
-    assert summary["resumed_from"] == str(short / "checkpoints" / "last.pt") and summary["steps"] == 10
+    assert summary["resumed_from"] == str(short / "checkpoints" / "step-00000004.pt") and summary["steps"] == 10
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
@@ -97,11 +97,19 @@ def test_preemption_through_the_slurm_recipe_then_requeue_resumes(tmp_path):
 
     again = subprocess.run(recipe, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, explain(again)
-    [second] = [d for d in _run_dirs(tmp_path) if d != run]
-    summary = json.loads((second / "summary.json").read_text())
-    assert summary["resumed_from"] == str((run / "checkpoints" / "last.pt").absolute())
+    assert _run_dirs(tmp_path) == [run]  # continued in its own directory
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] == str(run / "checkpoints" / f"step-{stopped_at:08d}.pt")
     assert summary["steps"] == 160 and summary["epochs"] == 1
-    assert sorted(train_losses(read_jsonl(second / "metrics.jsonl"))) == list(range(1, 161))
+    assert sorted(train_losses(read_jsonl(run / "metrics.jsonl"))) == list(range(1, 161))  # the whole history, once
+    assert json.loads((run / "status.json").read_text())["state"] == "completed"
+
+    # A finished run started again says so and writes nothing.
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    done = subprocess.run(recipe, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, explain(done)
+    assert done.stdout.strip().splitlines()[-1] == f"rptrain: {run} already completed this run (step 160): nothing to do", explain(done)
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before and _run_dirs(tmp_path) == [run]
 
 
 def test_sigint_stops_with_130_and_a_checkpoint(tmp_path):

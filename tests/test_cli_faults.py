@@ -1,0 +1,158 @@
+"""Faults during a run, injected into a tiny CLI run: a NaN loss, a full disk, a second signal
+in the optimizer step or in a checkpoint write. Each ends with one line, the right exit code and
+status, and the previous checkpoint intact and verified.
+
+The first two run the entry point in this process (the fault is a monkeypatch); a second signal
+ends the process on purpose, so those runs are subprocesses.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_cli_helpers import TEST_ENV, TINY, error_lines, explain, read_jsonl
+
+from rptrain.cli.main import main
+from rptrain.train import checkpoint as ckpt
+
+RUN = [*TINY, "trainer.max_steps=6", "trainer.checkpoint_interval=2"]
+
+
+def run_main(args: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        main(args)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def status(run) -> dict:
+    return json.loads((run / "status.json").read_text())
+
+
+def intact(run, step: int) -> None:
+    """The checkpoint of `step` is the newest, verifies, and no temporary file is left."""
+    files = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert files[-1] == f"step-{step:08d}.pt" and not [f for f in files if f.endswith(".tmp")], files
+    assert ckpt.load_checkpoint(run / "checkpoints" / "last.pt")["progress"]["step"] == step
+
+
+@pytest.fixture
+def nan_at_step_3(monkeypatch):
+    """The training loss of the third step is NaN (and so are its gradients); evaluation is untouched."""
+    real, calls = torch.nn.functional.cross_entropy, [0]
+
+    def cross_entropy(*args, **kwargs):
+        loss = real(*args, **kwargs)
+        if torch.is_grad_enabled():
+            calls[0] += 1
+            if calls[0] == 3:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", cross_entropy)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+
+
+def test_nan_loss_stops_with_one_line_and_keeps_the_checkpoint(tmp_path, nan_at_step_3, capsys):
+    run = tmp_path / "stop"
+    code, out, err = run_main([*RUN, f"hydra.run.dir={run}"], capsys)
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1, (code, err)
+    assert "the training loss is nan at step 3" in lines[0] and "trainer.on_nonfinite=skip" in lines[0]
+    assert "last checkpoint (step 2" in lines[0]
+    assert status(run)["state"] == "failed" and not (run / "summary.json").exists()
+    intact(run, 2)
+
+
+def test_nan_loss_skipped_leaves_the_weights_finite(tmp_path, nan_at_step_3, capsys):
+    run = tmp_path / "skip"
+    code, out, err = run_main([*RUN, "trainer.on_nonfinite=skip", f"hydra.run.dir={run}"], capsys)
+    assert code == 0, err
+    assert "step 3: the loss is nan: this step's update is skipped" in out
+    train = {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"}
+    assert sorted(train) == [1, 2, 4, 5, 6] and all(v is not None for v in train.values())  # a NaN update would poison every later step
+    summary = json.loads((run / "summary.json").read_text())
+    assert all(v == v for v in summary["final"].values())  # no NaN
+    intact(run, 6)
+
+
+def test_full_disk_during_a_run(tmp_path, monkeypatch, capsys):
+    """The disk fills up while the step-4 checkpoint is written: one line naming that file and
+    ENOSPC (not torch's "enforce fail ... unexpected pos"), status failed, step 2's checkpoint kept."""
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            if "step-00000004" in self.f.name and self.f.tell() > 1000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def flush(self):
+            self.f.flush()
+
+    real_init = ckpt._Writer.__init__
+    monkeypatch.setattr(ckpt._Writer, "__init__", lambda self, f: real_init(self, FullDisk(f)))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    run = tmp_path / "full"
+    code, out, err = run_main([*RUN, f"hydra.run.dir={run}"], capsys)
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1, err
+    assert f"cannot write checkpoint {run / 'checkpoints' / 'step-00000004.pt'}: No space left on device (ENOSPC)" in lines[0]
+    assert "the previous checkpoint is kept" in lines[0] and "enforce" not in err
+    assert status(run)["state"] == "failed" and "No space left" in status(run)["error"]
+    intact(run, 2)
+
+
+# A second signal, delivered from inside the optimizer step or a checkpoint write (the first one
+# arrives just before): the process stops there, without a traceback.
+SECOND_SIGNAL = """
+import os, signal, sys
+import torch
+from rptrain.optim import Adam
+from rptrain.train import checkpoint
+
+where = sys.argv[1]
+def signals():
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGINT)
+
+if where == "optimizer":
+    real_step, calls = Adam.step, [0]
+    def step(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            signals()
+        return real_step(self, *args, **kwargs)
+    Adam.step = step
+else:
+    real_save = torch.save
+    def save(obj, f, *args, **kwargs):
+        if "step-00000004" in f.f.name:
+            f.write(b"the first bytes of a checkpoint")
+            signals()
+        return real_save(obj, f, *args, **kwargs)
+    checkpoint.torch.save = save
+
+from rptrain.cli.main import main
+main(sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize("where", ["optimizer", "checkpoint"])
+def test_a_second_signal_stops_at_once(tmp_path, where):
+    run = tmp_path / where
+    proc = subprocess.run([sys.executable, "-c", SECOND_SIGNAL, where, *RUN, f"hydra.run.dir={run}"],
+                          cwd=tmp_path, env=TEST_ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130, explain(proc)
+    assert "second signal, stopping now" in proc.stderr and "Traceback" not in proc.stderr, explain(proc)
+    s = status(run)
+    assert s["state"] == "interrupted" and s["signal"] == "SIGINT" and "resume" in s
+    intact(run, 2)
