@@ -22,6 +22,13 @@
 # transport). A dead or hung rank ends the run after dist.timeout_s (default 600 s) with a one-line
 # error on the others; srun --kill-on-bad-exit ends the whole step when one node's torchrun fails.
 #
+# A frozen node that hosts torchrun's rendezvous store (the first node): the ranks elsewhere fail their
+# collective after dist.timeout_s and exit; their torchrun agents notice on their own, since every store
+# call (the agent checks the rendezvous every 0.1 s, heartbeats every 5 s) gives up after RDZV_READ_TIMEOUT
+# (30 s here; torch's default 60 s), and closing the rendezvous then takes at most RDZV_CLOSE_TIMEOUT (15 s)
+# plus one more store call. So the job ends within dist.timeout_s + 120 s (two store calls, the close, and
+# srun's kill), not minutes later. RDZV_JOIN_TIMEOUT bounds the wait for every node at the start (600 s).
+#
 #SBATCH --job-name=rptrain-multinode
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -50,7 +57,8 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
   head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
   # One torchrun per node (ntasks-per-node=1); c10d rendezvous on the first node.
   launch=(srun --kill-on-bad-exit=1 $TORCHRUN --nnodes "$SLURM_NNODES" --nproc-per-node "$NPROC_PER_NODE"
-          --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head:$PORT" --max-restarts 0)
+          --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head:$PORT" --max-restarts 0
+          --rdzv-conf "join_timeout=${RDZV_JOIN_TIMEOUT:-600},read_timeout=${RDZV_READ_TIMEOUT:-30},close_timeout=${RDZV_CLOSE_TIMEOUT:-15}")
   args=(model="$MODEL" data="$DATA" precision=bf16 trainer.batch_size="$BATCH"
         hydra.run.dir="outputs/slurm-${SLURM_JOB_ID}")  # a requeued job keeps its id: one directory for all attempts
 else

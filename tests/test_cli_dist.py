@@ -146,7 +146,7 @@ def _steps_logged(run_root: Path) -> int:
 def test_slurm_multinode_recipe_as_plain_bash_stops_on_sigterm_and_resumes_on_one_rank(tmp_path):
     """recipes/slurm_multinode.sh without SLURM: torchrun --standalone with 2 CPU processes. SIGTERM to
     the batch shell reaches every rank through torchrun; rank 0 checkpoints, the recipe exits 143; run
-    again (a requeue) with one process per node, it resumes from that checkpoint (trainer.resume=auto)."""
+    again (a requeue) with one process per node, it resumes from that checkpoint in the same run directory (trainer.resume=auto)."""
     recipe = ["bash", str(ROOT / "recipes" / "slurm_multinode.sh"), "model.dim=32", "data.seq_len=32", "data.vocab_size=64",
               "data.num_train=4096", "data.num_val=16", "trainer.max_steps=120", "trainer.log_interval=1", "trainer.progress=false"]
     (tmp_path / "scratch").mkdir()
@@ -169,11 +169,11 @@ def test_slurm_multinode_recipe_as_plain_bash_stops_on_sigterm_and_resumes_on_on
 
     again = subprocess.run(recipe, cwd=tmp_path, env={**env, "NPROC_PER_NODE": "1"}, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, explain(again)
-    [second] = [p.parent for p in tmp_path.glob("outputs/*/*/.hydra") if p.parent != run]
-    summary = json.loads((second / "summary.json").read_text())
-    assert summary["resumed_from"] == str((run / "checkpoints" / "last.pt").absolute())
+    assert [p.parent for p in tmp_path.glob("outputs/*/*/.hydra")] == [run]  # continued in its own directory
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] == str((run / "checkpoints" / f"step-{stopped_at:08d}.pt").absolute())
     assert summary["steps"] == 120 and summary["world_size"] == 1
-    assert sorted(train_losses(read_jsonl(second / "metrics.jsonl"))) == list(range(1, 121))
+    assert sorted(train_losses(read_jsonl(run / "metrics.jsonl"))) == list(range(1, 121))
 
 
 # ----------------------------------------------------------------------------- in-process pieces
