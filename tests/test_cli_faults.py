@@ -7,7 +7,6 @@ ends the process on purpose, so those runs are subprocesses.
 """
 from __future__ import annotations
 
-import errno
 import json
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import sys
 import pytest
 import torch
 from test_cli_helpers import TEST_ENV, TINY, error_lines, explain, read_jsonl
+from test_train_checkpoint import full_disk
 
 from rptrain.cli.main import main
 from rptrain.train import checkpoint as ckpt
@@ -86,20 +86,7 @@ def test_nan_loss_skipped_leaves_the_weights_finite(tmp_path, nan_at_step_3, cap
 def test_full_disk_during_a_run(tmp_path, monkeypatch, capsys):
     """The disk fills up while the step-4 checkpoint is written: one line naming that file and
     ENOSPC (not torch's "enforce fail ... unexpected pos"), status failed, step 2's checkpoint kept."""
-    class FullDisk:
-        def __init__(self, f):
-            self.f = f
-
-        def write(self, data):
-            if "step-00000004" in self.f.name and self.f.tell() > 1000:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return self.f.write(data)
-
-        def flush(self):
-            self.f.flush()
-
-    real_init = ckpt._Writer.__init__
-    monkeypatch.setattr(ckpt._Writer, "__init__", lambda self, f: real_init(self, FullDisk(f)))
+    full_disk(monkeypatch, lambda f: "step-00000004" in f.name and f.tell() > 1000)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     run = tmp_path / "full"
     code, out, err = run_main([*RUN, f"hydra.run.dir={run}"], capsys)

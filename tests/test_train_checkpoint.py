@@ -41,17 +41,15 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 
 
-def test_a_full_disk_is_one_line_naming_the_file_and_the_cause(tmp_path, monkeypatch):
-    """torch.save turns the file's OSError into "enforce fail ... unexpected pos": the error names ENOSPC instead."""
-    directory = tmp_path / "checkpoints"
-    ckpt.save_rotating(directory, {"w": torch.zeros(1000)}, 4, keep=2)
+def full_disk(monkeypatch, full) -> None:
+    """Checkpoint files whose writes fail with ENOSPC once `full(file)` says the disk is full."""
 
-    class FullDisk:  # the checkpoint file, on a disk that fills up after the first 100 bytes
+    class FullDisk:
         def __init__(self, f):
             self.f = f
 
         def write(self, data):
-            if self.f.tell() > 100:
+            if full(self.f):
                 raise OSError(errno.ENOSPC, "No space left on device")
             return self.f.write(data)
 
@@ -60,6 +58,14 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_cause(tmp_path, monkeyp
 
     real_init = ckpt._Writer.__init__
     monkeypatch.setattr(ckpt._Writer, "__init__", lambda self, f: real_init(self, FullDisk(f)))
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_the_cause(tmp_path, monkeypatch):
+    """torch.save turns the file's OSError into "enforce fail ... unexpected pos": the error names ENOSPC instead."""
+    directory = tmp_path / "checkpoints"
+    ckpt.save_rotating(directory, {"w": torch.zeros(1000)}, 4, keep=2)
+
+    full_disk(monkeypatch, lambda f: f.tell() > 100)
     with pytest.raises(OutputError) as info:
         ckpt.save_rotating(directory, {"w": torch.ones(1000)}, 8, keep=2)
     message = str(info.value)
