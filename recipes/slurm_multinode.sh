@@ -23,11 +23,13 @@
 # error on the others; srun --kill-on-bad-exit ends the whole step when one node's torchrun fails.
 #
 # A frozen node that hosts torchrun's rendezvous store (the first node): the ranks elsewhere fail their
-# collective after dist.timeout_s and exit; their torchrun agents notice on their own, since every store
-# call (the agent checks the rendezvous every 0.1 s, heartbeats every 5 s) gives up after RDZV_READ_TIMEOUT
-# (30 s here; torch's default 60 s), and closing the rendezvous then takes at most RDZV_CLOSE_TIMEOUT (15 s)
-# plus one more store call. So the job ends within dist.timeout_s + 120 s (two store calls, the close, and
-# srun's kill), not minutes later. RDZV_JOIN_TIMEOUT bounds the wait for every node at the start (600 s).
+# collective after dist.timeout_s and exit with one line, but their torchrun can stay blocked in a store
+# call for good (torch 2.14: the agent's rendezvous check ignored read_timeout once the store host stopped,
+# seen with SIGSTOP). So torchrun runs under node_launch below, which stops it RANKS_GONE_GRACE seconds
+# (default 120) after its last rank ended; srun --kill-on-bad-exit then ends the other nodes. The job
+# therefore ends within dist.timeout_s + RANKS_GONE_GRACE + a few seconds (dist.timeout_s + 130 s by
+# default). The store calls themselves are bounded too (--rdzv-conf read_timeout=30, close_timeout=15;
+# torch's defaults are 60 and 30 s), and RDZV_JOIN_TIMEOUT (600 s) bounds the wait for every node at start.
 #
 #SBATCH --job-name=rptrain-multinode
 #SBATCH --nodes=2
@@ -49,6 +51,26 @@ PORT=${PORT:-29500}
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-240}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 
+# torchrun on this node, stopped if it outlives its ranks by RANKS_GONE_GRACE seconds (see the top).
+node_launch() {
+  "$@" &
+  local pid=$! seen=0 idle=0 rc=0
+  trap 'kill -TERM $pid 2>/dev/null' TERM
+  trap 'kill -INT $pid 2>/dev/null' INT
+  while kill -0 "$pid" 2>/dev/null; do
+    # A rank still running (a finished one stays a zombie while torchrun is blocked and does not reap it).
+    if ps -o stat= --ppid "$pid" | grep -qv '^Z'; then seen=1 idle=0; elif ((seen)); then idle=$((idle + 1)); fi
+    if ((idle > ${RANKS_GONE_GRACE:-120})); then
+      echo "slurm_multinode: torchrun on $(hostname) still runs ${RANKS_GONE_GRACE:-120} s after its ranks ended: stopping it" >&2
+      kill -KILL "$pid" 2>/dev/null
+    fi
+    sleep 1 & wait $! || true
+  done
+  wait "$pid" || rc=$?
+  return $rc
+}
+export -f node_launch  # srun runs it on every node through bash -c
+
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then
   MODEL=${MODEL:-llama_1b}
   DATA=${DATA:-text}
@@ -56,7 +78,7 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
   NPROC_PER_NODE=${NPROC_PER_NODE:-1}
   head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
   # One torchrun per node (ntasks-per-node=1); c10d rendezvous on the first node.
-  launch=(srun --kill-on-bad-exit=1 $TORCHRUN --nnodes "$SLURM_NNODES" --nproc-per-node "$NPROC_PER_NODE"
+  launch=(srun --kill-on-bad-exit=1 bash -c 'node_launch "$@"' node_launch $TORCHRUN --nnodes "$SLURM_NNODES" --nproc-per-node "$NPROC_PER_NODE"
           --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head:$PORT" --max-restarts 0
           --rdzv-conf "join_timeout=${RDZV_JOIN_TIMEOUT:-600},read_timeout=${RDZV_READ_TIMEOUT:-30},close_timeout=${RDZV_CLOSE_TIMEOUT:-15}")
   args=(model="$MODEL" data="$DATA" precision=bf16 trainer.batch_size="$BATCH"
@@ -67,7 +89,7 @@ else
   BATCH=${BATCH:-16}
   NPROC_PER_NODE=${NPROC_PER_NODE:-2}
   export OMP_NUM_THREADS=1  # two processes on a small machine
-  launch=($TORCHRUN --standalone --nproc-per-node "$NPROC_PER_NODE")
+  launch=(node_launch $TORCHRUN --standalone --nproc-per-node "$NPROC_PER_NODE")
   args=(model="$MODEL" data="$DATA" precision=fp32 trainer.batch_size="$BATCH" trainer.max_steps=40
         data.num_train=1024 data.seq_len=64 trainer.log_interval=10)
 fi

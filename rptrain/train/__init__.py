@@ -10,12 +10,13 @@
   tasks.py       one training step and one evaluation, for classifiers and language models
   loop.py        Trainer: the loop, evaluation, checkpoints, resume
   meters.py      running sums and the run's position
-  checkpoint.py  atomic checkpoint files; resume.py: which checkpoint trainer.resume means
+  checkpoint.py  atomic, checksummed checkpoint files, keep-last-N; resume.py: which checkpoint trainer.resume means
+  rundir.py      each run claims its own directory and owns it (lock) while it runs
   metrics.py     metrics.jsonl / metrics.csv; plots.py: curves.png; console.py: tree, bar, lines
   signals.py     SIGTERM/SIGINT -> checkpoint and stop; status.py: status.json
   dist.py        under torchrun: the process group, the trainer's small collectives, failed peers
   sweep.py       Hydra callback writing the sweep summary
-  errors.py      ConfigError, CheckpointError: user errors, printed as one line (exit code 2)
+  errors.py      ConfigError, CheckpointError, OutputError, NonFiniteLoss: user errors, printed as one line (exit code 2)
 """
 from .errors import USER_ERRORS, CheckpointError, ConfigError
 from .loop import Trainer
