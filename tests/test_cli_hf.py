@@ -7,10 +7,9 @@ import json
 import shutil
 
 import pytest
+import transformers  # the reference (dev extra)
 from test_cli_errors import cli, expect_error  # noqa: F401  (cli is a fixture)
 from test_cli_helpers import error_lines, explain, read_jsonl, rptrain
-
-transformers = pytest.importorskip("transformers")
 
 DATA = ["data=synthetic_tokens", "data.vocab_size=64", "data.num_train=16", "data.num_val=8", "data.seq_len=16",
         "trainer.batch_size=4", "trainer.max_steps=2", "trainer.log_interval=1", "precision=fp32"]
