@@ -116,7 +116,7 @@ def check_job(cfg: DictConfig, overrides: list[str], hydra_cfg: DictConfig, mult
         return None
     key, directory = ("hydra.sweep.dir", hydra_cfg.sweep.dir) if multirun else ("hydra.run.dir", hydra_cfg.run.dir)
     check_writable(Path(directory), key)
-    explicit = any(o.split("=", 1)[0] == key for o in hydra_cfg.overrides.hydra)
+    explicit = any(o.lstrip("+~").split("=", 1)[0] == key for o in hydra_cfg.overrides.hydra)
     run_dir: Optional[Path] = None if multirun else Path(hydra_cfg.run.dir)
     choice = resolve_resume(cfg.trainer.resume, Path(cfg.output_root), run_dir, overrides)
     if choice.path is not None:
