@@ -125,3 +125,38 @@ def test_sigint_stops_with_130_and_a_checkpoint(tmp_path):
     assert "SIGINT received" in err and "interrupted at step" in err and "Traceback" not in err
     assert (run / "checkpoints" / "last.pt").is_file()
     assert json.loads((run / "status.json").read_text())["signal"] == "SIGINT"
+
+
+def test_two_runs_in_the_same_second_then_kill_9_and_resume_in_place(tmp_path):
+    """Two runs started together get a directory each (neither shares metrics or checkpoints). One is
+    killed with SIGKILL mid-run: its status.json still says running and its lock is gone; the same
+    command with trainer.resume=auto continues in that directory, marks the dead run interrupted,
+    removes the temporary file of a write it cut short, and completes with the whole history."""
+    a = [*TINY, "data.num_train=2560", "trainer.max_steps=40", "trainer.checkpoint_interval=2"]
+    b = [*TINY, "trainer.max_steps=2", "trainer.seed=1"]
+    first, second = _start(a, tmp_path), _start(b, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not list(tmp_path.glob("outputs/*/*/checkpoints/step-00000002.pt")):
+            time.sleep(0.01)
+        first.kill()  # SIGKILL: no checkpoint, no status, no cleanup
+        first.wait()
+        assert second.wait(timeout=120) == 0, second.communicate()
+    finally:
+        first.kill()
+        second.kill()
+    runs = _run_dirs(tmp_path)
+    assert len(runs) == 2, runs
+    [killed] = [r for r in runs if not (r / "summary.json").exists()]
+    assert json.loads((killed / "status.json").read_text())["state"] == "running"
+    (killed / "checkpoints" / ".step-00000004.pt.99999.0123abcd.tmp").write_bytes(b"cut short")
+
+    proc = rptrain([*a, "trainer.resume=auto"], cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert _run_dirs(tmp_path) == runs  # no third directory
+    assert "status.json said running but its process is gone: marked interrupted" in proc.stdout, explain(proc)
+    assert "removed 1 temporary file(s)" in proc.stdout
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["resumed_from"].startswith(str(killed / "checkpoints" / "step-"))
+    assert sorted(train_losses(read_jsonl(killed / "metrics.jsonl"))) == list(range(1, 41))
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["last.pt", "step-00000038.pt", "step-00000040.pt"]
