@@ -7,6 +7,7 @@ ends the process on purpose, so those runs are subprocesses.
 """
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
@@ -142,4 +143,26 @@ def test_a_second_signal_stops_at_once(tmp_path, where):
     assert "second signal, stopping now" in proc.stderr and "Traceback" not in proc.stderr, explain(proc)
     s = status(run)
     assert s["state"] == "interrupted" and s["signal"] == "SIGINT" and "resume" in s
+    intact(run, 2)
+
+
+def test_unwritable_metrics_during_a_run(tmp_path, monkeypatch, capsys):
+    """Any other write of the run directory that fails (here metrics.jsonl at step 3): one line naming the file and the cause."""
+    from rptrain.train import metrics
+
+    real_add = metrics.MetricsLog.add
+
+    def add(self, kind, **values):
+        if values.get("step") == 3:
+            raise OSError(errno.EROFS, "Read-only file system", str(self.jsonl))
+        return real_add(self, kind, **values)
+
+    monkeypatch.setattr(metrics.MetricsLog, "add", add)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    run = tmp_path / "ro"
+    code, out, err = run_main([*RUN, f"hydra.run.dir={run}"], capsys)
+    lines = error_lines(err)
+    assert code == 2 and lines == [f"rptrain: error: cannot write {run / 'metrics.jsonl'}: Read-only file system: "
+                                   "free some space or make it writable, or set output_root elsewhere"], err
+    assert status(run)["state"] == "failed"
     intact(run, 2)
