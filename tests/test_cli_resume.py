@@ -137,7 +137,7 @@ def test_two_runs_in_the_same_second_then_kill_9_and_resume_in_place(tmp_path):
     first, second = _start(a, tmp_path), _start(b, tmp_path)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not list(tmp_path.glob("outputs/*/*/checkpoints/step-00000002.pt")):
+        while time.monotonic() < deadline and not list(tmp_path.glob("outputs/*/*/checkpoints/step-00000004.pt")):  # the first's
             time.sleep(0.01)
         first.kill()  # SIGKILL: no checkpoint, no status, no cleanup
         first.wait()
@@ -149,7 +149,7 @@ def test_two_runs_in_the_same_second_then_kill_9_and_resume_in_place(tmp_path):
     assert len(runs) == 2, runs
     [killed] = [r for r in runs if not (r / "summary.json").exists()]
     assert json.loads((killed / "status.json").read_text())["state"] == "running"
-    (killed / "checkpoints" / ".step-00000004.pt.99999.0123abcd.tmp").write_bytes(b"cut short")
+    (killed / "checkpoints" / ".step-00000099.pt.99999.0123abcd.tmp").write_bytes(b"cut short")
 
     proc = rptrain([*a, "trainer.resume=auto"], cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)

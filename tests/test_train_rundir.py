@@ -87,3 +87,16 @@ def test_take_over_cleans_up_after_a_killed_run(tmp_path):
     assert len(notes) == 2 and "3 temporary file(s)" in notes[0] and "marked interrupted" in notes[1]
     write_status(run, "completed")
     assert rundir.take_over(run) == [] and read_status(run)["state"] == "completed"
+
+
+def test_where_a_run_goes(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    write_status(old, "interrupted")
+    assert rundir.plan("hydra.run.dir", new, False, None) == rundir.Place("hydra.run.dir", new, "new")
+    assert rundir.plan("hydra.run.dir", new, False, old) == rundir.Place("hydra.run.dir", old, "resume")  # continues in place
+    assert rundir.plan("hydra.run.dir", new, True, old) == rundir.Place("hydra.run.dir", new, "given")  # the command line decides
+    write_status(old, "completed", step=40)
+    with pytest.raises(rundir.AlreadyCompleted, match=f"{old} already completed this run \\(step 40\\): nothing to do"):
+        rundir.plan("hydra.run.dir", new, False, old)
+    assert rundir.plan("hydra.run.dir", new, True, old).how == "given"  # another directory was asked for: train there

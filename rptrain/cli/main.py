@@ -26,7 +26,6 @@ from omegaconf.errors import OmegaConfBaseException
 from rptrain.data import DataError
 from rptrain.train import dist, rundir
 from rptrain.train.errors import USER_ERRORS
-from rptrain.train.resume import AlreadyCompleted
 from rptrain.train.schema import register_configs
 
 from .errors import describe
@@ -47,7 +46,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         rank = dist.rank()
         place = preflight(argv)
         claimed = rundir.claim(place) if place is not None else None  # a directory of its own, before Hydra makes one
-    except AlreadyCompleted as done:
+    except rundir.AlreadyCompleted as done:
         print(f"rptrain: {done}", flush=True)
         raise SystemExit(0)
     except (*USER_ERRORS, HydraException, OmegaConfBaseException) as err:

@@ -33,9 +33,8 @@ from rptrain.train.checkpoint import load_checkpoint
 from rptrain.train.errors import ConfigError
 from rptrain.train.model import LM, build_model, fingerprint, model_kind
 from rptrain.train.precision import torch_dtype
-from rptrain.train.resume import AlreadyCompleted, check_resume_state, resolve_resume
-from rptrain.train.rundir import Place
-from rptrain.train.status import read_status
+from rptrain.train.resume import check_resume_state, resolve_resume
+from rptrain.train.rundir import Place, plan
 from rptrain.train.run_config import build_run_config
 from rptrain.train.validate import check_inputs, check_writable, validate_config
 
@@ -122,13 +121,7 @@ def check_job(cfg: DictConfig, overrides: list[str], hydra_cfg: DictConfig, mult
     if choice.path is not None:
         state = load_checkpoint(choice.path, fingerprint(cfg.model.name, model))
         check_resume_state(choice.path, state, cfg)
-    if not multirun and choice.run_dir is not None and (not explicit or choice.run_dir == Path(directory).absolute()):
-        status = read_status(choice.run_dir)
-        if status.get("state") == "completed":
-            raise AlreadyCompleted(f"{choice.run_dir} already completed this run (step {status.get('step')}): nothing to do")
-        if not explicit:  # continue in the run's own directory
-            return Place(key, choice.run_dir, "resume")
-    return Place(key, Path(directory), "given" if explicit else "new")
+    return plan(key, Path(directory), explicit, None if multirun else choice.run_dir)
 
 
 def _data_vocab(cfg: DictConfig) -> Optional[int]:

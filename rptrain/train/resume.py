@@ -37,10 +37,6 @@ class Choice:
         return f"{'; '.join(self.skipped)}: resuming from the newest checkpoint that verifies, {self.path}"
 
 
-class AlreadyCompleted(Exception):
-    """trainer.resume=auto found this run finished: there is nothing to do."""
-
-
 def job_key(overrides: Iterable[str]) -> tuple[str, ...]:
     """The overrides that identify a run: all but trainer.resume, in a canonical order."""
     return tuple(sorted(o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "trainer.resume"))

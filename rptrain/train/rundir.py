@@ -38,6 +38,22 @@ class Place:
     how: str  # "new": claim a fresh directory (suffixed if taken); "resume": continue in it; "given": on the command line
 
 
+class AlreadyCompleted(Exception):
+    """trainer.resume=auto found this run finished: there is nothing to do."""
+
+
+def plan(key: str, directory: Path, given: bool, resumed: Optional[Path]) -> Place:
+    """Where a run goes: `resumed` (the run trainer.resume=auto continues) unless the command line gives
+    the directory, else `directory` as given or a new one. A resumed run that completed: AlreadyCompleted."""
+    if resumed is not None and (not given or Path(resumed) == Path(directory).absolute()):
+        status = read_status(resumed)
+        if status.get("state") == "completed":
+            raise AlreadyCompleted(f"{resumed} already completed this run (step {status.get('step')}): nothing to do")
+        if not given:
+            return Place(key, Path(resumed), "resume")
+    return Place(key, Path(directory), "given" if given else "new")
+
+
 CLAIMED: set[str] = set()  # overrides added by claim(): not part of the command a user re-runs
 
 
