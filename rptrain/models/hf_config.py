@@ -68,6 +68,7 @@ class _Fields:
 
     def fail(self, field: str, why: str) -> HFModelError:
         value = json.dumps(self.raw.get(field)) if field in self.raw else "(absent)"
+        value = value if len(value) <= 80 else value[:77] + "..."  # long_factor lists: keep the line short
         return HFModelError(f"{self.where}: {field}={value} ({self.family}): {why}")
 
     def get(self, field: str, default: Any = None) -> Any:
@@ -85,7 +86,7 @@ class _Fields:
 
     def zero(self, field: str) -> None:
         if self.get(field, 0.0) != 0:
-            raise self.fail(field, "dropout is not supported (rptrain trains deterministically): set it to 0.0 in config.json")
+            raise self.fail(field, "dropout is not supported: set it to 0.0 in config.json")
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
