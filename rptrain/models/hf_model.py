@@ -96,14 +96,16 @@ def load_hf_weights(model: nn.Sequential, path: Path, files: dict[str, Path], pl
 
 @register_model("hf")
 def build_hf(path: str, device: Device = None, dtype: torch.dtype | None = None, max_seq_len: int | None = None,
-             loss_chunk_tokens: int = 4096, vocab_size: int | None = None) -> nn.Sequential:
+             loss_chunk_tokens: int = 4096, attention: str = "sdpa", vocab_size: int | None = None) -> nn.Sequential:
     """The decoder of the folder `path`, with its weights (device="meta": checked, nothing loaded).
 
     max_seq_len None: config.json's max_position_embeddings. vocab_size (passed by the trainer) is
     the data's vocabulary, which the model's embedding must cover.
     """
+    if attention not in ("sdpa", "flex"):
+        raise HFModelError(f"model.attention={attention}: use sdpa or flex")
     folder = Path(path).expanduser()
-    cfg = decoder_config(read_config_json(folder), f"{folder / 'config.json'}", max_seq_len, loss_chunk_tokens)
+    cfg = decoder_config(read_config_json(folder), f"{folder / 'config.json'}", max_seq_len, loss_chunk_tokens, attention)
     if vocab_size is not None and vocab_size > cfg.vocab_size:
         raise HFModelError(f"model.path={path}: the data's tokenizer has {vocab_size} tokens but the model embeds "
                            f"{cfg.vocab_size}: use the folder's own tokenizer")
