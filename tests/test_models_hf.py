@@ -107,9 +107,12 @@ def test_matches_transformers(saved, name):
     assert (ours[-1].lm_head.weight is ours[0].embed_tokens.weight) == tied
 
 
-# A tied, a soft-capped and a fused family, each under two plans (stage cuts differ forward/backward).
-@pytest.mark.parametrize("name", ["qwen2", "gemma2", "phi3"])
-@pytest.mark.parametrize("plan", [ExecutePlan.from_cuts(4, [3], [1, 3]), ExecutePlan.from_cuts(4, [1, 2], [2])], ids=["a", "b"])
+# A tied, a soft-capped and a fused family under two plans whose backward stages differ from the forward ones.
+PLAN_A, PLAN_B = ExecutePlan.from_cuts(4, [3], [1, 3]), ExecutePlan.from_cuts(4, [1, 2], [2])
+
+
+@pytest.mark.parametrize("name, plan", [("qwen2", PLAN_A), ("gemma2", PLAN_B), ("phi3", PLAN_A), ("phi3", PLAN_B)],
+                         ids=["qwen2-a", "gemma2-b", "phi3-a", "phi3-b"])
 def test_through_the_engine(saved, name, plan):
     folder, _ = saved(name)
     model = build_model("hf", path=str(folder))
