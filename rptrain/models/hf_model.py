@@ -107,8 +107,8 @@ def build_hf(path: str, device: Device = None, dtype: torch.dtype | None = None,
     folder = Path(path).expanduser()
     cfg = decoder_config(read_config_json(folder), f"{folder / 'config.json'}", max_seq_len, loss_chunk_tokens, attention)
     if vocab_size is not None and vocab_size > cfg.vocab_size:
-        raise HFModelError(f"model.path={path}: the data's tokenizer has {vocab_size} tokens but the model embeds "
-                           f"{cfg.vocab_size}: use the folder's own tokenizer")
+        raise HFModelError(f"model.path={path}: the data has {vocab_size} token ids (its tokenizer or data.vocab_size) but "
+                           f"the model embeds {cfg.vocab_size}: use the folder's own tokenizer")
     model = build_decoder(cfg, "meta", dtype)
     files = weight_files(folder)
     plan = _plan(model, files, folder)
