@@ -262,10 +262,12 @@ class RoundPipe(nn.Module):
             if buffer is not None:
                 self._window = 1 - self._window
         else:
-            self._wait_version(version)
-            self._required = version
-            if buffer is not None and not buffer.free.is_set():
-                self._window = 1 - self._window
+            try:
+                self._wait_version(version)
+            finally:  # a failed step still wrote its version; the buffer its .grad holds stays out of use
+                self._required = version
+                if buffer is not None and not buffer.free.is_set():
+                    self._window = 1 - self._window
 
     def synchronize(self) -> None:
         """Wait for queued steps and make the compute copy equal to the master copy."""
@@ -281,13 +283,15 @@ class RoundPipe(nn.Module):
             ticket.wait()
 
     def close(self) -> None:
-        """Stop the optimizer thread and free device memory; the object is not usable afterwards."""
+        """Stop the optimizer thread and free device memory; the object is not usable afterwards.
+        Raises the error of a step nobody has seen fail yet."""
         self.wait_for_steps()
         self._optimizer_thread.close()
         self._executor.drop_resident()
         # Let go of the process group: one still referenced when the interpreter exits is torn
         # down after torch's globals, and its threads abort the process (seen with gloo).
         self._reducer = self._executor.reducer = None
+        self._raise_step_errors()
 
     # ----------------------------------------------------------------------------- state dicts
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
@@ -400,11 +404,21 @@ class RoundPipe(nn.Module):
             b.held = False
             b.free.set()
 
+    def _release(self, buffer: GradBuffer) -> None:
+        """Master gradients keep their values in their own memory; ``buffer`` is free again."""
+        for p in self._host.master_params:
+            if _same_storage(p.grad, buffer.flat):
+                p.grad = p.grad.clone()
+        buffer.held = False
+        buffer.free.set()
+
     def _open_window(self) -> GradBuffer:
         buffer = self._host.grad_buffer(self._window)
         if not self._window_open:
             while not buffer.free.wait(timeout=0.5):
                 self._raise_step_errors()
+                if not self._tickets:  # no step left that would let it go (one failed holding it)
+                    self._release(buffer)
             buffer.free.clear()
             buffer.reset()
             self._window_open = True
