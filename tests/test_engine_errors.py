@@ -59,7 +59,7 @@ def test_model_must_be_a_nonempty_sequential():
         ({"recompute_grain": "block"}, r"recompute_grain must be one of"),
         ({"requires_grad": "yes"}, r"requires_grad must be True, False or None"),
         ({"output_device": "gpu9"}, r"output_device must name a torch device"),
-        ({"split_input": 3}, r"split_input must be callable"),
+        ({"split_input": 3}, r"split_input must be callable or \(args_spec, kwargs_spec\)"),
         ({"execute_plan": [[0, 3]]}, r"execute_plan must be an ExecutePlan"),
     ],
 )

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from . import refresh
-from .batching import iter_tensors, map_tensors
+from .batching import iter_tensors, map_tensors, opaque_type
 from .device import Device
 from .graphs import StageGraphs, signature, worth_recording
 from .host import GradBuffer, HostState
@@ -47,6 +47,11 @@ def float_tensors(value: Any) -> list[Tensor]:
 
 def make_leaves(value: Any, requires_grad: bool) -> Any:
     """Cut ``value`` from any graph; floating tensors become leaves that collect gradients."""
+    if requires_grad and (hidden := opaque_type(value)) is not None:
+        raise TypeError(
+            f"a {hidden.__module__}.{hidden.__qualname__} passed between layers holds tensors the engine cannot see, so "
+            "no gradient would reach the layers before it: register the type with torch.utils._pytree.register_pytree_node"
+        )
     return map_tensors(lambda t: t.detach().requires_grad_(requires_grad and t.is_floating_point()), value)
 
 
@@ -433,7 +438,10 @@ class Executor:
         if not needs_input_grad:
             return None
         # A graph returns input gradients in memory its next replay overwrites.
-        return [t.grad if key is None or t.grad is None else t.grad.clone() for t in float_tensors(leaves)]
+        grads = [t.grad if key is None or t.grad is None else t.grad.clone() for t in float_tensors(leaves)]
+        if job.start == 0:
+            state.input_grads[micro] = grads
+        return grads
 
     def _backward(self, job: Job, modules: list, grads: Any, micro: int, state: PassState, device: Device) -> Any:
         with self._watch_grads(job, micro, state, eager=True):
