@@ -112,3 +112,143 @@ def test_unregistered_type_between_stages_raises_naming_it():
     cfg = RoundPipeRunConfig(num_microbatch=1, execute_plan=ExecutePlan.per_layer(3))
     with pytest.raises(TypeError, match="Unregistered.*register_pytree_node"):
         engine.forward_backward((x,), label=y, loss_fn=CE, run_config=cfg)
+
+
+def test_parameters_inside_the_step_function_are_the_master_ones():
+    """``clip_grad_norm_(model.parameters(), c)`` in a step function clips what the optimizer steps."""
+    engine, opt = make_engine(mlp())
+    ref = Reference(mlp())
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(engine.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+
+    for x, y in vector_batches(count=3):
+        engine.forward_backward((x,), label=y, loss_fn=CE, run_config=RoundPipeRunConfig(num_microbatch=2))
+        engine.step(step, is_async=False)
+        ref.forward_backward(x, y, 2, CE)
+        ref.step(before=lambda o: torch.nn.utils.clip_grad_norm_(ref.master.parameters(), 0.05))
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+    assert list(engine.optim_parameters()) == [p for g in opt.param_groups for p in g["params"]]
+
+
+class Scaled(nn.Module):
+    """Takes (x, scale): scale holds values for the whole batch, whatever its length."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, scale):
+        return self.lin(x) * scale.mean()
+
+
+class WithExtras(nn.Module):
+    """Returns logits, a 0-dim per-microbatch statistic and a constant tag."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, h):
+        out = self.lin(torch.relu(h))
+        return out, out.pow(2).mean(), "tag"
+
+
+def extras_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Scaled(), WithExtras())
+
+
+def weighted_ce(out, label):
+    logits = out[0] if isinstance(out, tuple) else out
+    y, class_weight = label
+    return nn.functional.cross_entropy(logits, y, weight=class_weight)
+
+
+def library_split(args, kwargs, n):
+    """The original library's contract: (args_list, kwargs_list)."""
+    x, scale = args
+    return [(c, scale) for c in x.chunk(n)], [dict(kwargs) for _ in range(n)]
+
+
+@pytest.mark.parametrize("split", ["spec", "function"])
+def test_chunk_specs_and_split_functions_train_like_pytorch(split):
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+    split_input = ((TensorChunkSpec(0), _Replicate), None) if split == "spec" else library_split
+    cfg = RoundPipeRunConfig(num_microbatch=2, split_input=split_input, split_label=(TensorChunkSpec(0), _Replicate),
+                             execute_plan=ExecutePlan.per_layer(2))
+    engine, opt = make_engine(extras_model())
+    ref = Reference(extras_model())
+    scale = torch.tensor([0.5, 1.0, 1.5, 2.0])  # batch-sized on purpose: only the spec keeps it whole
+    class_weight = torch.tensor([1.0, 2.0, 0.5, 1.0])  # 4 classes: the spec keeps it whole
+    for x, y in vector_batches(count=2, batch=4):
+        engine.forward_backward((x, scale), label=(y, class_weight), loss_fn=weighted_ce, run_config=cfg)
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        for xm, ym in zip(x.chunk(2), y.chunk(2)):
+            out = ref.compute[1](ref.compute[0](xm.to(ref.device), scale.to(ref.device)))
+            weighted_ce(out, (ym.to(ref.device), class_weight.to(ref.device))).backward()
+        ref.step()
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+def test_automatic_and_spec_merges():
+    """0-dim outputs are averaged over microbatches, equal non-tensors come back once,
+    a _CustomReducer and TensorChunkSpec merge as specified."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer, _Replicate
+
+    engine, _ = make_engine(extras_model())
+    model = extras_model()
+    x, scale = vector_batches(count=1, batch=6)[0][0], torch.tensor(0.5)
+    pieces = [model[1](model[0](xm, scale)) for xm in x.chunk(3)]
+    with torch.no_grad():
+        logits, stat, tag = engine(x, scale, run_config=RoundPipeRunConfig(num_microbatch=3))
+        close(logits, torch.cat([p[0] for p in pieces]))
+        close(stat, torch.stack([p[1] for p in pieces]).mean())
+        assert tag == "tag"
+        spec = (TensorChunkSpec(1), _CustomReducer(torch.tensor(0.0), lambda a, b: a + b), _Replicate)
+        logits, total, _ = engine(x, scale, run_config=RoundPipeRunConfig(num_microbatch=3, merge_output=spec))
+        close(logits, torch.cat([p[0] for p in pieces], dim=1))
+        close(total, sum(p[1] for p in pieces))
+
+
+def encoder_decoder() -> tuple[nn.Sequential, nn.Sequential]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16)), nn.Sequential(nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("style", ["forward_backward", "backward"])
+def test_unmerged_output_feeds_a_second_model(style):
+    """An encoder's ``merge_output=False`` output (per-microbatch ``PackedData``) is a decoder's
+    input as it is; the decoder's backward reaches the encoder. Both train like one PyTorch model."""
+    enc_model, dec_model = encoder_decoder()
+    encoder, enc_opt = make_engine(enc_model)
+    decoder, dec_opt = make_engine(dec_model)
+    ref = Reference(nn.Sequential(*enc_model, *dec_model))
+    packed = RoundPipeRunConfig(num_microbatch=3, merge_output=False, execute_plan=ExecutePlan.per_layer(3))
+    cfg = RoundPipeRunConfig(num_microbatch=3)
+    for x, y in vector_batches(count=3, batch=7):
+        hidden = encoder(x, run_config=packed)
+        assert type(hidden).__name__ == "PackedData" and len(hidden.synchronize()) == 3
+        if style == "forward_backward":
+            loss = decoder.forward_backward((hidden,), label=y, loss_fn=CE, run_config=cfg)
+        else:
+            loss = CE(decoder(hidden, run_config=cfg), y)
+            loss.backward()
+        for engine, opt in ((encoder, enc_opt), (decoder, dec_opt)):
+            engine.step(lambda opt=opt: (opt.step(), opt.zero_grad()), is_async=False)
+        expected = ref.forward_backward(x, y, 3, CE) if style == "forward_backward" else None
+        if expected is None:
+            expected = CE(ref.compute(x.to(ref.device)), y.to(ref.device))
+            expected.backward()
+            expected = expected.item()
+        ref.step()
+        assert loss.item() == pytest.approx(expected, rel=1e-5)
+    encoder.synchronize()
+    decoder.synchronize()
+    state = {**encoder.state_dict(), **{f"{int(k[0]) + 3}{k[1:]}": v for k, v in decoder.state_dict().items()}}
+    assert_state_close(state, ref.state())
