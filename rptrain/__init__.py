@@ -2,7 +2,7 @@
 
 Importing it starts no threads and touches no GPU.
 """
-from .engine import ExecutePlan, GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from .engine import ExecutePlan, GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, wrap_model, wrap_model_to_roundpipe
 
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "ExecutePlan"]
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "ExecutePlan", "wrap_model", "wrap_model_to_roundpipe"]
 __version__ = "0.1.0"

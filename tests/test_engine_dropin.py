@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import register_pytree_node
 
-from reference import Reference, assert_state_close
+from reference import DEVICE, Reference, assert_state_close
 from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.optim import Adam
 from test_engine_equivalence import make_engine, mlp, vector_batches
@@ -252,3 +252,104 @@ def test_unmerged_output_feeds_a_second_model(style):
     decoder.synchronize()
     state = {**encoder.state_dict(), **{f"{int(k[0]) + 3}{k[1:]}": v for k, v in decoder.state_dict().items()}}
     assert_state_close(state, ref.state())
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, h):
+        return h + torch.tanh(self.lin(h))
+
+
+class Net(nn.Module):
+    """Not a Sequential: a Sequential stem, a ModuleList stack, glue (a norm, a scale), a head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Sequential(nn.Linear(8, 32), nn.GELU())
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.norm = nn.LayerNorm(32)
+        self.scale = nn.Parameter(torch.ones(32))
+        self.head = nn.Linear(32, 4)
+        self.label = "net"
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h) * self.scale)
+
+
+def test_wrap_model_pipelines_children_and_trains_like_pytorch():
+    from rptrain import wrap_model_to_roundpipe
+
+    wrapped = wrap_model_to_roundpipe(Net(), model_run_config=RoundPipeRunConfig(num_microbatch=2), lower_threshold=512)
+    kinds = {name: type(m).__name__ for name, m in wrapped.model.named_children()}
+    assert kinds == {"stem": "RoundPipe", "blocks": "ModuleList", "norm": "LayerNorm", "head": "RoundPipe"}
+    assert all(type(b).__name__ == "RoundPipe" for b in wrapped.model.blocks)
+    assert wrapped.label == "net"  # attribute reads reach the model
+    with OptimizerCtx():
+        opt = Adam(wrapped.parameters(), lr=1e-2)
+    ref = Reference(Net())
+    for step, (x, y) in enumerate(vector_batches(count=3, batch=6)):
+        if step == 0:
+            loss = wrapped.forward_backward((x,), label=y, loss_fn=CE)
+        else:
+            loss = CE(wrapped(x), y)
+            loss.backward()
+        wrapped.step(lambda: (opt.step(), opt.zero_grad()))
+        assert loss.item() == pytest.approx(ref.forward_backward(x, y, 1, CE), rel=1e-5)
+        ref.step()
+    wrapped.synchronize()
+    assert_state_close(wrapped.state_dict(), ref.state())
+    wrapped.close()
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).float()
+
+
+def test_wrap_model_trains_a_transformers_causal_lm_like_pytorch():
+    from rptrain import wrap_model
+
+    model = tiny_llama()
+    ref = copy.deepcopy(model).to(DEVICE)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, fused=True)
+    wrapped = wrap_model(model, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    assert type(wrapped.model.model.embed_tokens).__name__ == "RoundPipe"
+    assert all(type(layer).__name__ == "RoundPipe" for layer in wrapped.model.model.layers)
+    assert wrapped.config.vocab_size == 128
+    with OptimizerCtx():
+        opt = Adam(wrapped.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        ids = torch.randint(0, 128, (4, 7), generator=g)
+        loss = wrapped(input_ids=ids, labels=ids).loss
+        loss.backward()
+        wrapped.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        expected = ref(input_ids=ids.to(DEVICE), labels=ids.to(DEVICE)).loss
+        expected.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    wrapped.synchronize()
+    assert_state_close(wrapped.state_dict(), {k: v.cpu() for k, v in ref.state_dict().items()}, rtol=1e-4, atol=1e-5)
+
+
+def test_wrap_model_refuses_weights_tied_across_engines():
+    from rptrain import wrap_model
+
+    net = Net()
+    net.stem[0].weight = nn.Parameter(torch.randn(32, 8))
+    net.extra = nn.Sequential(nn.Linear(8, 32))
+    net.extra[0].weight = net.stem[0].weight
+    with pytest.raises(ValueError, match=r"extra.0.weight is tied to a parameter of stem"):
+        wrap_model(net, lower_threshold=512)

@@ -148,6 +148,16 @@ class RoundPipe(nn.Module):
         self._window_scalers: dict = {}
 
     # ----------------------------------------------------------------------------- nn.Module surface
+    def __getattr__(self, name: str) -> Any:
+        """Attributes RoundPipe lacks are read from the wrapped model."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if model is None:
+                raise
+            return getattr(model, name)
+
     def _apply(self, fn: Callable, recurse: bool = True) -> "RoundPipe":
         raise RuntimeError("RoundPipe decides where weights live: do not call .to()/.cuda()/.half() on it; build the model in the dtype you want before wrapping it")
 
@@ -271,11 +281,19 @@ class RoundPipe(nn.Module):
         self._raise_step_errors()
         if not callable(step_fn):
             raise TypeError(f"step() needs a callable, got {type(step_fn).__name__}")
-        step_fn = functools.partial(step_fn, *args, **kwargs)
+        buffer, scalers = self._close_window()
+        version = self._submit(functools.partial(self._run_step, functools.partial(step_fn, *args, **kwargs), buffer, scalers))
+        self._stepped(version, buffer, is_async)
+
+    def _close_window(self) -> tuple[Optional[GradBuffer], dict]:
+        """The open window's gradient buffer (None: no call since the last step) and scalers."""
         buffer = self._host.grads[self._window] if self._window_open else None
         scalers, self._window_scalers = self._window_scalers, {}
         self._window_open = False
-        version = self._submit(functools.partial(self._run_step, step_fn, buffer, scalers))
+        return buffer, scalers
+
+    def _stepped(self, version: int, buffer: Optional[GradBuffer], is_async: bool) -> None:
+        """Bookkeeping after submitting the step that writes ``version``."""
         previous, self._last_step_version = self._last_step_version, version
         if is_async:
             self._required = max(self._required, previous)
@@ -355,10 +373,13 @@ class RoundPipe(nn.Module):
 
     # ----------------------------------------------------------------------------- versions
     def _submit(self, task: Callable[[int], None]) -> int:
-        version = self._written + 1
-        self._written = version
+        version = self._claim_version()
         self._tickets[version] = self._optimizer_thread.submit(functools.partial(task, version))
         return version
+
+    def _claim_version(self) -> int:
+        self._written += 1
+        return self._written
 
     def _wait_version(self, version: int) -> None:
         ticket = self._tickets.get(version)
@@ -370,8 +391,9 @@ class RoundPipe(nn.Module):
         for version, ticket in sorted(self._tickets.items()):
             if ticket.done():
                 del self._tickets[version]
-                if ticket.error is not None:
-                    raise RuntimeError(f"the optimizer step failed on the optimizer thread: {ticket.error!r}") from ticket.error
+                error, ticket.error = ticket.error, None  # reported once, also where engines share a ticket
+                if error is not None:
+                    raise RuntimeError(f"the optimizer step failed on the optimizer thread: {error!r}") from error
 
     def _drain(self) -> None:
         self.wait_for_steps()
