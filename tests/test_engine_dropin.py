@@ -322,13 +322,14 @@ def test_wrap_model_trains_a_transformers_causal_lm_like_pytorch():
 
     model = tiny_llama()
     ref = copy.deepcopy(model).to(DEVICE)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, fused=True)
+    # SGD: Adam turns rounding differences in near-zero gradients (embedding rows) into lr-sized steps.
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
     wrapped = wrap_model(model, model_run_config=RoundPipeRunConfig(num_microbatch=2))
     assert type(wrapped.model.model.embed_tokens).__name__ == "RoundPipe"
     assert all(type(layer).__name__ == "RoundPipe" for layer in wrapped.model.model.layers)
     assert wrapped.config.vocab_size == 128
     with OptimizerCtx():
-        opt = Adam(wrapped.parameters(), lr=1e-2)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.5, momentum=0.9)
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
         ids = torch.randint(0, 128, (4, 7), generator=g)
@@ -341,7 +342,7 @@ def test_wrap_model_trains_a_transformers_causal_lm_like_pytorch():
         ref_opt.zero_grad()
         assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     wrapped.synchronize()
-    assert_state_close(wrapped.state_dict(), {k: v.cpu() for k, v in ref.state_dict().items()}, rtol=1e-4, atol=1e-5)
+    assert_state_close(wrapped.state_dict(), {k: v.cpu() for k, v in ref.state_dict().items()})
 
 
 def test_wrap_model_refuses_weights_tied_across_engines():
