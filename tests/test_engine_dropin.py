@@ -354,3 +354,46 @@ def test_wrap_model_refuses_weights_tied_across_engines():
     net.extra[0].weight = net.stem[0].weight
     with pytest.raises(ValueError, match=r"extra.0.weight is tied to a parameter of stem"):
         wrap_model(net, lower_threshold=512)
+
+
+class RandomMask(nn.Module):
+    """Draws a mask in its forward; its recompute must reuse it (RNG replay is off below)."""
+
+    recomputed = 0
+
+    def forward(self, h):
+        from rptrain import doing_recompute, get_recompute_data, save_for_recompute
+
+        if doing_recompute():
+            (mask,) = get_recompute_data()
+            RandomMask.recomputed += 1
+        else:
+            mask = torch.rand_like(h) > 0.5
+            save_for_recompute(mask)
+        return h * mask
+
+
+def masked_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), RandomMask(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("style", ["forward_backward", "backward"])
+def test_recompute_reuses_saved_data(style):
+    engine, opt = make_engine(masked_model())
+    ref = Reference(masked_model())  # on the engine's device: its generator draws the same masks
+    cfg = RoundPipeRunConfig(num_microbatch=1, preserve_rng_state=False, execute_plan=ExecutePlan.from_cuts(3, [2], [2]))
+    RandomMask.recomputed = 0
+    for x, y in vector_batches(count=3):
+        torch.manual_seed(7)
+        if style == "forward_backward":
+            engine.forward_backward((x,), label=y, loss_fn=CE, run_config=cfg)
+        else:
+            CE(engine(x, run_config=cfg), y).backward()
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        torch.manual_seed(7)
+        ref.forward_backward(x, y, 1, CE)
+        ref.step()
+    engine.synchronize()
+    assert RandomMask.recomputed == 3
+    assert_state_close(engine.state_dict(), ref.state())

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import refresh
+from . import recompute, refresh
 from .batching import iter_tensors, map_tensors, opaque_type
 from .device import Device
 from .graphs import StageGraphs, signature, worth_recording
@@ -103,6 +103,8 @@ class PassState:
     # Carried from a recorded forward into its backward.
     saved: dict = field(default_factory=dict)  # (layer, micro) -> (value, event, device)
     rng: dict = field(default_factory=dict)  # (layer, micro) -> generator state
+    recompute_data: dict = field(default_factory=dict)  # (layer, micro) -> (save_for_recompute data, event, device)
+    recompute_follows: bool = False  # forward stages' layers run again in backward stages
     # Results.
     losses: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
@@ -398,8 +400,23 @@ class Executor:
                     state.saved[(i, micro)] = (x, device.record("compute"), device)
                 if state.preserve_rng:
                     state.rng[(i, micro)] = device.rng_state()
-            x = call_layer(modules[i - job.start], x)
+            with self._recompute_context(job, i, micro, state, device) as store:
+                x = call_layer(modules[i - job.start], x)
+            if store and job.kind is JobKind.FORWARD and (i, micro) in store:  # moved to the recomputing device later
+                store[(i, micro)] = (store[(i, micro)], device.record("compute"), device)
         return x
+
+    @contextlib.contextmanager
+    def _recompute_context(self, job: Job, layer: int, micro: int, state: PassState, device: Device) -> Iterator[Optional[dict]]:
+        """recompute.py's context for one layer call: forward stages save, backward stages read."""
+        key = (layer, micro)
+        if job.kind is JobKind.BACKWARD and key in state.recompute_data:
+            data, event, source = state.recompute_data.pop(key)
+            store = {key: device.receive(data, event, source)}
+        else:
+            store = state.recompute_data if job.kind is JobKind.FORWARD and state.recompute_follows else None
+        with recompute.layer_call(store, key, job.kind is JobKind.BACKWARD):
+            yield store
 
     def _forward(self, job: Job, modules: list, x: Any, micro: int, state: PassState, device: Device) -> Any:
         with torch.no_grad():

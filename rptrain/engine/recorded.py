@@ -48,7 +48,7 @@ class _Recorded(torch.autograd.Function):
             forward_schedule(plan, len(engine._devices), save_for_backward=True, grain=cfg.recompute_grain),
             cfg.num_microbatch, [Args(a, k) for a, k in micro], version,
             preserve_rng=cfg.preserve_rng_state, output_device=cfg.output_device,
-            input_requires_grad=any(t.requires_grad for t in flat_inputs),
+            input_requires_grad=any(t.requires_grad for t in flat_inputs), recompute_follows=True,
         )
         engine._executor.run(state)
         holder["outputs"] = state.outputs
@@ -71,7 +71,7 @@ class _Recorded(torch.autograd.Function):
             ctx.cfg.num_microbatch, grads_per_micro, ctx.version, grad_buffer=buffer,
             preserve_rng=ctx.cfg.preserve_rng_state, input_requires_grad=input_requires_grad,
         )
-        state.saved, state.rng = ctx.state.saved, ctx.state.rng
+        state.saved, state.rng, state.recompute_data = ctx.state.saved, ctx.state.rng, ctx.state.recompute_data
         ctx.state = None  # the saved activations go with this backward
         engine._run_training_pass(state)
         input_grads: list = [None] * sum(ctx.in_counts)

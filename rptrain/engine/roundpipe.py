@@ -244,6 +244,7 @@ class RoundPipe(nn.Module):
             preserve_rng=cfg.preserve_rng_state, want_outputs=return_outputs, output_device=cfg.output_device,
             profile=profile, offload=self._offload(jobs, cfg.num_microbatch),
             input_requires_grad=torch.is_grad_enabled() and any(t.requires_grad for i in inputs for t in i),
+            recompute_follows=True,
         )
         self._run_training_pass(state)
         if profile:
