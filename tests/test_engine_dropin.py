@@ -397,3 +397,81 @@ def test_recompute_reuses_saved_data(style):
     engine.synchronize()
     assert RandomMask.recomputed == 3
     assert_state_close(engine.state_dict(), ref.state())
+
+
+def test_execute_plan_auto_and_the_library_name():
+    from rptrain import ModelExecutePlan
+
+    assert ModelExecutePlan is ExecutePlan
+    first, _ = make_engine(mlp())
+    second, _ = make_engine(mlp())
+    plan = ModelExecutePlan.auto("fused", first)
+    assert isinstance(plan, ExecutePlan) and plan.num_layers == 7
+    assert len(ModelExecutePlan.auto("train", first, second, min_stages=3)) == 2
+    with pytest.raises(ValueError, match="run_type"):
+        ExecutePlan.auto("backward", first)
+    # The plan runs: training with it matches PyTorch.
+    engine, opt = make_engine(mlp())
+    ref = Reference(mlp())
+    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=ExecutePlan.auto("fused", engine, min_stages=3))
+    for x, y in vector_batches(count=2):
+        engine.forward_backward((x,), label=y, loss_fn=CE, run_config=cfg)
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        ref.forward_backward(x, y, 2, CE)
+        ref.step()
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+def test_grad_scaler_getters_and_setters_match_torch():
+    from rptrain import GradScaler
+
+    ours, theirs = GradScaler(init_scale=256.0), torch.amp.GradScaler("cpu", init_scale=256.0)
+    for scaler in (ours, theirs):
+        scaler.set_growth_factor(4.0)
+        scaler.set_backoff_factor(0.25)
+        scaler.set_growth_interval(2)
+    for getter in ("get_growth_factor", "get_backoff_factor", "get_growth_interval"):
+        assert getattr(ours, getter)() == getattr(theirs, getter)()
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 2), None]
+    models[1] = copy.deepcopy(models[0])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    for i in range(6):
+        for model, opt, scaler in zip(models, opts, (ours, theirs)):
+            scaler.scale(model(torch.ones(3, 4)).pow(2).mean()).backward()
+            if i == 3:
+                model.weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert ours.get_scale() == theirs.get_scale()
+    with pytest.raises(ValueError, match="backoff_factor"):
+        ours.set_backoff_factor(2.0)
+
+
+OPTIMIZERS = {
+    "SGD": dict(lr=0.1, momentum=0.9, nesterov=True), "RMSprop": dict(lr=1e-2), "Adagrad": dict(lr=0.1),
+    "Adadelta": dict(lr=1.0), "Adamax": dict(lr=1e-2), "NAdam": dict(lr=1e-2), "RAdam": dict(lr=1e-2),
+    "ASGD": dict(lr=0.1), "Rprop": dict(lr=1e-2), "AdamW": dict(lr=1e-2, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_every_torch_optimizer_steps_the_master_weights(name):
+    cls, kwargs = getattr(torch.optim, name), OPTIMIZERS[name]
+    engine = RoundPipe(mlp())
+    with OptimizerCtx():
+        opt = cls(engine.parameters(), **kwargs)
+    master = mlp()
+    ref_opt = cls(master.parameters(), **kwargs)
+    for x, y in vector_batches(count=3):
+        engine.forward_backward((x,), label=y, loss_fn=CE, run_config=RoundPipeRunConfig(num_microbatch=1))
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        CE(master(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    engine.synchronize()
+    state = engine.state_dict()
+    for key, p in master.named_parameters():
+        torch.testing.assert_close(state[key], p.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")

@@ -85,7 +85,7 @@ def test_bad_call_arguments():
     with pytest.raises(TypeError, match="input_kwargs must be a dict"):
         engine.forward_backward(input_args=(X,), input_kwargs=[1], label=Y, loss_fn=CE)
     with pytest.raises(TypeError, match="loss_fn"):
-        engine.forward_backward(input_args=(X,), label=Y)
+        engine.forward_backward(input_args=(X,), label=Y, loss_fn=None)
     with pytest.raises(ValueError, match="no input tensors"):
         engine.forward_backward(input_args=(), label=Y, loss_fn=CE)
     with pytest.raises(ValueError, match="empty"):

@@ -136,6 +136,7 @@ class RoundPipe(nn.Module):
         weakref.finalize(self, self._optimizer_thread.close)
         register_step_queue(self)
         self._plan: Optional[ExecutePlan] = None
+        self._costs: Optional[list[LayerCost]] = None  # measured by the first call on a GPU
         self._activation_bytes: Optional[dict[int, int]] = None  # measured: one microbatch's output per layer
         self._memory_cap = 0
         self._tickets: dict[int, Ticket] = {}  # version -> the task writing it
@@ -217,18 +218,19 @@ class RoundPipe(nn.Module):
         input_args: Any = (),
         input_kwargs: Optional[dict] = None,
         label: Any = None,
-        loss_fn: Optional[Callable] = None,
+        loss_fn: Callable = lambda outputs, label: outputs,
         return_outputs: bool = False,
         run_config: Optional[RoundPipeRunConfig] = None,
     ) -> Any:
         """Forward, ``loss_fn(outputs, label)`` and backward over every microbatch.
 
         Returns the sum of the microbatch losses (and the merged outputs if ``return_outputs``).
+        Without ``loss_fn`` the model's output is the loss (the original library's default).
         Gradients accumulate in fp32 on the host until the next ``step()``.
         """
         self._raise_step_errors()
         args, kwargs = _check_inputs(input_args, input_kwargs)
-        if loss_fn is None or not callable(loss_fn):
+        if not callable(loss_fn):
             raise TypeError("forward_backward needs loss_fn: a callable (outputs, label) -> scalar tensor")
         cfg = self._resolve(run_config)
         micro = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
@@ -501,6 +503,11 @@ class RoundPipe(nn.Module):
             self._plan = plan_stages(self._static_costs(), len(self._devices))
         return self._plan, False
 
+    def _auto_plan(self, min_stages: Optional[int], memory_cap: Optional[int]) -> ExecutePlan:
+        """``ExecutePlan.auto``: the measured costs when a call has measured them, else the sizes."""
+        cap = memory_cap or (min(d.memory_cap() or 0 for d in self._devices) or None)
+        return plan_stages(self._costs or self._static_costs(), max(1, min_stages or len(self._devices)), cap)
+
     def _forward_plan(self, cfg: ResolvedRunConfig) -> ExecutePlan:
         if cfg.execute_plan is not None:
             return cfg.execute_plan
@@ -537,6 +544,7 @@ class RoundPipe(nn.Module):
             for i, c in enumerate(base)
         ]
         cap = min(d.memory_cap() or 0 for d in self._devices) or None
+        self._costs = costs
         self._plan = self._same_on_all_ranks(plan_stages(costs, len(self._devices), cap))
         self._activation_bytes, self._memory_cap = dict(state.activation_bytes), cap or 0
 
