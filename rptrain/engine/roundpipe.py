@@ -73,6 +73,9 @@ class RoundPipe(nn.Module):
         cuda_graphs: bool = True,
         process_group: Any = None,
         optimizer_threads: Optional[int] = None,
+        *,
+        name: Optional[str] = None,
+        pin_model: str = "alloc",
     ):
         """``devices``: None (every GPU, else the CPU) or a list like ``["cuda:0", "cuda:1"]``.
         ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
@@ -84,8 +87,13 @@ class RoundPipe(nn.Module):
         ``broadcast_buffers=False``.
         ``optimizer_threads``: OpenMP threads of the optimizer step. Default on GPU engines: one
         fewer than torch's, so the thread issuing GPU work keeps a core; a statically scheduled
-        parallel loop that shares a core with it waits for its slowest thread."""
+        parallel loop that shares a core with it waits for its slowest thread.
+        ``name``, ``pin_model``: the original library's; ``name`` is kept as ``.name``, host copies
+        are always pinned with PyTorch's allocator on GPU engines (its "alloc")."""
         super().__init__()
+        if pin_model not in ("alloc", "register", "off"):
+            raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
+        self.name = name
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"RoundPipe needs an nn.Sequential (one element per pipeline layer), got {type(model).__name__}")
         if len(model) == 0:

@@ -186,7 +186,8 @@ class GradScaler:
                 self._stepped_inf.append(bool(found_inf))
         return result
 
-    def update(self, new_scale: Optional[float] = None) -> None:
+    def update(self, new_scale: Optional[float] = None, is_async: bool = True) -> None:
+        """``is_async``: the original library's flag; here the new scale is always current."""
         if not self._enabled:
             return
         if new_scale is not None:
