@@ -17,7 +17,7 @@ glue's own parameters included).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Container, Iterator, Optional
+from typing import Any, Callable, Container, Iterable, Iterator, Optional
 
 from torch import nn
 
@@ -153,29 +153,16 @@ class WrappedModel(nn.Module):
         for engine, (buffer, _), version in reversed(list(zip(engines, closed, versions))):
             task = functools.partial(engine._run_step, task, buffer, scalers, version)
         ticket = engines[0]._optimizer_thread.submit(task)
-        errors = []
-        for engine, (buffer, _), version in zip(engines, closed, versions):
+        for engine, version in zip(engines, versions):
             engine._tickets[version] = ticket
-            try:
-                engine._stepped(version, buffer, is_async)
-            except BaseException as e:  # every engine's bookkeeping first, then the one error
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        _all_then_raise(functools.partial(e._stepped, v, b, is_async) for e, (b, _), v in zip(engines, closed, versions))
 
     def synchronize(self) -> None:
         for _, engine in self._engines:
             engine.synchronize()
 
     def close(self) -> None:
-        errors = []
-        for _, engine in self._engines:
-            try:
-                engine.close()
-            except RuntimeError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        _all_then_raise(engine.close for _, engine in self._engines)
 
     def _raise_errors(self) -> None:
         for _, engine in self._engines:
@@ -207,3 +194,15 @@ def _glue_parameters(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.P
     for name, child in module._modules.items():
         if child is not None and not isinstance(child, RoundPipe):
             yield from _glue_parameters(child, f"{prefix}{name}.")
+
+
+def _all_then_raise(calls: Iterable[Callable[[], Any]]) -> None:
+    """Run every call (each engine's bookkeeping), then raise the first error."""
+    errors = []
+    for call in calls:
+        try:
+            call()
+        except BaseException as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
