@@ -460,7 +460,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_every_torch_optimizer_steps_the_master_weights(name):
     cls, kwargs = getattr(torch.optim, name), OPTIMIZERS[name]
-    engine = RoundPipe(mlp())
+    engine = RoundPipe(mlp(), devices=["cpu"])  # the subject is the host step: compute where the reference does
     with OptimizerCtx():
         opt = cls(engine.parameters(), **kwargs)
     master = mlp()
@@ -474,4 +474,4 @@ def test_every_torch_optimizer_steps_the_master_weights(name):
     engine.synchronize()
     state = engine.state_dict()
     for key, p in master.named_parameters():
-        torch.testing.assert_close(state[key], p.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+        torch.testing.assert_close(state[key], p.detach(), **TOL, msg=lambda m: f"{name} {key}: {m}")

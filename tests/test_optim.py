@@ -164,7 +164,7 @@ def test_adam_with_decoupled_weight_decay_is_adamw():
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
-    engine = RoundPipe(copy.deepcopy(model))
+    engine = RoundPipe(copy.deepcopy(model), devices=["cpu"])  # the step is the subject: compute on the reference's device
     with OptimizerCtx():
         opt = Adam(engine.parameters(), lr=0.1, weight_decay=0.5, decoupled_weight_decay=True)
     ref_opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5, fused=True)
