@@ -15,7 +15,9 @@ from rich.console import Console
 from rptrain import GradScaler, RoundPipe, RoundPipeRunConfig
 from rptrain.models import build_model
 from rptrain.train import schema
+from rptrain.train import loop
 from rptrain.train.loop import Trainer
+from rptrain.train.memory_format import choose_memory_format
 from rptrain.train.signals import StopRequest
 from rptrain.train.tasks import ImageTask
 from test_cli_helpers import TINY
@@ -52,11 +54,13 @@ def test_image_step_matches_plain_pytorch():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A tiny in-process run (2 epochs of 4 steps, a log line every 2) with every read of a
-    tensor's value made from rptrain/train/ recorded, by the step after which it happened."""
+    """A tiny in-process run (2 epochs of 4 steps, a log line every 2, channels-last forced on
+    the CPU) with every read of a tensor's value made from rptrain/train/ recorded, by the step
+    after which it happened."""
     schema.register_configs()
     with initialize_config_module("rptrain.conf", version_base="1.3"):
-        cfg = compose("config", overrides=[*TINY, "trainer.epochs=2", "trainer.log_interval=2", "trainer.progress=false"])
+        cfg = compose("config", overrides=[*TINY, "trainer.epochs=2", "trainer.log_interval=2", "trainer.progress=false",
+                                            "engine.channels_last=true"])
     run_dir = tmp_path_factory.mktemp("run")
     reads: list[tuple[int, str]] = []
     steps: list[tuple[float, int, int, int]] = []  # per step: mean loss, count, correct, samples
@@ -83,11 +87,14 @@ def run(tmp_path_factory):
         patch.setattr(torch.Tensor, name, counting(name))
     patch.setattr(torch.cuda, "synchronize", counting("item"))  # (GPU runs) an explicit wait counts too
     patch.setattr(ImageTask, "train_step", train_step)
+    formats = []
+    patch.setattr(loop, "RoundPipe", lambda *a, **kw: formats.append(kw["memory_format"]) or RoundPipe(*a, **kw))
     try:
         trainer = Trainer(cfg, run_dir, [], Console(quiet=True), "")
         summary = trainer.fit(StopRequest())
     finally:
         patch.undo()
+    assert formats == [torch.channels_last]
     return trainer.metrics.records, reads, steps, summary
 
 
@@ -123,3 +130,12 @@ def test_epoch_throughput_counts_the_evaluation(run):
         # The wall clock spans the steps and the evaluation after them.
         assert r["epoch_wall_time"] > r["epoch_time"] > 0
         assert r["epoch_samples_per_s"] == pytest.approx(64 / r["epoch_wall_time"])
+
+
+def test_channels_last_choice():
+    """engine.channels_last: null turns it on for convolution models computing on CUDA only."""
+    conv, mlp = tiny_resnet(), torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert choose_memory_format(None, conv, ["cuda:0"]) is torch.channels_last
+    assert choose_memory_format(None, conv, ["cpu"]) is None and choose_memory_format(None, mlp, ["cuda:0"]) is None
+    assert choose_memory_format(None, conv, None) is (torch.channels_last if torch.cuda.is_available() else None)
+    assert choose_memory_format(True, mlp, ["cpu"]) is torch.channels_last and choose_memory_format(False, conv, ["cuda:0"]) is None

@@ -32,6 +32,7 @@ from .config import RoundPipeRunConfig, ResolvedRunConfig, resolve
 from .device import make_devices
 from .executor import Args, Executor, PassState, float_tensors
 from .host import GradBuffer, HostState
+from .memory_format import check_memory_format
 from .plan import ExecutePlan, LayerCost, plan_stages
 from .scaler import register_step_queue, step_context
 from .schedule import JobKind, backward_schedule, forward_schedule, training_schedule
@@ -71,6 +72,7 @@ class RoundPipe(nn.Module):
         cuda_graphs: bool = True,
         process_group: Any = None,
         optimizer_threads: Optional[int] = None,
+        memory_format: Optional[torch.memory_format] = None,
     ):
         """``devices``: None (every GPU, else the CPU) or a list like ``["cuda:0", "cuda:1"]``.
         ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
@@ -82,7 +84,10 @@ class RoundPipe(nn.Module):
         ``broadcast_buffers=False``.
         ``optimizer_threads``: OpenMP threads of the optimizer step. Default on GPU engines: one
         fewer than torch's, so the thread issuing GPU work keeps a core; a statically scheduled
-        parallel loop that shares a core with it waits for its slowest thread."""
+        parallel loop that shares a core with it waits for its slowest thread.
+        ``memory_format``: ``torch.channels_last`` converts 4-D inputs to channels-last on the
+        device, so convolutions run NHWC kernels (faster on recent GPUs); weights, gradients and
+        state dicts keep the standard layout (memory_format.py). None: inputs as given."""
         super().__init__()
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"RoundPipe needs an nn.Sequential (one element per pipeline layer), got {type(model).__name__}")
@@ -119,6 +124,7 @@ class RoundPipe(nn.Module):
         self._executor = Executor(self._layers, self._host, self._devices)
         self._executor.resident = resident
         self._executor.cuda_graphs = self._cuda and cuda_graphs
+        self._executor.memory_format = check_memory_format(memory_format)
         if self._reducer is not None:
             self._executor.reducer = self._reducer
             self._reducer.check_same(self._host.master, self._devices[0].torch_device)

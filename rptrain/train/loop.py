@@ -34,6 +34,7 @@ from .console import ProgressBar, epoch_line, epoch_rate_line, log, say, step_li
 from .data import TrainData, build_data
 from .dist import Dist, FailedOnRankZero, inject_fault, peer_errors
 from .errors import CheckpointError, one_line
+from .memory_format import choose_memory_format
 from .meters import Meter, RunProgress, epoch_rate, progress_from, progress_state, rank_share
 from .metrics import MetricsLog
 from .model import IMAGE, build_model, fingerprint
@@ -81,7 +82,8 @@ class Trainer:
         with peer_errors("the comparison of the ranks' initial weights", d.world > 1):
             engine = RoundPipe(model, torch_dtype(cfg.precision.optim_dtype), build_run_config(cfg.run_config, len(model)),
                                devices=d.devices, process_group=d.group, cuda_graphs=cfg.engine.cuda_graphs,
-                               optimizer_threads=cfg.engine.optimizer_threads)
+                               optimizer_threads=cfg.engine.optimizer_threads,
+                               memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices))
         engine_ref = weakref.ref(engine)
         del model  # the engine owns the weights now
         # Handed over in a list that _fit empties: a big checkpoint should not stay mapped all run.

@@ -244,6 +244,7 @@ class EngineConfig:
 
     cuda_graphs: bool = True
     optimizer_threads: Optional[int] = None  # None: the engine's default
+    channels_last: Optional[bool] = None  # None: on for convolution models on CUDA (train/memory_format.py)
 
 
 @dataclass
