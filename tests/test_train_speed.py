@@ -22,7 +22,9 @@ from rptrain.train.signals import StopRequest
 from rptrain.train.tasks import ImageTask
 from test_cli_helpers import TINY
 
-TRAIN_DIR = str(Path(__import__("rptrain.train").train.__file__).parent)
+# The loop and its data pipeline; the engine waits for its own devices at the end of each call, by design.
+PACKAGE = Path(__import__("rptrain").__file__).parent
+LOOP_DIRS = (str(PACKAGE / "train"), str(PACKAGE / "data"))
 # Every way a tensor's value reaches Python; each waits for the device that computes it.
 READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
 
@@ -41,7 +43,9 @@ def test_image_step_matches_plain_pytorch():
     x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 10, (6,))
     scaler = GradScaler(init_scale=8.0)
     result = ImageTask(2, torch.float32).train_step(engine, (x, y), scaler)
-    reference.train()
+    device = engine.devices[0]  # the reference computes where the engine does (TF32 off: conftest)
+    reference.to(device).train()
+    x, y = x.to(device), y.to(device)
     # BatchNorm normalises per microbatch in the engine: the reference runs the same halves.
     logits = torch.cat([reference(x[:3]), reference(x[3:])])
     loss = sum(F.cross_entropy(logits[i : i + 3], y[i : i + 3], reduction="sum") for i in (0, 3)) / 6
@@ -55,7 +59,7 @@ def test_image_step_matches_plain_pytorch():
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A tiny in-process run (2 epochs of 4 steps, a log line every 2, channels-last forced on
-    the CPU) with every read of a tensor's value made from rptrain/train/ recorded, by the step
+    the CPU) with every read of a tensor's value made from rptrain/train/ or rptrain/data/ recorded, by the step
     after which it happened."""
     schema.register_configs()
     with initialize_config_module("rptrain.conf", version_base="1.3"):
@@ -66,13 +70,13 @@ def run(tmp_path_factory):
     steps: list[tuple[float, int, int, int]] = []  # per step: mean loss, count, correct, samples
     patch = pytest.MonkeyPatch()
 
-    def counting(name):
-        original = getattr(torch.Tensor, name)
+    def counting(owner, name):
+        original = getattr(owner, name)
 
-        def read(self, *args, **kwargs):
-            if sys._getframe(1).f_code.co_filename.startswith(TRAIN_DIR):
+        def read(*args, **kwargs):
+            if sys._getframe(1).f_code.co_filename.startswith(LOOP_DIRS):
                 reads.append((len(steps), name))
-            return original(self, *args, **kwargs)
+            return original(*args, **kwargs)
 
         return read
 
@@ -84,8 +88,8 @@ def run(tmp_path_factory):
         return r
 
     for name in READS:
-        patch.setattr(torch.Tensor, name, counting(name))
-    patch.setattr(torch.cuda, "synchronize", counting("item"))  # (GPU runs) an explicit wait counts too
+        patch.setattr(torch.Tensor, name, counting(torch.Tensor, name))
+    patch.setattr(torch.cuda, "synchronize", counting(torch.cuda, "synchronize"))  # (GPU runs) an explicit wait counts too
     patch.setattr(ImageTask, "train_step", train_step)
     formats = []
     patch.setattr(loop, "RoundPipe", lambda *a, **kw: formats.append(kw["memory_format"]) or RoundPipe(*a, **kw))
