@@ -85,13 +85,14 @@ def run(tmp_path_factory):
     def train_step(self, *args, **kwargs):
         r = original_step(self, *args, **kwargs)
         steps.append((r.loss.item(), r.count, int(r.correct.item()), r.samples))  # from this file: not counted
+        benchmark.add(torch.backends.cudnn.benchmark)
         return r
 
     for name in READS:
         patch.setattr(torch.Tensor, name, counting(torch.Tensor, name))
     patch.setattr(torch.cuda, "synchronize", counting(torch.cuda, "synchronize"))  # (GPU runs) an explicit wait counts too
     patch.setattr(ImageTask, "train_step", train_step)
-    formats = []
+    formats, benchmark = [], set()
     patch.setattr(loop, "RoundPipe", lambda *a, **kw: formats.append(kw["memory_format"]) or RoundPipe(*a, **kw))
     try:
         trainer = Trainer(cfg, run_dir, [], Console(quiet=True), "")
@@ -99,6 +100,8 @@ def run(tmp_path_factory):
     finally:
         patch.undo()
     assert formats == [torch.channels_last]
+    # engine.cudnn_benchmark (default true) holds while the run trains, and the process's setting after it.
+    assert benchmark == {True} and torch.backends.cudnn.benchmark is False
     return trainer.metrics.records, reads, steps, summary
 
 

@@ -34,6 +34,7 @@ from .console import ProgressBar, epoch_line, epoch_rate_line, log, say, step_li
 from .data import TrainData, build_data
 from .dist import Dist, FailedOnRankZero, inject_fault, peer_errors
 from .errors import CheckpointError, one_line
+from .kernels import cudnn_benchmark
 from .memory_format import choose_memory_format
 from .meters import Meter, RunProgress, epoch_rate, progress_from, progress_state, rank_share
 from .metrics import MetricsLog
@@ -90,7 +91,8 @@ class Trainer:
         handover = [state]
         del state
         try:
-            summary = self._fit(engine, data, dtype, handover, resume)
+            with cudnn_benchmark(cfg.engine.cudnn_benchmark):
+                summary = self._fit(engine, data, dtype, handover, resume)
         finally:
             self.parts = {}  # the only other references to the engine, optimizer and data: free them for the next job
             engine.close()
