@@ -189,6 +189,8 @@ class Executor:
         for jobs in by_device.values():
             for a, b in zip(jobs, jobs[1:]):
                 state.next_on_device[a.index] = b
+        for index in by_device:
+            self.devices[index].follow_caller()
         if len(by_device) == 1:
             try:
                 for job in state.jobs:
