@@ -86,3 +86,29 @@ def test_helpers():
     assert out["x"].is_contiguous(memory_format=torch.channels_last) and torch.equal(out["x"], x)
     assert out["ids"] is ids  # integer tensors and other ranks pass through
     assert has_convolutions(convnet()) and not has_convolutions(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_channels_last_with_autograd_backward():
+    """``loss = f(model(x)); loss.backward()`` through stages: the input's gradient (what the user
+    sees, in its own layout) and the parameters' against plain PyTorch, rtol 1e-5."""
+    engine, opt = make_engine(convnet(), memory_format=torch.channels_last)
+    ref = Reference(convnet(), device="cpu")
+    # One microbatch: BatchNorm then sees the batch the reference sees.
+    cfg = RoundPipeRunConfig(num_microbatch=1, execute_plan=ExecutePlan.from_cuts(10, forward=[3, 6], backward=[2, 6]))
+    grads = []
+    for x, y in image_batches(count=2):
+        x1 = x.clone().requires_grad_(True)
+        loss = nn.functional.cross_entropy(engine(x1, run_config=cfg), y, reduction="sum")
+        loss.backward()
+        engine.step(lambda: (grads.extend(p.grad.clone() for p in engine._host.master_params), opt.step(), opt.zero_grad()), is_async=False)
+        x2 = x.clone().requires_grad_(True)
+        ref_loss = nn.functional.cross_entropy(channels_last(ref.compute, x2), y, reduction="sum")
+        ref_loss.backward()
+        expected = [p.grad.clone() for p in ref.compute.parameters()]
+        ref.step()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-6)
+        assert x1.grad.shape == x.shape
+        for g, e in zip(grads[-len(expected):], expected):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    engine.close()

@@ -372,7 +372,7 @@ class Executor:
                     else:
                         value, event, source = state.chain.take(job.index - 1, micro)
                     value = device.receive(value, event, source)
-                    if job.index == 0:
+                    if job.index == 0 and job.kind is not JobKind.BACKWARD:  # the call's inputs (not output gradients)
                         value = convert_inputs(value, self.memory_format)
                     result = run(job, modules, value, micro, state, device)
                     state.chain.put(job.index, micro, result, device.record("compute"), device)
