@@ -1,8 +1,9 @@
 """Running sums of the training loop (per log window, per epoch) and where a run is.
 
-A step's loss and correct count arrive as tensors (on the GPU when the model runs there): a
-Meter adds them up as tensors and reads the sums back only when a number is asked for (log
-steps, epoch ends, checkpoints), so the loop never waits for the GPU between log steps.
+A step's loss and correct counts arrive as tensors (the counts on the GPU when the model runs
+there): a Meter keeps references to them and sums and reads them back only when a number is
+asked for (log steps, epoch ends, checkpoints), so the loop never waits for the GPU between log
+steps and spends no tensor operation per step.
 
 RunProgress is everything besides model, optimizer and data state that a checkpoint must carry
 for a resumed run to report the same metrics (the epoch's running sums included).
@@ -13,15 +14,17 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
+import torch
 from torch import Tensor
 
-from .tasks import StepResult, perplexity
+from .tasks import StepResult, device_sum, perplexity
 
 
 @dataclass
 class Meter:
-    """Running sums over a log window or an epoch. The loss and correct sums of the steps since
-    the last read stay tensors (``_loss``, ``_correct``) until ``settle()``."""
+    """Running sums over a log window or an epoch. The losses (with their factors) and correct
+    counts of the steps since the last read wait in ``_losses``/``_factors``/``_correct`` until
+    ``settle()``."""
 
     loss: float = 0.0  # sum of mean-loss x count
     count: int = 0
@@ -30,16 +33,16 @@ class Meter:
     steps: int = 0
     data_time: float = 0.0
     step_time: float = 0.0
-    _loss: Optional[Tensor] = field(default=None, repr=False, compare=False)
-    _correct: Optional[Tensor] = field(default=None, repr=False, compare=False)
+    _losses: list[Tensor] = field(default_factory=list, repr=False, compare=False)
+    _factors: list[float] = field(default_factory=list, repr=False, compare=False)
+    _correct: list[Tensor] = field(default_factory=list, repr=False, compare=False)
     # When the meter's span began on the wall clock; None when part of it ran in another process (resume).
     _started: Optional[float] = field(default_factory=time.perf_counter, repr=False, compare=False)
 
     def add(self, r: StepResult, data_time: float, step_time: float) -> None:
-        loss = r.loss * r.count
-        self._loss = loss if self._loss is None else self._loss + loss
-        if r.correct is not None:
-            self._correct = r.correct if self._correct is None else self._correct + r.correct
+        self._losses.append(r.loss)
+        self._factors.append(r.loss_factor * r.count)
+        self._correct += r.correct
         self.count += r.count
         self.samples += r.samples
         self.steps += 1
@@ -47,13 +50,14 @@ class Meter:
         self.step_time += step_time
 
     def settle(self) -> "Meter":
-        """Read the pending tensor sums back into the float ones (the one wait for the GPU)."""
-        if self._loss is not None:
-            self.loss += self._loss.item()
-            self._loss = None
-        if self._correct is not None:
-            self.correct += int(self._correct.item())
-            self._correct = None
+        """Add the pending steps into the float sums: one read per kind, the one wait for the GPU."""
+        if self._losses:
+            losses = device_sum_weighted(self._losses, self._factors)
+            self.loss += losses.item()
+            self._losses, self._factors = [], []
+        if self._correct:
+            self.correct += int(device_sum(self._correct).item())
+            self._correct = []
         return self
 
     def state(self) -> dict:
@@ -94,6 +98,13 @@ class RunProgress:
     train_seconds: float = 0.0
     samples: int = 0
     tokens: int = 0
+
+
+def device_sum_weighted(values: list[Tensor], weights: list[float]) -> Tensor:
+    """sum(v x w) in float64 on the first value's device (0-d values)."""
+    first = values[0]
+    stacked = torch.stack([v.to(first.device, non_blocking=True) for v in values]).double()
+    return stacked @ torch.tensor(weights, dtype=torch.float64).to(first.device, non_blocking=True)
 
 
 def epoch_rate(m: Meter, samples: int) -> dict:

@@ -30,9 +30,12 @@ from .model import IMAGE
 
 @dataclass
 class StepResult:
-    loss: Tensor  # mean loss of the batch (unscaled), a 0-d tensor not yet read back
+    """A step's numbers, not yet read back: per step the loop only keeps references to them."""
+
+    loss: Tensor  # what forward_backward returned (0-d): x loss_factor = the batch's mean loss
+    loss_factor: float  # undoes the loss scale (and the rank share of several ranks)
     count: int  # what the loss is a mean over: samples or tokens
-    correct: Optional[Tensor]  # correctly classified samples (image models), 0-d, on the device
+    correct: list[Tensor]  # correctly classified samples per microbatch (image models), 0-d, on the device
     samples: int
 
 
@@ -90,7 +93,7 @@ class ImageTask(Task):
             return scaler.scale(F.cross_entropy(out.float(), y, reduction="sum") / divisor)
 
         loss = engine.forward_backward(input_args=(images.to(self.dtype),), label=labels, loss_fn=loss_fn, run_config=self.run_config(n))
-        return StepResult(loss.detach().double() * (to_mean / scale), n, device_sum(corrects), n)
+        return StepResult(loss.detach(), to_mean / scale, n, corrects, n)
 
     def evaluate(self, engine: RoundPipe, batches: Iterable[tuple]) -> dict[str, float]:
         loss_sums, corrects, total = [], [], 0
@@ -121,7 +124,7 @@ class LanguageTask(Task):
             loss_fn=lambda out, _: scaler.scale(out / divisor),
             run_config=self.run_config(len(ids)),
         )
-        return StepResult(loss.detach().double() * (to_mean / scale), tokens, None, len(ids))
+        return StepResult(loss.detach(), to_mean / scale, tokens, [], len(ids))
 
     def evaluate(self, engine: RoundPipe, batches: Iterable[tuple]) -> dict[str, float]:
         loss_sums, total = [], 0
