@@ -15,11 +15,11 @@ from rich.console import Console
 from rptrain import GradScaler, RoundPipe, RoundPipeRunConfig
 from rptrain.models import build_model
 from rptrain.train import schema
-from rptrain.train import loop
+from rptrain.train import loop, meters
 from rptrain.train.loop import Trainer
 from rptrain.train.memory_format import choose_memory_format
 from rptrain.train.signals import StopRequest
-from rptrain.train.tasks import ImageTask
+from rptrain.train.tasks import ImageTask, StepResult
 from test_cli_helpers import TINY
 
 # The loop and its data pipeline; the engine waits for its own devices at the end of each call, by design.
@@ -147,3 +147,20 @@ def test_channels_last_choice():
     assert choose_memory_format(None, conv, ["cpu"]) is None and choose_memory_format(None, mlp, ["cuda:0"]) is None
     assert choose_memory_format(None, conv, None) is (torch.channels_last if torch.cuda.is_available() else None)
     assert choose_memory_format(True, mlp, ["cpu"]) is torch.channels_last and choose_memory_format(False, conv, ["cuda:0"]) is None
+
+
+def test_meter_folds_long_spans_without_reading(monkeypatch):
+    """Past FOLD_STEPS pending steps a Meter adds them up on the device: memory stays bounded, no
+    read happens before settle(), and the sums are the per-step ones (float64, rel 1e-12)."""
+    monkeypatch.setattr(meters, "FOLD_STEPS", 4)
+    g = torch.Generator().manual_seed(0)
+    steps = [StepResult(torch.rand((), generator=g), 0.5, 8, [torch.tensor(i), torch.tensor(1)], 8) for i in range(10)]
+    expected = sum(r.loss.double().item() * 0.5 for r in steps) / 10
+    m = meters.Meter()
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(1) or torch.Tensor.tolist(self))
+    for r in steps:
+        m.add(r, 0.0, 0.0)
+        assert len(m._losses) <= 4 and not reads
+    assert m.mean_loss() == pytest.approx(expected, rel=1e-12)
+    assert m.correct == sum(range(10)) + 10 and len(reads) == 2

@@ -20,6 +20,9 @@ from torch import Tensor
 from .tasks import StepResult, device_sum, perplexity
 
 
+FOLD_STEPS = 1024  # steps whose tensors a meter keeps before adding them up
+
+
 @dataclass
 class Meter:
     """Running sums over a log window or an epoch. The losses (with their factors) and correct
@@ -43,6 +46,9 @@ class Meter:
         self._losses.append(r.loss)
         self._factors.append(r.loss_factor * r.count)
         self._correct += r.correct
+        if len(self._losses) >= FOLD_STEPS:  # a long epoch: sum what waits, on the device, without reading it
+            self._losses, self._factors = [device_sum_weighted(self._losses, self._factors)], [1.0]
+            self._correct = [device_sum(self._correct)] if self._correct else []
         self.count += r.count
         self.samples += r.samples
         self.steps += 1
