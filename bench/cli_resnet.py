@@ -43,7 +43,7 @@ def child(argv: list[str], timeout: float, env: dict) -> tuple[list[dict], str]:
         return [], f"timed out after {timeout:.0f} s"
     print(f"[{time.perf_counter() - start:.0f} s] {' '.join(argv[1:])}", file=sys.stderr, flush=True)
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    error = "" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] or ''}"
+    error = "" if proc.returncode == 0 else f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}"
     return records, error
 
 
