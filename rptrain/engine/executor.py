@@ -24,6 +24,7 @@ from .device import Device
 from .graphs import StageGraphs, signature, worth_recording
 from .host import GradBuffer, HostState
 from .layout import FlatLayout, Range, Slot
+from .memory_format import convert_inputs
 from .replica import Shell
 from .scaler import recording_scalers
 from .schedule import Job, JobKind
@@ -180,6 +181,7 @@ class Executor:
         self.reducer = None  # a GradReducer when gradients are averaged across processes
         self.resident = False  # keep the whole compute copy on every GPU
         self.cuda_graphs = False  # replay fused stages as CUDA graphs (needs resident weights)
+        self.memory_format: Optional[torch.memory_format] = None  # the layout of 4-D inputs (memory_format.py)
         self._refresh_plan: Optional[tuple[list[Range], list[Range]]] = None
 
     # ----------------------------------------------------------------------------- running a call
@@ -194,6 +196,8 @@ class Executor:
         for jobs in by_device.values():
             for a, b in zip(jobs, jobs[1:]):
                 state.next_on_device[a.index] = b
+        for index in by_device:
+            self.devices[index].follow_caller()
         if len(by_device) == 1:
             try:
                 for job in state.jobs:
@@ -375,6 +379,8 @@ class Executor:
                     else:
                         value, event, source = state.chain.take(job.index - 1, micro)
                     value = device.receive(value, event, source)
+                    if job.index == 0 and job.kind is not JobKind.BACKWARD:  # the call's inputs (not output gradients)
+                        value = convert_inputs(value, self.memory_format)
                     result = run(job, modules, value, micro, state, device)
                     state.chain.put(job.index, micro, result, device.record("compute"), device)
                 # Graph replays update statistics without bumping the tensors' version counters.

@@ -33,6 +33,7 @@ from .config import RoundPipeRunConfig, ResolvedRunConfig, resolve
 from .device import make_devices
 from .executor import Args, Executor, PassState, float_tensors
 from .host import GradBuffer, HostState
+from .memory_format import check_memory_format
 from .plan import ExecutePlan, LayerCost, plan_stages
 from .recorded import run_recorded
 from .scaler import register_step_queue, step_context
@@ -76,6 +77,7 @@ class RoundPipe(nn.Module):
         *,
         name: Optional[str] = None,
         pin_model: str = "alloc",
+        memory_format: Optional[torch.memory_format] = None,
     ):
         """``devices``: None (every GPU, else the CPU) or a list like ``["cuda:0", "cuda:1"]``.
         ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
@@ -89,7 +91,10 @@ class RoundPipe(nn.Module):
         fewer than torch's, so the thread issuing GPU work keeps a core; a statically scheduled
         parallel loop that shares a core with it waits for its slowest thread.
         ``name``, ``pin_model``: the original library's; ``name`` is kept as ``.name``, host copies
-        are always pinned with PyTorch's allocator on GPU engines (its "alloc")."""
+        are always pinned with PyTorch's allocator on GPU engines (its "alloc").
+        ``memory_format``: ``torch.channels_last`` converts 4-D inputs to channels-last on the
+        device, so convolutions run NHWC kernels (faster on recent GPUs); weights, gradients and
+        state dicts keep the standard layout (memory_format.py). None: inputs as given."""
         super().__init__()
         if pin_model not in ("alloc", "register", "off"):
             raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
@@ -129,6 +134,7 @@ class RoundPipe(nn.Module):
         self._executor = Executor(self._layers, self._host, self._devices)
         self._executor.resident = resident
         self._executor.cuda_graphs = self._cuda and cuda_graphs
+        self._executor.memory_format = check_memory_format(memory_format)
         if self._reducer is not None:
             self._executor.reducer = self._reducer
             self._reducer.check_same(self._host.master, self._devices[0].torch_device)
