@@ -66,7 +66,7 @@ def test_nan_loss_stops_with_one_line_and_keeps_the_checkpoint(tmp_path, nan_at_
     code, out, err = run_main([*RUN, f"hydra.run.dir={run}"], capsys)
     lines = error_lines(err)
     assert code == 2 and len(lines) == 1, (code, err)
-    assert "the training loss is nan at step 3" in lines[0] and "trainer.on_nonfinite=skip" in lines[0]
+    assert "the training loss is not finite (NaN or inf) at step 3" in lines[0] and "trainer.on_nonfinite=skip" in lines[0]
     assert "last checkpoint (step 2" in lines[0]
     assert status(run)["state"] == "failed" and not (run / "summary.json").exists()
     intact(run, 2)
@@ -76,7 +76,7 @@ def test_nan_loss_skipped_leaves_the_weights_finite(tmp_path, nan_at_step_3, cap
     run = tmp_path / "skip"
     code, out, err = run_main([*RUN, "trainer.on_nonfinite=skip", f"hydra.run.dir={run}"], capsys)
     assert code == 0, err
-    assert "step 3: the loss is nan: this step's update is skipped" in out
+    assert "step 3: the loss is not finite: this step's update is skipped" in out
     train = {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"}
     assert sorted(train) == [1, 2, 4, 5, 6] and all(v is not None for v in train.values())  # a NaN update would poison every later step
     summary = json.loads((run / "summary.json").read_text())

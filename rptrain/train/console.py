@@ -47,19 +47,30 @@ def say(console: Console, text: str) -> None:
     log.info(text)
 
 
+def _f(value: object) -> str:
+    """A metric as the lines show it; null (a NaN/inf in metrics.jsonl, e.g. a GradScaler overflow) as nan."""
+    return "nan" if value is None else f"{value:.4f}"
+
+
 def epoch_line(epoch: int, epochs: int, rec: dict, metric: str) -> str:
     """The tutorial's line: `Epoch 01/20 | Train Loss: 4.3328 | Train Acc: 0.0413 | Test Loss: ... | Test Acc: ...`."""
     name = _NAMES[metric]
-    parts = [f"Epoch {epoch:02d}/{epochs}", f"Train Loss: {rec['train_loss']:.4f}", f"Train {name}: {rec[f'train_{metric}']:.4f}"]
+    parts = [f"Epoch {epoch:02d}/{epochs}", f"Train Loss: {_f(rec['train_loss'])}", f"Train {name}: {_f(rec[f'train_{metric}'])}"]
     if rec.get("test_loss") is not None:
-        parts += [f"Test Loss: {rec['test_loss']:.4f}", f"Test {name}: {rec[f'test_{metric}']:.4f}"]
+        parts += [f"Test Loss: {_f(rec['test_loss'])}", f"Test {name}: {_f(rec[f'test_{metric}'])}"]
     return " | ".join(parts)
+
+
+def epoch_rate_line(epoch: int, epochs: int, rec: dict) -> str:
+    """The whole epoch's throughput: its training samples over its wall time, evaluation included."""
+    return (f"Epoch {epoch:02d}/{epochs} took {rec['epoch_wall_time']:.2f} s with its evaluation: "
+            f"{rec['epoch_samples_per_s']:,.0f} samples/s")
 
 
 def step_line(rec: dict, total: int, metric: str, unit: str) -> str:
     rate = rec.get(f"{unit}_per_s") or 0.0
     return (
-        f"step {rec['step']}/{total} | epoch {rec['epoch']} | loss {rec['loss']:.4f} | {metric} {rec[metric]:.4f} | "
+        f"step {rec['step']}/{total} | epoch {rec['epoch']} | loss {_f(rec['loss'])} | {metric} {_f(rec[metric])} | "
         f"lr {rec['lr']:.3g} | scale {rec['loss_scale']:g} | {rate:,.0f} {unit.replace('_', ' ')}/s | "
         f"data {1e3 * rec['data_time']:.1f} ms, step {1e3 * rec['step_time']:.1f} ms"
     )
@@ -74,6 +85,7 @@ class ProgressBar:
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
             console=console, transient=True, disable=not self.enabled,
+            refresh_per_second=4,  # rendering holds the GIL the step's issuing thread needs
         )
         self._task: Optional[int] = None
 
@@ -89,6 +101,11 @@ class ProgressBar:
             self._progress.remove_task(self._task)
         self._task = self._progress.add_task(description, total=total, completed=done, stats="")
 
-    def advance(self, stats: str) -> None:
-        if self._task is not None:
-            self._progress.update(self._task, advance=1, stats=stats)
+    def advance(self) -> None:
+        if self.enabled and self._task is not None:
+            self._progress.update(self._task, advance=1)
+
+    def show(self, stats: str) -> None:
+        """Loss and throughput next to the bar: updated at log steps, the only time they are read."""
+        if self.enabled and self._task is not None:
+            self._progress.update(self._task, stats=stats)

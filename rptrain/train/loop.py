@@ -30,11 +30,13 @@ from rich.console import Console
 from rptrain import OptimizerCtx, RoundPipe
 
 from .checkpoint import LAST, load_checkpoint, rng_state, save_rotating, set_rng_state
-from .console import ProgressBar, epoch_line, log, say, step_line
+from .console import ProgressBar, epoch_line, epoch_rate_line, log, say, step_line
 from .data import TrainData, build_data
 from .dist import Dist, FailedOnRankZero, inject_fault, peer_errors
 from .errors import CheckpointError, NonFiniteLoss, one_line
-from .meters import Meter, RunProgress, progress_from, progress_state, rank_share
+from .kernels import cudnn_benchmark
+from .memory_format import choose_memory_format
+from .meters import Meter, RunProgress, epoch_rate, progress_from, progress_state, rank_share
 from .metrics import MetricsLog
 from .model import IMAGE, build_model, fingerprint
 from .plots import plot_curves
@@ -81,14 +83,16 @@ class Trainer:
         with peer_errors("the comparison of the ranks' initial weights", d.world > 1):
             engine = RoundPipe(model, torch_dtype(cfg.precision.optim_dtype), build_run_config(cfg.run_config, len(model)),
                                devices=d.devices, process_group=d.group, cuda_graphs=cfg.engine.cuda_graphs,
-                               optimizer_threads=cfg.engine.optimizer_threads)
+                               optimizer_threads=cfg.engine.optimizer_threads,
+                               memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices))
         engine_ref = weakref.ref(engine)
         del model  # the engine owns the weights now
         # Handed over in a list that _fit empties: a big checkpoint should not stay mapped all run.
         handover = [state]
         del state
         try:
-            summary = self._fit(engine, data, dtype, handover, resume)
+            with cudnn_benchmark(cfg.engine.cudnn_benchmark):
+                summary = self._fit(engine, data, dtype, handover, resume)
         finally:
             self.parts = {}  # the only other references to the engine, optimizer and data: free them for the next job
             engine.close()
@@ -218,13 +222,13 @@ class Trainer:
                     scale = scaler.get_scale()
                     with peer_errors("gradient averaging", d.world > 1):
                         result = self.task.train_step(engine, batch, scaler, total)
-                    nonfinite = self._nonfinite(result.loss, p.step + 1, stop_on_it=guard and not skip)
-                    engine.step(skip_fn if nonfinite and guard else step_fn, is_async=t.async_step)
+                    # Without a GradScaler the loss is read every step (one wait for the device) to keep a NaN out of the weights.
+                    nonfinite = guard and self._nonfinite(result.loss, p.step + 1, stop_on_it=not skip)
+                    engine.step(skip_fn if nonfinite else step_fn, is_async=t.async_step)
                     scaler.update()
-                    if nonfinite:  # left out of the logged means (GradScaler runs skip such steps by design)
-                        if guard:
-                            say(self.console, f"step {p.step + 1}: the loss is {result.loss}: this step's update is skipped (trainer.on_nonfinite=skip)")
-                        result, window_skipped = StepResult(0.0, 0, 0, result.samples), window_skipped + 1
+                    if nonfinite:  # left out of the logged means
+                        say(self.console, f"step {p.step + 1}: the loss is not finite: this step's update is skipped (trainer.on_nonfinite=skip)")
+                        result, window_skipped = StepResult(result.loss.new_zeros(()), 0.0, 0, [], result.samples), window_skipped + 1
                     t2 = time.perf_counter()
                     p.step += 1
                     for meter in (window, p.epoch_meter):
@@ -232,9 +236,10 @@ class Trainer:
                     p.train_seconds += t2 - t0
                     p.samples += result.samples
                     p.tokens += result.count if data.kind != IMAGE else 0
-                    bar.advance(self._bar_stats(window))
-                    if p.step % t.log_interval == 0 or p.step == self.total_steps:
+                    bar.advance()
+                    if p.step % t.log_interval == 0 or p.step == self.total_steps:  # the only reads of the step's numbers
                         if window.steps > window_skipped:  # skipped steps alone have no loss to log
+                            bar.show(self._bar_stats(window))
                             self._log_train(p, window, epoch, lr_of(p.step - 1), scale, bar.enabled)
                         window, window_skipped = Meter(), 0
                     # One process: a signal during the step stops after it. Several: after the step all agreed on.
@@ -247,20 +252,20 @@ class Trainer:
             self._checkpoint(p)
         self._write_reports()
 
-    def _nonfinite(self, loss: float, step: int, stop_on_it: bool) -> bool:
+    def _nonfinite(self, loss: torch.Tensor, step: int, stop_on_it: bool) -> bool:
         """Whether this step's loss is NaN/inf on any rank (then every rank skips or stops alike)."""
-        bad = float(not math.isfinite(loss))
+        bad = float(not bool(torch.isfinite(loss)))
         if self.dist.world > 1:
             bad = self.dist.sum([bad], "the check for a non-finite loss")[0]
         if bad and stop_on_it:  # before the step: the update never happens, the last checkpoint stays the last
-            raise NonFiniteLoss(self._nonfinite_message(step, loss))
+            raise NonFiniteLoss(self._nonfinite_message(step))
         return bad > 0
 
-    def _nonfinite_message(self, step: int, loss: float) -> str:
+    def _nonfinite_message(self, step: int) -> str:
         kept = f"the last checkpoint (step {self._ckpt_step}, {self.checkpoint_path}) is kept" if self._ckpt_step >= 0 else "no checkpoint was written yet"
         return (
-            f"the training loss is {loss} at step {step} (without a GradScaler nothing skips it): the weights were not updated with it and "
-            f"{kept}; lower optim.optimizer.lr, set optim.clip_grad_norm, or let such steps be skipped with trainer.on_nonfinite=skip"
+            f"the training loss is not finite (NaN or inf) at step {step} (without a GradScaler nothing skips it): the weights were not "
+            f"updated with it and {kept}; lower optim.optimizer.lr, set optim.clip_grad_norm, or let such steps be skipped with trainer.on_nonfinite=skip"
         )
 
     def _exchange(self, count: int, stop: StopRequest) -> tuple[int, bool]:
@@ -338,8 +343,11 @@ class Trainer:
         }
         if p.last_eval_step == p.step:
             record.update({f"test_{k}": v for k, v in p.last_eval.items()})
+        record.update(epoch_rate(p.epoch_meter, m.samples))
         self.metrics.add("epoch", **record, time=p.train_seconds)
         say(self.console, epoch_line(epoch + 1, self.num_epochs, record, metric))
+        if record["epoch_samples_per_s"] is not None:
+            say(self.console, epoch_rate_line(epoch + 1, self.num_epochs, record))
         self._write_reports()
 
     def _write_reports(self) -> None:
