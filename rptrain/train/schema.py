@@ -125,7 +125,8 @@ class SyntheticImagesConfig:
 class TextDataConfig:
     name: str = "text"
     path: str = MISSING
-    tokenizer: str = "byte"
+    tokenizer: Optional[str] = None  # byte | a tokenizer.json or its folder | None: the model's (model=hf), else byte
+    eos_token: Optional[str] = None  # the token closing each document; None: tokenizer_config.json's, else a usual name
     seq_len: int = 256
     val_fraction: float = 0.1
 
