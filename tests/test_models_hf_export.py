@@ -86,3 +86,19 @@ def test_tied_head_written_once_and_mixed_dtypes_refused(tmp_path):
     model[1].self_attn.q_proj.weight.data = model[1].self_attn.q_proj.weight.data.half()
     with pytest.raises(ValueError, match="mixes dtypes"):
         hf_export(model, {"num_hidden_layers": 1}, tmp_path / "mixed")
+
+
+def test_views_of_one_flat_buffer_stay_untied(tmp_path):
+    """The engine's master weights are views into flat tensors: an untied head of the embedding's shape is not tied."""
+    folder = llama_folder(tmp_path / "src", tie=False, layers=1)
+    ref = AutoModelForCausalLM.from_pretrained(folder)
+    state = as_sequential(ref).state_dict()
+    flat = torch.cat([t.flatten() for t in state.values()])
+    views, offset = {}, 0
+    for name, t in state.items():
+        views[name] = flat[offset : offset + t.numel()].view(t.shape)
+        offset += t.numel()
+    out = hf_export(views, json.loads((folder / "config.json").read_text()), tmp_path / "out")
+    back = AutoModelForCausalLM.from_pretrained(out)
+    assert not back.config.tie_word_embeddings
+    assert all(torch.equal(t, ref.state_dict()[k]) for k, t in back.state_dict().items())

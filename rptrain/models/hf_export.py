@@ -31,12 +31,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def hf_state(state: Mapping[str, torch.Tensor], n_layers: int) -> tuple[dict[str, torch.Tensor], bool]:
     """Our state dict under transformers' names, and whether the head is tied to the embedding
-    (no head tensor, or the embedding's own storage): then it is left out."""
+    (no head tensor, or the embedding's very memory): then it is left out."""
     named = {hf_name(name, n_layers): tensor for name, tensor in state.items()}
     if EMBED not in named:
         raise ValueError(f"no embedding ({EMBED}) among the {len(named)} tensors: not a decoder of the hf_names convention")
-    head = named.get(HEAD)
-    tied = head is None or (head.untyped_storage().data_ptr() == named[EMBED].untyped_storage().data_ptr() and head.shape == named[EMBED].shape)
+    head, embed = named.get(HEAD), named[EMBED]
+    # data_ptr, not the storage: the engine's master weights are views into a few flat tensors.
+    tied = head is None or (head.data_ptr() == embed.data_ptr() and head.shape == embed.shape and head.stride() == embed.stride())
     if tied:
         named.pop(HEAD, None)
     return named, tied
@@ -64,7 +65,8 @@ def write_weights(named: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dt
         stale.unlink(missing_ok=True)
     files = ["model.safetensors"] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for names, file in zip(shards, files):
-        tensors = {name: named[name].detach().to("cpu", dtype).contiguous() for name in names}
+        # A copy each: safetensors refuses tensors that share memory (views of the engine's flat buffers do).
+        tensors = {name: named[name].detach().to("cpu", dtype, copy=True).contiguous() for name in names}
         save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
         del tensors
     if len(shards) > 1:
