@@ -21,7 +21,7 @@ from rptrain.models import LLAMA_PRESETS, LlamaConfig
 from rptrain.models.hf_export import hf_export
 from rptrain.models.hf_presets import QWEN3_PRESETS, llama_hf_config
 
-from .errors import ConfigError
+from .errors import USER_ERRORS, ConfigError, one_line
 from .tokenizer import build_tokenizer, tokenizer_source
 
 EMBEDDING = "0.embed_tokens.weight"
@@ -79,3 +79,11 @@ def export_weights(cfg: DictConfig, state: dict[str, torch.Tensor], out_dir: Pat
     has_tokenizer = cfg.data.name == "text" or cfg.model.get("path")
     return hf_export(state, config, out_dir, dtype=dtype, tokenizer=tokenizer_source(cfg) if has_tokenizer else None,
                      generation_config=generation)
+
+
+def export_run(cfg: DictConfig, state: dict[str, torch.Tensor], run_dir: Path, dtype: torch.dtype) -> Path:
+    """The end of a run: RUN_DIR/hf. A failure names the way to retry (the checkpoint is written by then)."""
+    try:
+        return export_weights(cfg, state, Path(run_dir) / "hf", dtype)
+    except USER_ERRORS as err:
+        raise ConfigError(f"{one_line(err)} (the checkpoint is saved: after fixing, run rptrain-export {run_dir} OUT_DIR)") from err
