@@ -9,7 +9,8 @@ import transformers
 from hydra import compose, initialize_config_module
 
 from hf_fixture import CORPUS, EOS, PAD, tokenizer_folder
-from rptrain.data import DataError, load_text_corpus, load_tokenizer
+from rptrain.data import ByteTokenizer, DataError, load_text_corpus, load_tokenizer
+from rptrain.data.byte_tokenizer_files import write_byte_tokenizer
 from rptrain.train import schema
 from rptrain.train.data import build_data
 
@@ -88,3 +89,13 @@ def test_data_tokenizer_folder_and_eos_token_keys(make, tmp_path):
     with pytest.raises(DataError, match="byte tokenizer"):
         build_data(make(*common, f"data.eos_token='{EOS}'"), torch.float32)
     assert "ByteTokenizer" in build_data(make(*common), torch.float32).description  # null: the model's; a preset has none
+
+
+def test_byte_tokenizer_files_encode_as_the_byte_tokenizer(tmp_path):
+    """What a byte-tokenizer run exports: transformers reads the ids and text ByteTokenizer makes."""
+    folder = write_byte_tokenizer(tmp_path)
+    ref, ours = transformers.AutoTokenizer.from_pretrained(folder), ByteTokenizer()
+    assert (len(ref), ref.bos_token_id, ref.eos_token_id, ref.pad_token_id) == (259, ours.bos_id, ours.eos_id, ours.pad_id)
+    for text in [*TEXTS, "tabs\t and  spaces\r\n", ""]:
+        assert ref(text)["input_ids"] == ours.encode(text) and ref.decode(ours.encode(text)) == text
+    assert load_tokenizer(folder).document(CORPUS) == ours.document(CORPUS)

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rptrain.data.byte_tokenizer_files import write_byte_tokenizer
 from rptrain.models import LLAMA_PRESETS, LlamaConfig
 from rptrain.models.hf_export import hf_export
 from rptrain.models.hf_presets import QWEN3_PRESETS, llama_hf_config
@@ -76,9 +77,11 @@ def export_weights(cfg: DictConfig, state: dict[str, torch.Tensor], out_dir: Pat
         raise ConfigError(f"the weights of model={cfg.model.name} have no {EMBEDDING}: not a decoder this rptrain exports")
     config = hf_config(cfg, int(state[EMBEDDING].shape[0]))
     generation = _source_json(cfg, "generation_config.json") if cfg.model.get("path") else None
-    has_tokenizer = cfg.data.name == "text" or cfg.model.get("path")
-    return hf_export(state, config, out_dir, dtype=dtype, tokenizer=tokenizer_source(cfg) if has_tokenizer else None,
-                     generation_config=generation)
+    tokenizer = tokenizer_source(cfg) if cfg.data.name == "text" or cfg.model.get("path") else None
+    out = hf_export(state, config, out_dir, dtype=dtype, tokenizer=tokenizer, generation_config=generation)
+    if tokenizer == "byte":
+        write_byte_tokenizer(out)
+    return out
 
 
 def export_run(cfg: DictConfig, state: dict[str, torch.Tensor], run_dir: Path, dtype: torch.dtype) -> Path:
