@@ -7,7 +7,16 @@ exports as LlamaForCausalLM with `llama_hf_config`.
 """
 from __future__ import annotations
 
+import dataclasses
+
+import torch
+from torch import nn
+
+from rptrain.models.decoder import Device, build_decoder
+from rptrain.models.decoder_config import DecoderConfig
+from rptrain.models.hf_config import decoder_config
 from rptrain.models.llama_config import LlamaConfig
+from rptrain.models.registry import register_model
 
 _QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, head_dim=128, hidden_act="silu",
               rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960, attention_bias=False,
@@ -21,6 +30,26 @@ QWEN3_PRESETS: dict[str, dict] = {
     "qwen3_8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, tie_word_embeddings=False),
 }
+
+
+def qwen3_config(name: str, max_seq_len: int | None = None, init_std: float = 0.02, loss_chunk_tokens: int = 4096,
+                 **fields) -> DecoderConfig:
+    """A Qwen3 preset with some config.json fields replaced (None keeps the published value, e.g. vocab_size)."""
+    if name not in QWEN3_PRESETS:
+        raise ValueError(f"unknown qwen3 preset {name!r}; allowed: {', '.join(QWEN3_PRESETS)}")
+    raw = {**QWEN3_PRESETS[name], **{k: v for k, v in fields.items() if v is not None}}
+    cfg = decoder_config(raw, f"model={name}", max_seq_len, loss_chunk_tokens)
+    return dataclasses.replace(cfg, init_std=init_std)
+
+
+def _register(name: str) -> None:
+    @register_model(name)
+    def build(device: Device = None, dtype: torch.dtype | None = None, **overrides) -> nn.Sequential:
+        return build_decoder(qwen3_config(name, **overrides), device, dtype)
+
+
+for _name in QWEN3_PRESETS:
+    _register(_name)
 
 
 def llama_hf_config(cfg: LlamaConfig) -> dict:

@@ -85,6 +85,28 @@ class LlamaModelConfig:
     weights: Optional[str] = None  # a local checkpoint (rptrain.models.load_weights), or a finished run: its directory or checkpoints/last.pt
 
 
+@dataclass
+class Qwen3ModelConfig:
+    """A published Qwen3 shape (rptrain.models.hf_presets), random init; the keys are config.json's."""
+
+    _target_: str = "rptrain.models.build_model"
+    name: str = MISSING
+    vocab_size: Optional[int] = None  # None: the data's vocabulary (tokenizer or synthetic_tokens)
+    hidden_size: int = MISSING
+    intermediate_size: int = MISSING
+    num_hidden_layers: int = MISSING
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    tie_word_embeddings: bool = False
+    max_seq_len: int = 40960  # rotary positions up to this (config.json's max_position_embeddings)
+    init_std: float = 0.02
+    loss_chunk_tokens: int = 4096
+    weights: Optional[str] = None  # as LlamaModelConfig.weights
+
+
 # ----------------------------------------------------------------------------- data
 @dataclass
 class CifarDataConfig:
@@ -267,6 +289,7 @@ def register_configs() -> None:
     cs.store(name="rptrain_schema", node=RPTrainConfig)
     cs.store(group="schema/model", name="resnet", node=ResNetConfig)
     cs.store(group="schema/model", name="llama", node=LlamaModelConfig)
+    cs.store(group="schema/model", name="qwen3", node=Qwen3ModelConfig)
     cs.store(group="schema/data", name="cifar", node=CifarDataConfig)
     cs.store(group="schema/data", name="synthetic", node=SyntheticImagesConfig)
     cs.store(group="schema/data", name="text", node=TextDataConfig)
