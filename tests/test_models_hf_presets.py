@@ -10,8 +10,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rptrain.models import QWEN3_PRESETS, build_model
 from rptrain.train import schema
+from rptrain.train.errors import ConfigError
 from rptrain.train.export import export_weights
 from rptrain.train.model import build_model as build_run_model
+from rptrain.train.validate import validate_config
 
 SHAPES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
           "rms_norm_eps", "rope_theta", "tie_word_embeddings")
@@ -29,6 +31,9 @@ def test_qwen3_presets_have_the_published_shapes(make, name):
     preset, model_cfg = QWEN3_PRESETS[name], make(f"model={name}").model
     assert {k: model_cfg[k] for k in SHAPES} == {k: preset[k] for k in SHAPES}  # the YAML and the preset agree
     assert model_cfg.max_seq_len == preset["max_position_embeddings"]
+    validate_config(make(f"model={name}", "data=synthetic_tokens"))
+    with pytest.raises(ConfigError, match="model.hidden_sise is not a config key"):
+        validate_config(make(f"model={name}", "data=synthetic_tokens", "+model.hidden_sise=8"))
     ours = sum(p.numel() for p in build_model(name, device="meta").parameters())
     with torch.device("meta"):
         theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**preset))

@@ -20,7 +20,7 @@ from rptrain.models.registry import register_model
 
 _QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, head_dim=128, hidden_act="silu",
               rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960, attention_bias=False,
-              use_sliding_window=False, sliding_window=None, initializer_range=0.02, bos_token_id=151643, eos_token_id=151645)
+              use_sliding_window=False, sliding_window=None, initializer_range=0.02)  # token ids: the run's tokenizer's
 
 QWEN3_PRESETS: dict[str, dict] = {
     "qwen3_0_6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,

@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rptrain.data import DataError
+from rptrain.models.hf_presets import QWEN3_PRESETS
 
 from . import dist, schema
 from .errors import ConfigError
@@ -63,9 +64,15 @@ def _known_keys(node: DictConfig, cls: type, prefix: str) -> None:
             _known_keys(sub, nested, f"{prefix}{key}.")
 
 
+def _model_schema(model_cfg: DictConfig) -> type:
+    if model_kind(model_cfg) != LM:
+        return schema.ResNetConfig
+    return schema.Qwen3ModelConfig if model_cfg.name in QWEN3_PRESETS else schema.LlamaModelConfig
+
+
 def check_known_keys(cfg: DictConfig) -> None:
     _known_keys(cfg, schema.RPTrainConfig, "")
-    _known_keys(cfg.model, schema.LlamaModelConfig if model_kind(cfg.model) == LM else schema.ResNetConfig, "model.")
+    _known_keys(cfg.model, _model_schema(cfg.model), "model.")
     _known_keys(cfg.data, DATA_SCHEMAS[cfg.data.name], "data.")
 
 
