@@ -4,16 +4,17 @@ alone and through the engine; refused configs are one line."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers  # the reference (dev extra)
 
 from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.models import IGNORE_INDEX, HFModelError, build_model
+from rptrain.models.hf_config import decoder_config
 from rptrain.models.hf_names import hf_name
-
-transformers = pytest.importorskip("transformers")
 
 V, T = 61, 12
 TINY = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
@@ -127,3 +128,36 @@ def test_through_the_engine(saved, name, plan):
     assert len(grads) == len(expected)
     for g, e in zip(grads, expected):
         assert rel(g, e) < 1e-5
+
+
+# Per family: a field changed in its saved config.json -> the fragments of the one-line refusal.
+REFUSALS = [
+    ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention=true (gemma3_text): rptrain trains causal decoders"),
+    ("gemma2", dict(hidden_activation="gelu"), 'hidden_activation="gelu" (gemma2): rptrain supports gelu_pytorch_tanh'),
+    ("qwen2", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "(qwen2): partial_rotary_factor other than 1 is supported for phi3 only"),
+    ("phi3", dict(resid_pdrop=0.1), "resid_pdrop=0.1 (phi3): dropout is not supported"),
+    ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope type 'longrope' is not supported"),
+    ("mistral", dict(attention_bias=True), "attention_bias=true (mistral): rptrain does not know this field"),
+    ("qwen3", dict(layer_types=["full_attention", "chunked_attention"]), "layer_types="),
+    ("llama3", dict(sliding_window=4), "sliding_window=4 (llama): rptrain does not know this field"),
+]
+
+
+@pytest.mark.parametrize("name, change, fragment", REFUSALS, ids=[f"{n}-{next(iter(c))}" for n, c, _ in REFUSALS])
+def test_refusals(saved, name, change, fragment):
+    folder, _ = saved(name)
+    raw = {**json.loads((folder / "config.json").read_text()), **change}
+    with pytest.raises(HFModelError) as info:
+        decoder_config(raw)
+    message = str(info.value)
+    assert fragment in message and "\n" not in message, message
+
+
+def test_meta_build_checks_without_loading(saved, tmp_path):
+    folder = shutil.copytree(saved("llama3")[0], tmp_path / "llama3")
+    model = build_model("hf", path=str(folder), device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    (folder / "config.json").write_text((folder / "config.json").read_text().replace('"num_hidden_layers": 2', '"num_hidden_layers": 3'))
+    with pytest.raises(HFModelError, match=r"missing 9 \[model\.layers\.2\."):
+        build_model("hf", path=str(folder), device="meta")

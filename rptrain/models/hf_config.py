@@ -221,6 +221,7 @@ def decoder_config(raw: dict[str, Any], where: str = "config.json", max_seq_len:
     rope, local_rope = _ropes(f, max_positions)
     window, sliding = _sliding_layers(f, n_layers)
     gemma2 = family in ("gemma2", "gemma3_text")
+    activation = _activation(f)
     bias = bool(f.get("attention_bias", False))
     vocab = int(f.need("vocab_size"))
     pad = f.raw.get("pad_token_id")
@@ -232,7 +233,7 @@ def decoder_config(raw: dict[str, Any], where: str = "config.json", max_seq_len:
             n_kv_heads=int(f.get("num_key_value_heads", heads)), head_dim=head_dim,
             intermediate_size=int(f.need("intermediate_size")),
             norm_eps=float(f.get("rms_norm_eps", 1e-5 if family == "phi3" else 1e-6)),
-            norm_offset=family in GEMMAS, activation=_activation(f),
+            norm_offset=family in GEMMAS, activation=activation,
             qkv_bias=bias or family == "qwen2", o_bias=bias, mlp_bias=bool(f.get("mlp_bias", False)),
             qk_norm=family in ("qwen3", "gemma3_text"), fused_qkv=family == "phi3", fused_gate_up=family == "phi3",
             sandwich_norms=gemma2, embed_scale=math.sqrt(hidden) if family in GEMMAS else None,

@@ -107,6 +107,18 @@ class Qwen3ModelConfig:
     weights: Optional[str] = None  # as LlamaModelConfig.weights
 
 
+@dataclass
+class HFModelConfig:
+    """model=hf: a Hugging Face folder; the architecture comes from its config.json alone."""
+
+    _target_: str = "rptrain.models.build_model"
+    name: str = "hf"
+    path: str = MISSING  # folder with config.json and *.safetensors (model.safetensors.index.json when sharded)
+    max_seq_len: Optional[int] = None  # None: config.json's max_position_embeddings (x factor for dynamic rope)
+    loss_chunk_tokens: int = 4096
+    weights: Optional[str] = None  # another checkpoint of this model to load after the folder's weights
+
+
 # ----------------------------------------------------------------------------- data
 @dataclass
 class CifarDataConfig:
@@ -290,6 +302,7 @@ def register_configs() -> None:
     cs.store(group="schema/model", name="resnet", node=ResNetConfig)
     cs.store(group="schema/model", name="llama", node=LlamaModelConfig)
     cs.store(group="schema/model", name="qwen3", node=Qwen3ModelConfig)
+    cs.store(group="schema/model", name="hf", node=HFModelConfig)
     cs.store(group="schema/data", name="cifar", node=CifarDataConfig)
     cs.store(group="schema/data", name="synthetic", node=SyntheticImagesConfig)
     cs.store(group="schema/data", name="text", node=TextDataConfig)
