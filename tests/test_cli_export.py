@@ -13,11 +13,13 @@ from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_fixture import CORPUS, tokenizer_folder
+from hf_fixture import CORPUS, llama_folder, tokenizer_folder
 from rptrain.cli.export import export, main
 from rptrain.models.hf_names import hf_name
 from rptrain.train import schema
+from rptrain.train.data import build_data
 from rptrain.train.errors import CheckpointError
+from rptrain.train.export import export_weights
 from rptrain.train.model import build_model
 from test_cli_helpers import error_lines, explain, rptrain
 
@@ -100,3 +102,24 @@ def test_bad_export_input_is_one_line_exit_2(run, tmp_path, capsys):
         lines = error_lines(capsys.readouterr().err)
         assert exit_info.value.code == 2 and len(lines) == 1 and lines[0].startswith("rptrain-export: error:") and message in lines[0], lines
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_model_hf_uses_and_exports_its_own_folder(make, tmp_path):
+    """model=hf: the tokenizer defaults to the folder's, and the export is the source architecture with our weights."""
+    source = llama_folder(tmp_path / "src", tie=False)
+    (tmp_path / "c.txt").write_text(CORPUS * 4)
+    cfg = make("model=hf", f"model.path={source}", "data=text", f"data.path={tmp_path / 'c.txt'}", "data.seq_len=16",
+               "trainer.batch_size=2", "precision=bf16")
+    assert f"HFTokenizer({source / 'tokenizer.json'}" in build_data(cfg, torch.float32).description
+    ours = build_model(cfg, torch.float32).eval()
+    with torch.no_grad():
+        ours[1].mlp.up_proj.weight.mul_(1.5)  # "trained": no longer the source's weights
+    out = export_weights(cfg, ours.state_dict(), tmp_path / "hf", torch.float32)
+    before, after = (json.loads((d / "config.json").read_text()) for d in (source, out))
+    assert {k: v for k, v in after.items() if k not in ("torch_dtype", "dtype")} == {k: v for k, v in before.items() if k != "dtype"}
+    assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 1
+    ref = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(out)(CORPUS)["input_ids"][:16]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), ref(ids).logits, rtol=1e-5, atol=1e-5)
