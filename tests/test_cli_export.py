@@ -21,6 +21,7 @@ from rptrain.train.data import build_data
 from rptrain.train.errors import CheckpointError
 from rptrain.train.export import export_weights
 from rptrain.train.model import build_model
+from rptrain.train.run_weights import run_checkpoint, run_config
 from test_cli_helpers import error_lines, explain, rptrain
 
 MODEL = ["model=llama_tiny", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.tie_embeddings=true"]
@@ -83,6 +84,9 @@ def test_export_bf16_is_the_cast_of_the_master_weights(run, tmp_path):
 
 def test_a_run_seeds_only_its_own_model(run, make):
     run_dir, _ = run
+    checkpoint = run_checkpoint(run_dir)
+    assert checkpoint == run_dir / "checkpoints" / "last.pt" and run_checkpoint(run_dir / "hf" / "config.json") is None
+    assert run_config(checkpoint, {}).model.dim == 32  # a checkpoint without its config: the run's .hydra/config.yaml
     with pytest.raises(CheckpointError, match="other shapes"):
         build_model(make("model=llama_tiny", f"model.weights={run_dir}"), torch.float32, device="meta", vocab_size=320)
 
