@@ -29,7 +29,8 @@ def _fail(message: str) -> NoReturn:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rptrain-export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="rptrain-export", description="Write a language-model checkpoint as a Hugging Face "
+                                     "folder (what a finished run writes to RUN_DIR/hf by itself).")
     parser.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its checkpoints/last.pt) or a checkpoint file")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty folder")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="the weights' dtype on disk (default: the run's compute dtype)")
