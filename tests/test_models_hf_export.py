@@ -102,3 +102,21 @@ def test_views_of_one_flat_buffer_stay_untied(tmp_path):
     back = AutoModelForCausalLM.from_pretrained(out)
     assert not back.config.tie_word_embeddings
     assert all(torch.equal(t, ref.state_dict()[k]) for k, t in back.state_dict().items())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "phi3"])  # qkv bias + tied + sliding; soft-caps + sandwich norms; fused qkv/gate_up
+def test_model_hf_families_export_as_they_loaded(tmp_path, family):
+    """model=hf -> hf_export -> transformers: the source's own weights come back bit for bit, with our logits."""
+    from test_models_hf import batch, save_case
+
+    from rptrain.models import build_model
+
+    source = save_case(family, tmp_path / "src")
+    ours = build_model("hf", path=str(tmp_path / "src"), dtype=torch.float32).eval()
+    out = hf_export(ours, json.loads((tmp_path / "src" / "config.json").read_text()), tmp_path / "out", max_shard_bytes=30_000)
+    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert all(torch.equal(t, source.state_dict()[k]) for k, t in back.state_dict().items())
+    ids, _ = batch()
+    torch.testing.assert_close(logits(back, ids), logits(source, ids), rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), logits(back, ids), rtol=1e-5, atol=1e-5)
