@@ -65,7 +65,8 @@ def hf_config(cfg: DictConfig, vocab_size: int) -> dict:
         config = llama_hf_config(LlamaConfig(**{k: v for k, v in m.items() if k in fields and k != "vocab_size"}, vocab_size=vocab_size))
     elif m["name"] in QWEN3_PRESETS:
         preset = QWEN3_PRESETS[m["name"]]
-        config = {**preset, **{k: v for k, v in m.items() if k in preset}, "vocab_size": vocab_size}
+        config = {**preset, **{k: v for k, v in m.items() if k in preset}, "vocab_size": vocab_size,
+                  "max_position_embeddings": m["max_seq_len"], "initializer_range": m["init_std"]}
     else:
         raise ConfigError(f"model={m['name']} has no Hugging Face architecture: only language models (model=hf, llama_*, qwen3_*) export")
     return {**config, **_token_ids(cfg)}
