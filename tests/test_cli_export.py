@@ -17,6 +17,7 @@ from hf_fixture import CORPUS, llama_folder, tokenizer_folder
 from rptrain.cli.export import export, main
 from rptrain.models.hf_names import hf_name
 from rptrain.train import schema
+from rptrain.train.checkpoint import save_checkpoint
 from rptrain.train.data import build_data
 from rptrain.train.errors import CheckpointError
 from rptrain.train.export import export_weights
@@ -95,7 +96,9 @@ def test_bad_export_input_is_one_line_exit_2(run, tmp_path, capsys):
     run_dir, _ = run
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
+    save_checkpoint(tmp_path / "resnet.pt", {"model": {}, "config": {"model": {"name": "resnet18"}}})
     cases = {
+        (str(tmp_path / "resnet.pt"), str(tmp_path / "c")): "only language models",
         (str(tmp_path / "nothing"), str(tmp_path / "a")): "neither a run directory",
         (str(run_dir), str(tmp_path / "full")): "not an empty folder",
         (str(run_dir), str(tmp_path / "b"), "--dtype", "int8"): "invalid choice",
@@ -105,7 +108,7 @@ def test_bad_export_input_is_one_line_exit_2(run, tmp_path, capsys):
             main(list(args))
         lines = error_lines(capsys.readouterr().err)
         assert exit_info.value.code == 2 and len(lines) == 1 and lines[0].startswith("rptrain-export: error:") and message in lines[0], lines
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not any((tmp_path / name).exists() for name in "abc")
 
 
 def test_model_hf_uses_and_exports_its_own_folder(make, tmp_path):
