@@ -8,6 +8,7 @@ exports as LlamaForCausalLM with `llama_hf_config`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -42,14 +43,12 @@ def qwen3_config(name: str, max_seq_len: int | None = None, init_std: float = 0.
     return dataclasses.replace(cfg, init_std=init_std)
 
 
-def _register(name: str) -> None:
-    @register_model(name)
-    def build(device: Device = None, dtype: torch.dtype | None = None, **overrides) -> nn.Sequential:
-        return build_decoder(qwen3_config(name, **overrides), device, dtype)
+def build_qwen3(name: str, device: Device = None, dtype: torch.dtype | None = None, **overrides) -> nn.Sequential:
+    return build_decoder(qwen3_config(name, **overrides), device, dtype)
 
 
 for _name in QWEN3_PRESETS:
-    _register(_name)
+    register_model(_name)(functools.partial(build_qwen3, _name))
 
 
 def llama_hf_config(cfg: LlamaConfig) -> dict:
