@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from common import emit, parser
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.engine import trace
-from rptrain.models import build_model, count_tokens, flops_per_token, llama_config
+from rptrain.models import QWEN3_PRESETS, build_model, count_tokens, flops_per_token, llama_config, qwen3_config
 from rptrain.optim import AdamW
 
 
@@ -61,6 +61,16 @@ def tokens(args, vocab: int, device: str = "cpu"):
     return x, y
 
 
+# --tiny / CPU: a Qwen3 preset keeps its layer structure (q/k norms, head_dim apart from hidden_size) at toy size.
+TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, vocab_size=512)
+
+
+def model_config(name: str, **overrides):
+    """A preset's config (LlamaConfig or DecoderConfig): vocab_size, max_seq_len and what flops_per_token reads."""
+    return qwen3_config(name, **overrides) if name in QWEN3_PRESETS else llama_config(name, **overrides)
+
+
 def forward_flops(cfg, seq: int) -> float:
     """One forward's FLOPs per token (a third of the training estimate)."""
     return flops_per_token(cfg, seq) / 3
@@ -73,7 +83,7 @@ def host_model(args, name: str, dtype: torch.dtype) -> nn.Module:
         return build_model(name, dtype=dtype, **args.overrides)
     model = build_model(name, device="cuda", dtype=dtype, **args.overrides).to("cpu")
     if getattr(model[-1], "tied", False):  # a move across devices gives each module its own copy
-        model[-1].weight = model[0].weight
+        model[-1].lm_head.weight = model[0].embed_tokens.weight
     torch.cuda.empty_cache()
     return model
 
@@ -284,7 +294,7 @@ def timed(step, args, finish=lambda: None) -> Timing:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--model", nargs="+", default=["llama_1b", "llama_3b"])
+    p.add_argument("--model", nargs="+", default=["llama_1b", "llama_3b"], help="llama_* and qwen3_* presets, e.g. qwen3_8b")
     p.add_argument("--impl", nargs="+", default=["rptrain", "plain", "fsdp2"], choices=["rptrain", "plain", "fsdp2", "roundpipe"],
                    help="roundpipe: the original library (its wheel must be installed)")
     p.add_argument("--seq", type=int, default=4096)
@@ -305,7 +315,8 @@ def main() -> None:
     args = p.parse_args()
     args.overrides = {}
     if args.tiny or args.device == "cpu":
-        args.model, args.impl = ["llama_tiny"], ["rptrain"]
+        args.model = list(dict.fromkeys(name if name in QWEN3_PRESETS else "llama_tiny" for name in args.model))
+        args.impl = ["rptrain"]
         args.seq, args.batch, args.steps, args.warmup = 32, 2, 2, 1
     if args.isolate is None:
         args.isolate = args.device == "cuda" and len(args.impl) > 1
@@ -330,8 +341,9 @@ def measure(args, name: str, impl: str) -> dict:
     """One implementation's JSON record (or its out-of-memory error) in this process."""
     runners = {"rptrain": run_rptrain, "plain": run_plain, "fsdp2": run_fsdp2, "roundpipe": run_roundpipe}
     # Rotary tables are built up to max_seq_len: longer benchmark sequences raise it.
-    args.overrides = {"max_seq_len": args.seq} if args.seq > llama_config(name).max_seq_len else {}
-    cfg = llama_config(name, **args.overrides)
+    shrink = TINY_QWEN3 if (args.tiny or args.device == "cpu") and name in QWEN3_PRESETS else {}
+    args.overrides = {**shrink, **({"max_seq_len": args.seq} if args.seq > model_config(name).max_seq_len else {})}
+    cfg = model_config(name, **args.overrides)
     tokens_per_step = args.batch * args.seq
     model_flops = flops_per_token(cfg, args.seq) * tokens_per_step
     if args.device == "cuda":

@@ -45,6 +45,13 @@ def test_llm_in_child_processes():
     assert run["tokens_per_s"] > 0 and run["steady_tokens_per_s"] > 0 and "error" not in run
 
 
+def test_llm_runs_qwen3_shapes():
+    """--model qwen3_8b: the Qwen3 layer structure (q/k norms, head_dim apart from hidden_size), shrunk at CI size."""
+    records = run_tiny("llm.py", "--model", "qwen3_8b")
+    (run,) = [r for r in records if r.get("impl") == "rptrain"]
+    assert run["model"] == "qwen3_8b" and run["tokens_per_s"] > 0 and run["mfu"] >= 0 and "error" not in run
+
+
 def test_cli_resnet_ratios():
     """Issue 22's comparison at CI size: the CLI's second epoch, the engine and plain PyTorch in
     its layouts (one resnet.py process each here; one per layout on CUDA), then both ratios."""

@@ -66,23 +66,28 @@ for _name in LLAMA_PRESETS:
     _register(_name)
 
 
-def _layer_params(cfg: LlamaConfig) -> tuple[int, int]:
-    """(matmul weights, norm weights) of one decoder block."""
-    q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    attn = cfg.dim * q_out + 2 * cfg.dim * kv_out + q_out * cfg.dim
-    mlp = 3 * cfg.dim * cfg.ffn_hidden
-    return attn + mlp, 2 * cfg.dim
+def _layer_params(cfg: DecoderConfig) -> tuple[int, int]:
+    """(matmul weights, norm weights) of one decoder block (biases, which no preset has, left out)."""
+    D, q_out, kv_out = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    attn = D * q_out + 2 * D * kv_out + q_out * D
+    mlp = 3 * D * cfg.intermediate_size
+    return attn + mlp, 2 * D + 2 * cfg.head_dim * cfg.qk_norm
 
 
-def parameter_count(cfg: LlamaConfig) -> int:
+def _decoder(cfg: LlamaConfig | DecoderConfig) -> DecoderConfig:
+    return decoder_config(cfg) if isinstance(cfg, LlamaConfig) else cfg
+
+
+def parameter_count(cfg: LlamaConfig | DecoderConfig) -> int:
     """Distinct parameters (a tied embedding/head matrix counts once)."""
+    cfg = _decoder(cfg)
     matmul, norms = _layer_params(cfg)
-    table = cfg.vocab_size * cfg.dim
+    table = cfg.vocab_size * cfg.hidden_size
     embeddings = table if cfg.tie_embeddings else 2 * table
-    return embeddings + cfg.n_layers * (matmul + norms) + cfg.dim
+    return embeddings + cfg.n_layers * (matmul + norms) + cfg.hidden_size
 
 
-def flops_per_token(cfg: LlamaConfig, seq_len: int) -> int:
+def flops_per_token(cfg: LlamaConfig | DecoderConfig, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward), the usual estimate (Kaplan et al., PaLM, nanoGPT):
 
         6 * N  +  12 * n_layers * n_heads * head_dim * seq_len
@@ -94,6 +99,7 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> int:
     forward per layer, x3 with backward), counted over the full T x T square as
     PaLM does, i.e. without halving for the causal mask.
     """
+    cfg = _decoder(cfg)
     matmul, _ = _layer_params(cfg)
-    n = cfg.n_layers * matmul + cfg.vocab_size * cfg.dim
+    n = cfg.n_layers * matmul + cfg.vocab_size * cfg.hidden_size
     return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len

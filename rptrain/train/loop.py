@@ -34,6 +34,7 @@ from .console import ProgressBar, epoch_line, epoch_rate_line, log, say, step_li
 from .data import TrainData, build_data
 from .dist import Dist, FailedOnRankZero, inject_fault, peer_errors
 from .errors import CheckpointError, NonFiniteLoss, one_line
+from .export import export_run, exportable
 from .kernels import cudnn_benchmark
 from .memory_format import choose_memory_format
 from .meters import Meter, RunProgress, epoch_rate, progress_from, progress_state, rank_share
@@ -150,6 +151,8 @@ class Trainer:
             self._loop(progress)
         finally:
             self.metrics.close()
+        if self.dist.main and cfg.trainer.hf_export and exportable(cfg):
+            say(self.console, f"Hugging Face folder: {export_run(cfg, engine.state_dict(), self.run_dir, dtype)}")
         return self._summary(progress, resume)
 
     def _restore(self, state: dict, path: Path, engine, optimizer, scheduler, scaler, data: TrainData) -> RunProgress:

@@ -17,6 +17,7 @@ from torch import nn
 from rptrain.models import HFModelError, load_weights
 
 from .errors import ConfigError, one_line
+from .run_weights import load_run_weights, run_checkpoint
 
 IMAGE, LM = "image", "lm"
 # Which data each kind of model trains on (the data group's `name`).
@@ -49,7 +50,9 @@ def build_model(cfg: DictConfig, dtype: torch.dtype, device: Any = None, vocab_s
     if cfg.model.get("max_seq_len", 0) is None and limit is not None and seq_len is not None and seq_len > limit:
         raise ConfigError(f"data.seq_len={seq_len} is longer than {cfg.model.path}'s {limit} positions: "
                           f"lower data.seq_len, or set model.max_seq_len to train longer anyway")
-    if weights is not None and device != "meta":
+    if weights is not None and (checkpoint := run_checkpoint(weights)) is not None:
+        load_run_weights(model, checkpoint)  # a finished run seeds this one (checked on meta too: preflight)
+    elif weights is not None and device != "meta":
         try:
             load_weights(model, weights)
         except (OSError, ValueError, KeyError, RuntimeError) as err:

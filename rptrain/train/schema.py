@@ -87,7 +87,29 @@ class LlamaModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     loss_chunk_tokens: int = 4096
-    weights: Optional[str] = None  # a local checkpoint loaded with rptrain.models.load_weights
+    weights: Optional[str] = None  # a local checkpoint (rptrain.models.load_weights), or a finished run: its directory or checkpoints/last.pt
+
+
+@dataclass
+class Qwen3ModelConfig:
+    """A published Qwen3 shape (rptrain.models.hf_presets), random init; the keys are config.json's."""
+
+    _target_: str = "rptrain.models.build_model"
+    name: str = MISSING
+    vocab_size: Optional[int] = None  # None: the data's vocabulary (tokenizer or synthetic_tokens)
+    hidden_size: int = MISSING
+    intermediate_size: int = MISSING
+    num_hidden_layers: int = MISSING
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    tie_word_embeddings: bool = False
+    max_seq_len: int = 40960  # rotary positions up to this (config.json's max_position_embeddings)
+    init_std: float = 0.02
+    loss_chunk_tokens: int = 4096
+    weights: Optional[str] = None  # as LlamaModelConfig.weights
 
 
 @dataclass
@@ -143,7 +165,8 @@ class SyntheticImagesConfig:
 class TextDataConfig:
     name: str = "text"
     path: str = MISSING
-    tokenizer: str = "byte"
+    tokenizer: Optional[str] = None  # byte | a tokenizer.json or its folder | None: the model's (model=hf), else byte
+    eos_token: Optional[str] = None  # the token closing each document; None: tokenizer_config.json's, else a usual name
     seq_len: int = 256
     val_fraction: float = 0.1
 
@@ -243,9 +266,10 @@ class TrainerConfig:
     num_workers: int = 2
     resume: Optional[str] = None  # None | auto | a checkpoint file or run directory
     async_step: bool = True
-    progress: Optional[bool] = None
+    progress: Optional[bool] = None  # None: a live bar on a terminal, plain log lines otherwise
     keep_checkpoints: int = 2  # the newest N checkpoints stay (checkpoints/step-*.pt)
-    on_nonfinite: OnNonfinite = OnNonfinite.stop  # a NaN/inf loss without a GradScaler  # None: a live bar on a terminal, plain log lines otherwise
+    on_nonfinite: OnNonfinite = OnNonfinite.stop  # a NaN/inf loss without a GradScaler
+    hf_export: bool = True  # language models: write the final weights as a Hugging Face folder, RUN_DIR/hf
 
 
 # ----------------------------------------------------------------------------- dist
@@ -287,6 +311,7 @@ def register_configs() -> None:
     cs.store(name="rptrain_schema", node=RPTrainConfig)
     cs.store(group="schema/model", name="resnet", node=ResNetConfig)
     cs.store(group="schema/model", name="llama", node=LlamaModelConfig)
+    cs.store(group="schema/model", name="qwen3", node=Qwen3ModelConfig)
     cs.store(group="schema/model", name="hf", node=HFModelConfig)
     cs.store(group="schema/data", name="cifar", node=CifarDataConfig)
     cs.store(group="schema/data", name="synthetic", node=SyntheticImagesConfig)

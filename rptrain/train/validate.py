@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rptrain.data import DataError
+from rptrain.models.hf_presets import QWEN3_PRESETS
 
 from . import dist, schema
 from .errors import ConfigError
@@ -63,10 +64,17 @@ def _known_keys(node: DictConfig, cls: type, prefix: str) -> None:
             _known_keys(sub, nested, f"{prefix}{key}.")
 
 
+def _model_schema(model_cfg: DictConfig) -> type:
+    if model_cfg.get("name") == "hf":
+        return schema.HFModelConfig
+    if model_kind(model_cfg) != LM:
+        return schema.ResNetConfig
+    return schema.Qwen3ModelConfig if model_cfg.name in QWEN3_PRESETS else schema.LlamaModelConfig
+
+
 def check_known_keys(cfg: DictConfig) -> None:
     _known_keys(cfg, schema.RPTrainConfig, "")
-    model_schema = schema.HFModelConfig if cfg.model.get("name") == "hf" else schema.LlamaModelConfig if model_kind(cfg.model) == LM else schema.ResNetConfig
-    _known_keys(cfg.model, model_schema, "model.")
+    _known_keys(cfg.model, _model_schema(cfg.model), "model.")
     _known_keys(cfg.data, DATA_SCHEMAS[cfg.data.name], "data.")
 
 
@@ -226,8 +234,11 @@ def check_inputs(cfg: DictConfig) -> None:
         files = corpus_files(d.path)  # raises DataError naming data.path
         if not any(f.stat().st_size for f in files):
             raise DataError(f"data.path={d.path}: the text corpus is empty ({len(files)} file(s), 0 bytes): add text or point data.path elsewhere")
-        if d.tokenizer != "byte" and not Path(d.tokenizer).expanduser().is_file():
-            raise DataError(f"data.tokenizer={d.tokenizer}: no such file: give a tokenizer.json path or data.tokenizer=byte")
+        from .tokenizer import tokenizer_source
+
+        source = tokenizer_source(cfg)
+        if source != "byte" and not Path(source).expanduser().exists():
+            raise DataError(f"data.tokenizer={source}: no such file or folder: give a tokenizer.json, a folder holding one, or data.tokenizer=byte")
 
 
 @functools.lru_cache(maxsize=None)  # once per data set for all the jobs of a sweep
