@@ -30,6 +30,10 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...
+
+    def token_id(self, token: str) -> int | None: ...
+
 
 class ByteTokenizer:
     """Token i < 256 is byte i of the UTF-8 encoding; then BOS, EOS, PAD.
@@ -44,6 +48,14 @@ class ByteTokenizer:
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         return [self.bos_id] * bos + list(text.encode("utf-8")) + [self.eos_id] * eos
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """ids and, per id, the (start, end) characters of `text` it came from."""
+        offsets = [(i, i + 1) for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8")))]
+        return self.encode(text), offsets
+
+    def token_id(self, token: str) -> int | None:
+        return None  # no token spells more than one byte
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]
@@ -68,6 +80,14 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """ids and, per id, the (start, end) characters of `text` it came from."""
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def token_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
