@@ -6,6 +6,11 @@
   dataset_loader.py DatasetLoader: the per-sample torchvision transforms path (slower)
   synthetic.py      learnable random images and token sequences
   text.py           byte / tokenizer.json tokenizers and packed text corpora
+  token_cache.py    a corpus tokenized once into a memory-mapped file, reused by later starts
+  windows.py        fixed-length windows over a token stream, documents kept apart by segment ids
+  chat_formats.py   chat / instruction records (JSON Lines, JSON, Parquet) as lists of messages
+  chat_template.py  the tokenizer's chat template, rendered as transformers renders it
+  chat.py           conversations -> token ids with a loss mask, packed or padded rows
   errors.py         DataError, raised for every bad input
 
 torchvision and tokenizers are only imported when a function needs them.
@@ -26,6 +31,7 @@ from .errors import DataError
 from .loader import BatchLoader, ShardedLoader, mix_seed, shard_indices
 from .synthetic import synthetic_images, synthetic_tokens
 from .text import ByteTokenizer, HFTokenizer, TextCorpus, Tokenizer, get_tokenizer, load_text_corpus, load_tokenizer
+from .windows import TokenWindows, WindowLoader
 
 __all__ = [
     "BatchAugment",
@@ -55,4 +61,6 @@ __all__ = [
     "get_tokenizer",
     "load_text_corpus",
     "load_tokenizer",
+    "TokenWindows",
+    "WindowLoader",
 ]

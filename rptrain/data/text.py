@@ -1,23 +1,21 @@
 """Text corpora as packed token sequences for next-token prediction.
 
-A corpus (one file, or every .txt/.md file under a folder, in sorted order)
-becomes one token stream with EOS after each document. The stream is split
-into train | val at the token level (val is the tail) and each part is cut
-into windows of seq_len + 1 tokens that overlap by one, so every token except
-the first is a target exactly once: inputs = window[:-1], targets = window[1:].
-
-Nothing is cached on disk; in particular nothing is written into the user's
-corpus folder. Tokenizing is cheap next to training at the sizes this is for.
+A corpus (one file, or every .txt/.md file under a folder, or every file matching data.glob, in
+sorted order) becomes one token stream with EOS after each document, tokenized once into a
+memory-mapped cache (token_cache.py) that later starts reuse. The stream is split into train | val
+at the token level (val is the tail) and each part is cut into windows of seq_len + 1 tokens that
+overlap by one (windows.py); documents sharing a window keep apart through segment ids.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Protocol
-
-import torch
+from typing import Iterable, Optional, Protocol
 
 from .errors import DataError
+from .token_cache import TokenStream, load_or_build
+from .windows import TokenWindows
 
 TEXT_SUFFIXES = (".txt", ".md")
 
@@ -127,62 +125,67 @@ def get_tokenizer(spec: str | Path) -> Tokenizer:
     return load_tokenizer(spec)
 
 
-def corpus_files(path: str | Path) -> list[Path]:
-    """`path` itself if it is a file, else the .txt/.md files under it (recursively, hidden ones skipped), sorted."""
+def corpus_files(path: str | Path, glob: Optional[str] = None) -> list[Path]:
+    """`path` itself if it is a file, else the .txt/.md files under it (or those matching `glob`),
+    recursively, hidden ones skipped, sorted."""
     root = Path(path).expanduser()
     if root.is_file():
         return [root]
     if not root.is_dir():
         raise DataError(f"text corpus {root} does not exist: set data.path to a text file or a folder of .txt/.md files")
-    files = [
-        f
-        for f in root.rglob("*")
-        if f.suffix.lower() in TEXT_SUFFIXES and f.is_file() and not any(p.startswith(".") for p in f.relative_to(root).parts)
-    ]
+    found = root.glob(glob) if glob else (f for f in root.rglob("*") if f.suffix.lower() in TEXT_SUFFIXES)
+    files = [f for f in found if f.is_file() and not any(p.startswith(".") for p in f.relative_to(root).parts)]
     if not files:
-        raise DataError(f"no .txt or .md files under {root}: set data.path to a text file or a folder of them")
+        what = f"files matching data.glob={glob}" if glob else ".txt or .md files"
+        raise DataError(f"no {what} under {root}: set data.path (and data.glob) to where the text is")
     return sorted(files, key=lambda f: f.relative_to(root).as_posix())
 
 
 @dataclass
 class TextCorpus:
-    train: tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64 (n, seq_len), views of one tensor
-    val: tuple[torch.Tensor, torch.Tensor]  # same; (0, seq_len) when val_fraction == 0
+    train: TokenWindows
+    val: Optional[TokenWindows]  # None when val_fraction == 0
     vocab_size: int
     num_tokens: int  # train + val, including the EOS tokens
     files: list[Path] = field(default_factory=list)
+    cache: Optional[TokenStream] = None
 
 
-def pack(stream: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut a 1-D token stream into (inputs, targets) windows; the tail shorter than a window is dropped."""
-    if len(stream) < seq_len + 1:
-        empty = torch.empty(0, seq_len, dtype=torch.int64)
-        return empty, empty
-    windows = stream.unfold(0, seq_len + 1, seq_len)  # a view: no copy of the stream
-    return windows[:, :-1], windows[:, 1:]
+def tokenizer_id(tokenizer: Tokenizer) -> str:
+    """What the token cache's key needs to know about the tokenizer: its file's bytes and the EOS id."""
+    path = getattr(tokenizer, "path", None)
+    digest = hashlib.sha1(Path(path).read_bytes()).hexdigest() if path else type(tokenizer).__name__
+    return f"{digest}:{tokenizer.vocab_size}:{tokenizer.eos_id}"
 
 
-def load_text_corpus(path: str | Path, tokenizer: Tokenizer, seq_len: int, val_fraction: float = 0.1) -> TextCorpus:
-    """Tokenize a file or folder of text into packed train/val sequences ready for BatchLoader."""
-    if seq_len < 1:
-        raise DataError(f"data.seq_len={seq_len} must be >= 1")
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1)")
-    files = corpus_files(path)
-    docs = []
-    for f in files:
+def _reader(tokenizer: Tokenizer, path: str | Path):
+    def encode_file(f: Path) -> Optional[list[int]]:
         try:
             text = f.read_text(encoding="utf-8")
         except UnicodeDecodeError as err:
             raise DataError(f"{f} is not UTF-8 text ({err.reason} at byte {err.start}): convert it or remove it from {path}") from err
         except OSError as err:
             raise DataError(f"could not read {f} ({type(err).__name__}: {err.strerror or err})") from err
-        if text:
-            docs.append(torch.tensor(tokenizer.encode(text) + [tokenizer.eos_id], dtype=torch.int64))
-    if not docs:
+        return tokenizer.encode(text) + [tokenizer.eos_id] if text else None
+
+    return encode_file
+
+
+def load_text_corpus(
+    path: str | Path, tokenizer: Tokenizer, seq_len: int, val_fraction: float = 0.1,
+    glob: Optional[str] = None, cache_dir: Optional[str | Path] = None,
+) -> TextCorpus:
+    """Tokenize (or read the cache of) a file or folder of text into train/val windows for WindowLoader."""
+    if seq_len < 1:
+        raise DataError(f"data.seq_len={seq_len} must be >= 1")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1)")
+    files = corpus_files(path, glob)
+    root = Path(path).expanduser()
+    stream = load_or_build(files, root, tokenizer_id(tokenizer), tokenizer.vocab_size, _reader(tokenizer, path), cache_dir)
+    total = len(stream.tokens)
+    if total == 0:
         raise DataError(f"text corpus {path} is empty ({len(files)} file(s), 0 characters): add text or point data.path elsewhere")
-    stream = torch.cat(docs)
-    total = len(stream)
     n_val = int(total * val_fraction)
     need = seq_len + 1
     if total - n_val < need:
@@ -195,10 +198,12 @@ def load_text_corpus(path: str | Path, tokenizer: Tokenizer, seq_len: int, val_f
             f"validation split of {path} has {n_val} tokens ({total} in all, val_fraction={val_fraction}), "
             f"fewer than one sequence of seq_len+1={need}: raise data.val_fraction, lower data.seq_len, or set data.val_fraction=0"
         )
+    split = total - n_val
     return TextCorpus(
-        train=pack(stream[: total - n_val], seq_len),
-        val=pack(stream[total - n_val :], seq_len),
+        train=TokenWindows(stream.tokens, stream.doc_starts, 0, split, seq_len),
+        val=TokenWindows(stream.tokens, stream.doc_starts, split, total, seq_len) if n_val else None,
         vocab_size=tokenizer.vocab_size,
         num_tokens=total,
         files=files,
+        cache=stream,
     )

@@ -20,7 +20,7 @@ from .errors import ConfigError, one_line
 
 IMAGE, LM = "image", "lm"
 # Which data each kind of model trains on (the data group's `name`).
-DATA_FOR = {IMAGE: ("cifar100", "cifar10", "synthetic"), LM: ("text", "synthetic_tokens")}
+DATA_FOR = {IMAGE: ("cifar100", "cifar10", "synthetic"), LM: ("text", "synthetic_tokens", "chat")}
 
 
 def model_kind(model_cfg: DictConfig) -> str:

@@ -45,6 +45,24 @@ class Decay(Enum):
     cosine = "cosine"
 
 
+class ChatFormat(Enum):
+    auto = "auto"  # told apart record by record by their keys
+    messages = "messages"
+    prompt_completion = "prompt_completion"
+    alpaca = "alpaca"
+
+
+class TrainOn(Enum):
+    assistant = "assistant"  # every assistant turn
+    completion = "completion"  # the last assistant turn
+    all = "all"
+
+
+class TooLong(Enum):
+    truncate = "truncate"
+    drop = "drop"
+
+
 class Backend(Enum):
     auto = "auto"  # nccl when CUDA is available, gloo otherwise
     nccl = "nccl"
@@ -128,6 +146,22 @@ class TextDataConfig:
     tokenizer: str = "byte"
     seq_len: int = 256
     val_fraction: float = 0.1
+    glob: Optional[str] = None  # a file pattern under data.path (e.g. "**/*.jsonl.txt"); None: .txt and .md files
+    cache_dir: Optional[str] = None  # where the token cache goes; None: data.path/.rptrain_cache (a folder) or beside the file
+
+
+@dataclass
+class ChatDataConfig:
+    name: str = "chat"
+    path: str = MISSING
+    format: ChatFormat = ChatFormat.auto
+    tokenizer: str = "byte"
+    chat_template: Optional[str] = None  # None: the tokenizer's own (ChatML without one) | chatml | a .jinja file
+    train_on: TrainOn = TrainOn.assistant
+    max_seq_len: int = 2048
+    too_long: TooLong = TooLong.truncate
+    pack: bool = True
+    val_fraction: float = 0.0
 
 
 @dataclass
@@ -226,6 +260,9 @@ class TrainerConfig:
     resume: Optional[str] = None  # None | auto | a checkpoint file or run directory
     async_step: bool = True
     progress: Optional[bool] = None  # None: a live bar on a terminal, plain log lines otherwise
+    sample_prompts: Any = None  # None | a list of prompts | a text file, one prompt a line: generated at every evaluation
+    sample_max_tokens: int = 64
+    sample_temperature: float = 0.0  # 0: greedy
 
 
 # ----------------------------------------------------------------------------- dist
@@ -269,3 +306,4 @@ def register_configs() -> None:
     cs.store(group="schema/data", name="synthetic", node=SyntheticImagesConfig)
     cs.store(group="schema/data", name="text", node=TextDataConfig)
     cs.store(group="schema/data", name="synthetic_tokens", node=SyntheticTokensConfig)
+    cs.store(group="schema/data", name="chat", node=ChatDataConfig)

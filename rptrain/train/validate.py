@@ -45,6 +45,7 @@ DATA_SCHEMAS = {
     "synthetic": schema.SyntheticImagesConfig,
     "text": schema.TextDataConfig,
     "synthetic_tokens": schema.SyntheticTokensConfig,
+    "chat": schema.ChatDataConfig,
 }
 
 
@@ -137,7 +138,8 @@ def _missing_values(cfg: DictConfig) -> None:
     for key in sorted(OmegaConf.missing_keys(cfg)):
         if key.startswith("hydra."):
             continue
-        example = {"data.path": "data.path=/path/to/corpus.txt (a text file or a folder of .txt/.md files)"}.get(key, f"{key}=VALUE")
+        path = "/path/to/chat.jsonl (a .jsonl/.json/.parquet file or a folder of them)" if cfg.data.name == "chat" else "/path/to/corpus.txt (a text file or a folder of .txt/.md files)"
+        example = {"data.path": f"data.path={path}"}.get(key, f"{key}=VALUE")
         raise ConfigError(f"{key} is required for this config: add {example}")
 
 
@@ -174,9 +176,10 @@ def _validate_images(cfg: DictConfig) -> None:
 
 def _validate_lm(cfg: DictConfig) -> None:
     d, m = cfg.data, cfg.model
-    _positive("data.seq_len", d.seq_len, allow_none=False)
-    if d.seq_len > m.max_seq_len:
-        raise ConfigError(f"data.seq_len={d.seq_len} is longer than model.max_seq_len={m.max_seq_len}: raise model.max_seq_len or lower data.seq_len")
+    key = "max_seq_len" if d.name == "chat" else "seq_len"
+    _positive(f"data.{key}", d[key], allow_none=False)
+    if d[key] > m.max_seq_len:
+        raise ConfigError(f"data.{key}={d[key]} is longer than model.max_seq_len={m.max_seq_len}: raise model.max_seq_len or lower data.{key}")
     if d.name == "synthetic_tokens":
         _positive("data.num_train", d.num_train, allow_none=False)
         if m.vocab_size is not None and m.vocab_size < d.vocab_size:
@@ -202,9 +205,16 @@ def check_inputs(cfg: DictConfig) -> None:
     if d.name == "text":
         from rptrain.data.text import corpus_files
 
-        corpus_files(d.path)  # raises DataError naming data.path
+        corpus_files(d.path, d.glob)  # raises DataError naming data.path
         if d.tokenizer != "byte" and not Path(d.tokenizer).expanduser().is_file():
             raise DataError(f"data.tokenizer={d.tokenizer}: no such file: give a tokenizer.json path or data.tokenizer=byte")
+    if d.name == "chat":
+        from rptrain.data.chat_formats import chat_files
+        from rptrain.data.chat_template import tokenizer_files
+
+        chat_files(d.path)
+        if d.tokenizer != "byte":
+            tokenizer_files(d.tokenizer)
 
 
 @functools.lru_cache(maxsize=None)  # once per data set for all the jobs of a sweep
