@@ -9,16 +9,15 @@ from rptrain.data import DataError
 from rptrain.data.chat import IGNORE_INDEX, encode_all, encode_conversation, pack, pad
 from rptrain.data.chat_formats import Conversation, read_conversations
 from rptrain.data.chat_template import CHATML as DEFAULT_TEMPLATE
-from rptrain.data.chat_template import ChatTemplate, tokenizer_files
-from rptrain.data.text import ByteTokenizer, load_tokenizer
+from rptrain.data.chat_template import ChatTemplate
+from rptrain.data import ByteTokenizer, load_tokenizer
 from rptrain.models import IGNORE_INDEX as MODEL_IGNORE_INDEX
 
 transformers = pytest.importorskip("transformers")
 
 
 def _ours(folder):
-    tokenizer_json, config = tokenizer_files(folder)
-    return load_tokenizer(tokenizer_json, "<|endoftext|>"), ChatTemplate.for_tokenizer(config)
+    return load_tokenizer(folder), ChatTemplate.for_tokenizer(folder / "tokenizer_config.json")
 
 
 @pytest.fixture(scope="module")

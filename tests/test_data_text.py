@@ -76,8 +76,8 @@ def test_token_cache_is_reused_and_follows_changes(tmp_path):
     tok = ByteTokenizer()
     first = load_text_corpus(root, tok, seq_len=8, val_fraction=0.2)
     calls = []
-    original = tok.encode
-    tok.encode = lambda text: calls.append(text) or original(text)
+    original = tok.document
+    tok.document = lambda text: calls.append(text) or original(text)
     second = load_text_corpus(root, tok, seq_len=8, val_fraction=0.2)
     assert second.cache.reused and calls == []  # nothing tokenized on the second start
     for a, b in [(first.train, second.train), (first.val, second.val)]:

@@ -5,7 +5,8 @@
   loader.py         BatchLoader: seeded order, DistributedSampler-style shards, resume
   dataset_loader.py DatasetLoader: the per-sample torchvision transforms path (slower)
   synthetic.py      learnable random images and token sequences
-  text.py           byte / tokenizer.json tokenizers and packed text corpora
+  text.py           the byte tokenizer and packed text corpora
+  hf_tokenizer.py   Hugging Face tokenizer folders (tokenizer.json + tokenizer_config.json)
   token_cache.py    a corpus tokenized once into a memory-mapped file, reused by later starts
   windows.py        fixed-length windows over a token stream, documents kept apart by segment ids
   chat_formats.py   chat / instruction records (JSON Lines, JSON, Parquet) as lists of messages
@@ -30,7 +31,8 @@ from .dataset_loader import DatasetLoader, cifar_eval_transforms, cifar_train_tr
 from .errors import DataError
 from .loader import BatchLoader, ShardedLoader, mix_seed, shard_indices
 from .synthetic import synthetic_images, synthetic_tokens
-from .text import ByteTokenizer, HFTokenizer, TextCorpus, Tokenizer, get_tokenizer, load_text_corpus, load_tokenizer
+from .hf_tokenizer import HFTokenizer, load_tokenizer
+from .text import ByteTokenizer, TextCorpus, Tokenizer, get_tokenizer, load_text_corpus
 from .windows import TokenWindows, WindowLoader
 
 __all__ = [

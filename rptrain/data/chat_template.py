@@ -30,17 +30,6 @@ CHATML_END = "<|im_end|>"  # where a ChatML assistant turn ends; generation stop
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-def tokenizer_files(spec: str | Path) -> tuple[Path, Optional[Path]]:
-    """A tokenizer.json path or a model folder -> (tokenizer.json, the tokenizer_config.json beside it or None)."""
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise DataError(f"data.tokenizer={spec}: no tokenizer.json there: give a model folder, a tokenizer.json path or byte")
-    config = path.parent / "tokenizer_config.json"
-    return path, config if config.is_file() else None
-
-
 def _token_text(value) -> Optional[str]:
     """tokenizer_config.json writes a special token as a string or as an AddedToken dict."""
     if isinstance(value, dict):

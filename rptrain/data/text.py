@@ -1,10 +1,11 @@
 """Text corpora as packed token sequences for next-token prediction.
 
 A corpus (one file, or every .txt/.md file under a folder, or every file matching data.glob, in
-sorted order) becomes one token stream with EOS after each document, tokenized once into a
-memory-mapped cache (token_cache.py) that later starts reuse. The stream is split into train | val
-at the token level (val is the tail) and each part is cut into windows of seq_len + 1 tokens that
-overlap by one (windows.py); documents sharing a window keep apart through segment ids.
+sorted order) becomes one token stream, each document framed as its tokenizer frames it (BOS first
+when the tokenizer adds one) and closed with EOS, tokenized once into a memory-mapped cache
+(token_cache.py) that later starts reuse. The stream is split into train | val at the token level
+(val is the tail) and each part is cut into windows of seq_len + 1 tokens that overlap by one
+(windows.py); documents sharing a window keep apart through segment ids.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Iterable, Optional, Protocol
 from .errors import DataError
 from .token_cache import TokenStream, load_or_build
 from .windows import TokenWindows
+from .hf_tokenizer import load_tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md")
 
@@ -25,6 +27,8 @@ class Tokenizer(Protocol):
     eos_id: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def document(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
@@ -52,6 +56,10 @@ class ByteTokenizer:
         offsets = [(i, i + 1) for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8")))]
         return self.encode(text), offsets
 
+    def document(self, text: str) -> list[int]:
+        """One document of a corpus: its bytes, then EOS."""
+        return self.encode(text, eos=True)
+
     def token_id(self, token: str) -> int | None:
         return None  # no token spells more than one byte
 
@@ -66,63 +74,13 @@ class ByteTokenizer:
         return "ByteTokenizer(vocab_size=259)"
 
 
-EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end_of_text|>", "[SEP]")
-
-
-class HFTokenizer:
-    """A `tokenizers` tokenizer.json behind the ByteTokenizer interface."""
-
-    def __init__(self, tokenizer, eos_id: int, path: Path) -> None:
-        self.tokenizer, self.eos_id, self.path = tokenizer, eos_id, path
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """ids and, per id, the (start, end) characters of `text` it came from."""
-        enc = self.tokenizer.encode(text, add_special_tokens=False)
-        return enc.ids, enc.offsets
-
-    def token_id(self, token: str) -> int | None:
-        return self.tokenizer.token_to_id(token)
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def __repr__(self) -> str:
-        return f"HFTokenizer({self.path}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
-
-
-def load_tokenizer(path: str | Path, eos_token: str | None = None) -> HFTokenizer:
-    """Load a Hugging Face `tokenizers` tokenizer.json (needs `pip install tokenizers`).
-
-    The end-of-document token is `eos_token` or the first of EOS_CANDIDATES in the vocabulary.
-    """
-    path = Path(path).expanduser()
-    try:
-        from tokenizers import Tokenizer as _HF
-    except ImportError as err:
-        raise DataError(f"loading tokenizer {path} needs the 'tokenizers' package: pip install tokenizers") from err
-    if not path.is_file():
-        raise DataError(f"tokenizer file {path} not found: set data.tokenizer to a tokenizer.json path or 'byte'")
-    try:
-        tok = _HF.from_file(str(path))
-    except Exception as err:  # the Rust side raises plain Exception subclasses for malformed files
-        raise DataError(f"could not read tokenizer {path} ({type(err).__name__}: {' '.join(str(err).split())})") from err
-    names = [eos_token] if eos_token is not None else list(EOS_CANDIDATES)
-    for name in names:
-        eos_id = tok.token_to_id(name)
-        if eos_id is not None:
-            return HFTokenizer(tok, eos_id, path)
-    raise DataError(f"tokenizer {path} has no end-of-text token among {names}: set data.eos_token to one it has")
-
-
-def get_tokenizer(spec: str | Path) -> Tokenizer:
-    """'byte' -> ByteTokenizer(); anything else is a tokenizer.json path for load_tokenizer."""
+def get_tokenizer(spec: str | Path, eos_token: str | None = None) -> Tokenizer:
+    """'byte' -> ByteTokenizer(); anything else is a tokenizer.json or a folder holding one, for load_tokenizer."""
     if str(spec) == "byte":
+        if eos_token is not None:
+            raise DataError(f"data.eos_token={eos_token!r} needs a tokenizer file: the byte tokenizer's EOS is fixed; set data.eos_token=null")
         return ByteTokenizer()
-    return load_tokenizer(spec)
+    return load_tokenizer(spec, eos_token)
 
 
 def corpus_files(path: str | Path, glob: Optional[str] = None) -> list[Path]:
@@ -152,10 +110,13 @@ class TextCorpus:
 
 
 def tokenizer_id(tokenizer: Tokenizer) -> str:
-    """What the token cache's key needs to know about the tokenizer: its file's bytes and the EOS id."""
+    """What the token cache's key needs to know about the tokenizer: its files' bytes and how it frames documents."""
     path = getattr(tokenizer, "path", None)
-    digest = hashlib.sha1(Path(path).read_bytes()).hexdigest() if path else type(tokenizer).__name__
-    return f"{digest}:{tokenizer.vocab_size}:{tokenizer.eos_id}"
+    h = hashlib.sha1(type(tokenizer).__name__.encode())
+    for f in [Path(path), Path(path).parent / "tokenizer_config.json"] if path else []:
+        h.update(f.read_bytes() if f.is_file() else b"-")
+    framing = [getattr(tokenizer, k, None) for k in ("vocab_size", "eos_id", "bos_id", "add_bos")]
+    return f"{h.hexdigest()}:{framing}"
 
 
 def _reader(tokenizer: Tokenizer, path: str | Path):
@@ -166,7 +127,7 @@ def _reader(tokenizer: Tokenizer, path: str | Path):
             raise DataError(f"{f} is not UTF-8 text ({err.reason} at byte {err.start}): convert it or remove it from {path}") from err
         except OSError as err:
             raise DataError(f"could not read {f} ({type(err).__name__}: {err.strerror or err})") from err
-        return tokenizer.encode(text) + [tokenizer.eos_id] if text else None
+        return tokenizer.document(text) if text else None
 
     return encode_file
 

@@ -27,23 +27,22 @@ from rptrain.data import (
     cifar_dataset,
     cifar_eval_transforms,
     cifar_train_transforms,
-    get_tokenizer,
     ByteTokenizer,
     DataError,
     WindowLoader,
     load_cifar,
     load_text_corpus,
-    load_tokenizer,
     synthetic_images,
     synthetic_tokens,
 )
 from rptrain.data.chat import encode_all, pack, pad
 from rptrain.data.chat_formats import read_conversations
-from rptrain.data.chat_template import ChatTemplate, read_tokenizer_config, tokenizer_files
+from rptrain.data.chat_template import ChatTemplate
 
 from . import dist
 from .errors import ConfigError
 from .model import IMAGE, LM, data_kind
+from .tokenizer import build_tokenizer
 from .validate import local_batch
 
 
@@ -127,7 +126,7 @@ def _token_data(cfg: DictConfig) -> TrainData:
     if d.name == "chat":
         return _chat_data(cfg)
     if d.name == "text":
-        tokenizer = get_tokenizer(d.tokenizer)
+        tokenizer = build_tokenizer(cfg)
         corpus = load_text_corpus(d.path, tokenizer, d.seq_len, d.val_fraction, d.glob, d.cache_dir)
         cache = f"token cache {corpus.cache.path} ({'reused' if corpus.cache.reused else 'written'})"
         return TrainData(
@@ -152,19 +151,17 @@ def _token_data(cfg: DictConfig) -> TrainData:
     )
 
 
-def _chat_tokenizer(d: DictConfig):
-    """(tokenizer, chat template) of data.tokenizer: byte, a model folder or a tokenizer.json."""
-    if d.tokenizer == "byte":
-        return ByteTokenizer(), ChatTemplate.for_tokenizer(None, d.chat_template)
-    tokenizer_json, config = tokenizer_files(d.tokenizer)
-    eos = read_tokenizer_config(config).get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    return load_tokenizer(tokenizer_json, eos), ChatTemplate.for_tokenizer(config, d.chat_template)
+def _chat_tokenizer(cfg: DictConfig):
+    """(tokenizer, chat template): data.tokenizer's (or the model's) with the template in its tokenizer_config.json."""
+    tokenizer = build_tokenizer(cfg)
+    path = getattr(tokenizer, "path", None)
+    config = path.parent / "tokenizer_config.json" if path is not None else None
+    return tokenizer, ChatTemplate.for_tokenizer(config if config and config.is_file() else None, cfg.data.chat_template)
 
 
 def _chat_data(cfg: DictConfig) -> TrainData:
     d, t = cfg.data, cfg.trainer
-    tokenizer, template = _chat_tokenizer(d)
+    tokenizer, template = _chat_tokenizer(cfg)
     conversations = list(read_conversations(d.path, d.format.value))
     n_val = int(len(conversations) * d.val_fraction)
     split = len(conversations) - n_val

@@ -100,7 +100,7 @@ class LlamaModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     loss_chunk_tokens: int = 4096
-    weights: Optional[str] = None  # a local checkpoint loaded with rptrain.models.load_weights
+    weights: Optional[str] = None  # a local checkpoint (rptrain.models.load_weights), or a finished run: its directory or checkpoints/last.pt
 
 
 # ----------------------------------------------------------------------------- data
@@ -143,7 +143,8 @@ class SyntheticImagesConfig:
 class TextDataConfig:
     name: str = "text"
     path: str = MISSING
-    tokenizer: str = "byte"
+    tokenizer: Optional[str] = None  # byte | a tokenizer.json or its folder | None: the model's (model=hf), else byte
+    eos_token: Optional[str] = None  # the token closing each document; None: tokenizer_config.json's, else a usual name
     seq_len: int = 256
     val_fraction: float = 0.1
     glob: Optional[str] = None  # a file pattern under data.path (e.g. "**/*.jsonl.txt"); None: .txt and .md files
@@ -155,7 +156,8 @@ class ChatDataConfig:
     name: str = "chat"
     path: str = MISSING
     format: ChatFormat = ChatFormat.auto
-    tokenizer: str = "byte"
+    tokenizer: Optional[str] = None  # byte | a tokenizer.json or its folder | None: the model's (model=hf), else byte
+    eos_token: Optional[str] = None  # None: tokenizer_config.json's, else a usual name; generation stops there
     chat_template: Optional[str] = None  # None: the tokenizer's own (ChatML without one) | chatml | a .jinja file
     train_on: TrainOn = TrainOn.assistant
     max_seq_len: int = 2048
@@ -260,6 +262,7 @@ class TrainerConfig:
     resume: Optional[str] = None  # None | auto | a checkpoint file or run directory
     async_step: bool = True
     progress: Optional[bool] = None  # None: a live bar on a terminal, plain log lines otherwise
+    hf_export: bool = True  # language models: write the final weights as a Hugging Face folder, RUN_DIR/hf
     sample_prompts: Any = None  # None | a list of prompts | a text file, one prompt a line: generated at every evaluation
     sample_max_tokens: int = 64
     sample_temperature: float = 0.0  # 0: greedy

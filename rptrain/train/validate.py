@@ -206,15 +206,16 @@ def check_inputs(cfg: DictConfig) -> None:
         from rptrain.data.text import corpus_files
 
         corpus_files(d.path, d.glob)  # raises DataError naming data.path
-        if d.tokenizer != "byte" and not Path(d.tokenizer).expanduser().is_file():
-            raise DataError(f"data.tokenizer={d.tokenizer}: no such file: give a tokenizer.json path or data.tokenizer=byte")
     if d.name == "chat":
         from rptrain.data.chat_formats import chat_files
-        from rptrain.data.chat_template import tokenizer_files
 
         chat_files(d.path)
-        if d.tokenizer != "byte":
-            tokenizer_files(d.tokenizer)
+    if d.name in ("text", "chat"):
+        from .tokenizer import tokenizer_source
+
+        source = tokenizer_source(cfg)
+        if source != "byte" and not Path(source).expanduser().exists():
+            raise DataError(f"data.tokenizer={source}: no such file or folder: give a tokenizer.json, a folder holding one, or data.tokenizer=byte")
 
 
 @functools.lru_cache(maxsize=None)  # once per data set for all the jobs of a sweep
