@@ -16,11 +16,12 @@ character offsets (so a token that merges across a boundary is never split or lo
 
 An example of n tokens gives n - 1 positions: inputs ids[:-1], targets ids[1:] with IGNORE_INDEX
 where the target token does not train. Packed rows hold several examples back to back; segment ids
-(1, 2, ... per example, 0 for padding) keep attention and rotary positions inside each example, and
+(1, 2, ... per example in its row, 0 for padding) keep attention and rotary positions inside each example, and
 no example's last token predicts the next one's first, because every pair is made inside an example.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -144,20 +145,25 @@ def encode_all(
 
 
 def pack(pairs: list[tuple[torch.Tensor, torch.Tensor]], seq_len: int, pad_id: int = 0) -> tuple[torch.Tensor, ...]:
-    """Examples back to back in rows of seq_len (next fit, in order) -> (inputs, targets, segment_ids)."""
-    rows: list[list[int]] = [[]]
-    used = 0
-    for i, (x, _) in enumerate(pairs):
-        if used + len(x) > seq_len:
+    """Examples in rows of seq_len -> (inputs, targets, segment_ids). Best fit decreasing: longest
+    first, each into the fullest row it still fits in (rows are shuffled by the loader anyway)."""
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row), sorted
+    for i in sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0])):
+        size = len(pairs[i][0])
+        at = bisect.bisect_left(free, (size, -1))
+        if at == len(free):
             rows.append([])
-            used = 0
-        rows[-1].append(i)
-        used += len(x)
-    n = len(rows) if rows[0] else 0
+            room, r = seq_len, len(rows) - 1
+        else:
+            room, r = free.pop(at)
+        rows[r].append(i)
+        bisect.insort(free, (room - size, r))
+    n = len(rows)
     inputs = torch.full((n, seq_len), pad_id, dtype=torch.int64)
     targets = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.int64)
     segments = torch.zeros((n, seq_len), dtype=torch.int64)
-    for r, members in enumerate(rows[:n]):
+    for r, members in enumerate(rows):
         at = 0
         for k, i in enumerate(members, start=1):
             x, y = pairs[i]

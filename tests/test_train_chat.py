@@ -1,0 +1,73 @@
+"""Chat fine-tuning end to end: packed rows train exactly like padded ones through the engine, a tiny
+model learns a chat set written by the test and answers with what it learned (samples.jsonl,
+rptrain-generate), and bad chat data stops with one line."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from chat_fixture import make_tokenizer_dir
+from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from rptrain.data import ByteTokenizer, DataError
+from rptrain.data.chat import encode_all, pack, pad
+from rptrain.data.chat_formats import Conversation
+from rptrain.data.chat_template import CHATML, ChatTemplate
+from rptrain.models import build_model, count_tokens
+from rptrain.optim import Adam
+from rptrain.train import schema
+from rptrain.train.data import build_data
+from test_cli_helpers import explain, read_jsonl, rptrain
+
+QA = [("What is the capital of France?", "Paris."), ("What do bees make?", "Honey."),
+      ("Who wrote Hamlet?", "Shakespeare."), ("How many legs has a spider?", "Eight.")]
+
+
+def _engine_step(model, batch, num_microbatch: int = 2):
+    """One forward_backward of the mean trained-token loss; returns (loss, gradients by name)."""
+    engine = RoundPipe(copy.deepcopy(model))
+    with OptimizerCtx():  # the master parameters, whose .grad the step function sees
+        params = dict(engine.named_parameters())
+        Adam(params.values(), lr=1e-3)
+    grads = {}
+    n = count_tokens(batch[1])
+    loss = engine.forward_backward(input_args=(batch,), loss_fn=lambda out, _: out / n,
+                                   run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
+    engine.step(lambda: grads.update({k: p.grad.clone() for k, p in params.items()}), is_async=False)
+    engine.close()
+    return loss.item(), grads
+
+
+def test_packed_rows_give_the_loss_and_gradients_of_padded_ones():
+    """fp32, rel 1e-5: attention and rotary positions stay inside each packed conversation."""
+    single = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in QA]
+    double = [m + [{"role": "user", "content": "again"}, {"role": "assistant", "content": m[1]["content"][::-1]}] for m in single]
+    convs = [Conversation(m, f"t:{i}") for i, m in enumerate(single + double)]
+    pairs = encode_all(convs, ByteTokenizer(), ChatTemplate(CHATML), "assistant", 256, "truncate").pairs
+    packed, padded = pack(pairs, 256), pad(pairs)
+    assert len(packed[0]) < len(padded[0]) and int(packed[2].max()) > 1  # several conversations share rows
+    torch.manual_seed(0)
+    model = build_model("llama_tiny", vocab_size=259, loss_chunk_tokens=64)
+    loss_packed, grads_packed = _engine_step(model, packed)
+    loss_padded, grads_padded = _engine_step(model, padded)
+    assert loss_packed == pytest.approx(loss_padded, rel=1e-5)
+    for name, g in grads_padded.items():
+        torch.testing.assert_close(grads_packed[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.fixture(scope="module")
+def make():
+    schema.register_configs()
+    with initialize_config_module("rptrain.conf", version_base="1.3"):
+        yield lambda *overrides: compose("config", overrides=list(overrides))
+
+
+def test_nothing_to_train_on_is_one_data_error(make, tmp_path):
+    path = tmp_path / "questions.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q}]}) for q, _ in QA))
+    cfg = make("model=llama_tiny", "data=chat", f"data.path={path}", "trainer.batch_size=1")
+    with pytest.raises(DataError, match=r"no conversation left to train on \(4 conversations .*4 skipped with no trainable tokens"):
+        build_data(cfg, torch.float32)
