@@ -71,3 +71,27 @@ def test_nothing_to_train_on_is_one_data_error(make, tmp_path):
     cfg = make("model=llama_tiny", "data=chat", f"data.path={path}", "trainer.batch_size=1")
     with pytest.raises(DataError, match=r"no conversation left to train on \(4 conversations .*4 skipped with no trainable tokens"):
         build_data(cfg, torch.float32)
+
+
+def test_a_tiny_model_learns_a_chat_set_and_answers_from_it(tmp_path, capsys):
+    folder = make_tokenizer_dir(tmp_path / "tok", template=None)  # no chat_template: the ChatML default
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+                              for q, a in QA * 8))
+    run = tmp_path / "run"
+    proc = rptrain(["model=llama_tiny", "data=chat", f"data.path={data}", f"data.tokenizer={folder}", "data.max_seq_len=128",
+                    "trainer.batch_size=4", "trainer.max_steps=60", "trainer.log_interval=5", "precision=fp32",
+                    "optim.optimizer.lr=3e-3", "trainer.async_step=false", f"trainer.sample_prompts=[{QA[0][0]!r}]", "trainer.sample_max_tokens=8",
+                    "trainer.hf_export=false", f"hydra.run.dir={run}"], tmp_path, timeout=600)
+    assert proc.returncode == 0, explain(proc)
+    assert "32 conversations (0 truncated at data.max_seq_len=128, 0 skipped" in proc.stdout and "packed" in proc.stdout
+    losses = [r["loss"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"]
+    assert losses[-1] < 0.2 * losses[0], losses  # the loss counts the answers' tokens only: ln(320) = 5.8 at the start
+    samples = read_jsonl(run / "samples.jsonl")
+    assert samples[-1] == {"step": 60, "prompt": QA[0][0], "completion": QA[0][1]}, samples[-3:]
+    assert f"sample @ step 60: {QA[0][0]!r} -> {QA[0][1]!r}" in proc.stdout
+    from rptrain.cli.generate import main as generate
+
+    capsys.readouterr()
+    generate([str(run), QA[1][0], "--max-tokens", "8"])
+    assert capsys.readouterr().out == f"{QA[1][1]}\n"
