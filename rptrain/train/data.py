@@ -159,18 +159,26 @@ def _chat_tokenizer(cfg: DictConfig):
     return tokenizer, ChatTemplate.for_tokenizer(config if config and config.is_file() else None, cfg.data.chat_template)
 
 
+CHAT_SEQ_LEN = 4096  # data.max_seq_len=null: rows this long at most, whatever context the model has
+
+
+def chat_seq_len(cfg: DictConfig) -> int:
+    return cfg.data.max_seq_len or min(cfg.model.get("max_seq_len") or CHAT_SEQ_LEN, CHAT_SEQ_LEN)
+
+
 def _chat_data(cfg: DictConfig) -> TrainData:
     d, t = cfg.data, cfg.trainer
+    seq_len = chat_seq_len(cfg)
     tokenizer, template = _chat_tokenizer(cfg)
     conversations = list(read_conversations(d.path, d.format.value))
     n_val = int(len(conversations) * d.val_fraction)
     split = len(conversations) - n_val
-    args = (tokenizer, template, d.train_on.value, d.max_seq_len, d.too_long.value)
+    args = (tokenizer, template, d.train_on.value, seq_len, d.too_long.value)
     train, val = encode_all(conversations[:split], *args), encode_all(conversations[split:], *args)
     if not train.pairs:
-        raise DataError(f"data.path={d.path}: no conversation left to train on ({train.stats.line(d.max_seq_len, d.too_long.value)}): "
+        raise DataError(f"data.path={d.path}: no conversation left to train on ({train.stats.line(seq_len, d.too_long.value)}): "
                         f"check data.format, data.train_on and data.max_seq_len")
-    rows = (lambda pairs: pack(pairs, d.max_seq_len)) if d.pack else pad
+    rows = (lambda pairs: pack(pairs, seq_len)) if d.pack else pad
     train_rows = rows(train.pairs)
     val_rows = rows(val.pairs) if val.pairs else None
     filled = train.stats.tokens / train_rows[0].numel()
@@ -179,7 +187,7 @@ def _chat_data(cfg: DictConfig) -> TrainData:
         BatchLoader(train_rows, shuffle=True, drop_last=t.drop_last, seed=t.seed, **_shard(cfg)),
         BatchLoader(val_rows, _eval_batch(cfg), shuffle=False, drop_last=False, seed=t.seed) if val_rows else None,
         vocab_size=tokenizer.vocab_size,
-        description=f"chat {d.path} ({template.name}, train_on={d.train_on.value}): {train.stats.line(d.max_seq_len, d.too_long.value)}; "
+        description=f"chat {d.path} ({template.name}, train_on={d.train_on.value}): {train.stats.line(seq_len, d.too_long.value)}; "
         f"{len(train_rows[0])} train / {len(val_rows[0]) if val_rows else 0} val sequences of {train_rows[0].shape[1]} "
         f"({'packed' if d.pack else 'padded'}, {filled:.0%} tokens)",
         tokenizer=tokenizer,

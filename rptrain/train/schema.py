@@ -103,6 +103,19 @@ class LlamaModelConfig:
     weights: Optional[str] = None  # a local checkpoint (rptrain.models.load_weights), or a finished run: its directory or checkpoints/last.pt
 
 
+@dataclass
+class HFModelConfig:
+    """model=hf: a Hugging Face folder; the architecture comes from its config.json alone."""
+
+    _target_: str = "rptrain.models.build_model"
+    name: str = "hf"
+    path: str = MISSING  # folder with config.json and *.safetensors (model.safetensors.index.json when sharded)
+    max_seq_len: Optional[int] = None  # None: config.json's max_position_embeddings (x factor for dynamic rope)
+    loss_chunk_tokens: int = 4096
+    attention: str = "sdpa"  # sdpa | flex (FlexAttention block masks on CUDA for packed rows and sliding windows)
+    weights: Optional[str] = None  # another checkpoint of this model to load after the folder's weights
+
+
 # ----------------------------------------------------------------------------- data
 @dataclass
 class CifarDataConfig:
@@ -160,7 +173,7 @@ class ChatDataConfig:
     eos_token: Optional[str] = None  # None: tokenizer_config.json's, else a usual name; generation stops there
     chat_template: Optional[str] = None  # None: the tokenizer's own (ChatML without one) | chatml | a .jinja file
     train_on: TrainOn = TrainOn.assistant
-    max_seq_len: int = 2048
+    max_seq_len: Optional[int] = None  # None: model.max_seq_len, at most 4096 (rptrain.train.data.CHAT_SEQ_LEN)
     too_long: TooLong = TooLong.truncate
     pack: bool = True
     val_fraction: float = 0.0
@@ -305,6 +318,7 @@ def register_configs() -> None:
     cs.store(name="rptrain_schema", node=RPTrainConfig)
     cs.store(group="schema/model", name="resnet", node=ResNetConfig)
     cs.store(group="schema/model", name="llama", node=LlamaModelConfig)
+    cs.store(group="schema/model", name="hf", node=HFModelConfig)
     cs.store(group="schema/data", name="cifar", node=CifarDataConfig)
     cs.store(group="schema/data", name="synthetic", node=SyntheticImagesConfig)
     cs.store(group="schema/data", name="text", node=TextDataConfig)
