@@ -110,6 +110,8 @@ def test_default_template_is_chatml_without_one(tmp_path):
     ('{"messages": [', r"bad.jsonl:2: not valid JSON"),
     ('{"text": "x"}', r"bad.jsonl:2: no known format"),
     ('{"messages": []}', r"bad.jsonl:2: field 'messages' must be a non-empty list"),
+    ('{"messages": [{"role": "user"}]}', r"bad.jsonl:2: field 'messages\[0\].content' is missing"),
+    ('{"instruction": "x", "output": 1}', r"bad.jsonl:2: field 'output' must be a string, got int"),
 ])
 def test_a_malformed_line_names_file_line_and_field(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"

@@ -82,6 +82,8 @@ def _text(record: dict, key: str, where: str, required: bool = True) -> str:
     value = record.get(key)
     if value is None and not required:
         return ""
+    if key not in record:
+        raise DataError(f"{where}: field '{key}' is missing")
     if not isinstance(value, str):
         raise DataError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
     return value
@@ -95,8 +97,10 @@ def _messages(value, where: str, field: str) -> list[dict]:
         if not isinstance(m, dict):
             raise DataError(f"{where}: field '{field}[{i}]' must be an object with 'role' and 'content'")
         for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                raise DataError(f"{where}: field '{field}[{i}].{key}' must be a string, got {type(m.get(key)).__name__}")
+            if key not in m:
+                raise DataError(f"{where}: field '{field}[{i}].{key}' is missing")
+            if not isinstance(m[key], str):
+                raise DataError(f"{where}: field '{field}[{i}].{key}' must be a string, got {type(m[key]).__name__}")
         out.append(dict(m))
     return out
 
