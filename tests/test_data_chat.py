@@ -1,5 +1,6 @@
 """Chat data: rendering and loss masks against transformers' apply_chat_template, formats, limits, packing."""
 import json
+import sys
 
 import pytest
 import torch
@@ -93,6 +94,22 @@ def test_formats_read_and_render_like_their_messages(tmp_path, folders):
         list(read_conversations(data, "sharegpt"))
 
 
+def test_parquet_rows_are_records(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "alpaca.parquet"
+    pq.write_table(pa.Table.from_pylist([{"instruction": "Say hi", "input": "", "output": "hi"},
+                                         {"instruction": "Add", "input": "1+1", "output": None}]), path)
+    with pytest.raises(DataError, match=r"alpaca.parquet:row 2: field 'output' is missing or null"):
+        list(read_conversations(path))
+    first = next(iter(read_conversations(path)))
+    assert first.messages == [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if pyarrow were not installed
+    with pytest.raises(DataError, match="needs pyarrow: pip install pyarrow"):
+        list(read_conversations(path))
+
+
 def test_default_template_is_chatml_without_one(tmp_path):
     folder = make_tokenizer_dir(tmp_path / "none", template=None)
     tok, template = _ours(folder)
@@ -106,7 +123,8 @@ def test_default_template_is_chatml_without_one(tmp_path):
 
 @pytest.mark.parametrize("line, message", [
     ('{"messages": [{"role": "user", "content": 3}]}', r"bad.jsonl:2: field 'messages\[0\].content' must be a string, got int"),
-    ('{"prompt": "x", "completion": null}', r"bad.jsonl:2: field 'completion' must be a string"),
+    ('{"prompt": "x", "completion": null}', r"bad.jsonl:2: field 'completion' is missing or null"),
+    ('{"prompt": "x", "completion": ["y"]}', r"bad.jsonl:2: field 'prompt' must be a non-empty list"),
     ('{"messages": [', r"bad.jsonl:2: not valid JSON"),
     ('{"text": "x"}', r"bad.jsonl:2: no known format"),
     ('{"messages": []}', r"bad.jsonl:2: field 'messages' must be a non-empty list"),

@@ -80,10 +80,10 @@ def _records(file: Path) -> Iterator[tuple[str, object]]:
 
 def _text(record: dict, key: str, where: str, required: bool = True) -> str:
     value = record.get(key)
-    if value is None and not required:
+    if value is None:
+        if required:
+            raise DataError(f"{where}: field '{key}' is missing or null")
         return ""
-    if key not in record:
-        raise DataError(f"{where}: field '{key}' is missing")
     if not isinstance(value, str):
         raise DataError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
     return value
