@@ -20,6 +20,7 @@ from rptrain.models import build_model, count_tokens
 from rptrain.optim import Adam
 from rptrain.train import schema
 from rptrain.train.data import build_data
+from test_cli_errors import cli, expect_error  # noqa: F401  (cli is a fixture)
 from test_cli_helpers import explain, read_jsonl, rptrain
 
 QA = [("What is the capital of France?", "Paris."), ("What do bees make?", "Honey."),
@@ -95,3 +96,14 @@ def test_a_tiny_model_learns_a_chat_set_and_answers_from_it(tmp_path, capsys):
     capsys.readouterr()
     generate([str(run), QA[1][0], "--max-tokens", "8"])
     assert capsys.readouterr().out == f"{QA[1][1]}\n"
+
+
+def test_bad_chat_and_sample_settings_are_one_line(cli, tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": "q", "completion": "a"}) + "\n")
+    chat = ["model=llama_tiny", "data=chat", f"data.path={data}"]
+    expect_error(cli("model=llama_tiny", "data=chat", f"data.path={tmp_path / 'none.jsonl'}"), "chat data", "does not exist")
+    expect_error(cli(*chat, f"trainer.sample_prompts={tmp_path / 'prompts.txt'}"), "trainer.sample_prompts=", "no such file")
+    expect_error(cli(*chat, "trainer.sample_temperature=-1"), "trainer.sample_temperature=-1.0 must be >= 0")
+    expect_error(cli(*chat, "data.train_on=prompt"), "data.train_on", "expected one of [assistant, completion, all]")
+    expect_error(cli(*chat, "data.max_seq_len=512"), "data.max_seq_len=512 is longer than model.max_seq_len=256")

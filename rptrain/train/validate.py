@@ -87,6 +87,9 @@ def validate_config(cfg: DictConfig) -> None:
     _positive("trainer.log_interval", t.log_interval, allow_none=False)
     for key in ("max_steps", "eval_batch_size", "eval_interval", "checkpoint_interval"):
         _positive(f"trainer.{key}", t[key])
+    _positive("trainer.sample_max_tokens", t.sample_max_tokens, allow_none=False)
+    if t.sample_temperature < 0:
+        raise ConfigError(f"trainer.sample_temperature={t.sample_temperature} must be >= 0 (0: greedy)")
     if t.num_workers < 0:
         raise ConfigError(f"trainer.num_workers={t.num_workers} must be >= 0")
     micro = cfg.run_config.num_microbatch
@@ -212,6 +215,10 @@ def check_inputs(cfg: DictConfig) -> None:
         from rptrain.data.chat_formats import chat_files
 
         chat_files(d.path)
+    if cfg.trainer.sample_prompts is not None:
+        from .samples import load_prompts
+
+        load_prompts(cfg.trainer.sample_prompts)  # a missing prompts file: one line now, not after the model is built
     if d.name in ("text", "chat"):
         from .tokenizer import tokenizer_source
 
