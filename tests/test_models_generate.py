@@ -68,3 +68,26 @@ def test_generation_respects_the_context():
     model = build_model("llama_tiny", vocab_size=50, max_seq_len=16).eval()
     out = generate(model, list(range(40)), 10, max_seq_len=16)  # the prompt's tail, then what still fits
     assert len(out) == 1
+
+
+def test_rptrain_generate_on_a_hugging_face_folder_matches_transformers(tmp_path, capsys):
+    """Greedy decoding of a tiny Llama folder: every new token is transformers' argmax at that point (up to
+    1e-4 in the logits: a random model's logits nearly tie) and the CLI prints their text."""
+    transformers = pytest.importorskip("transformers")
+    from hf_fixture import llama_folder
+
+    from rptrain.cli.generate import load_for_generation, main as generate_cli
+
+    folder = llama_folder(tmp_path / "llama")
+    model, tok, _ = load_for_generation(str(folder), torch.float32)
+    prompt = "The quick brown fox"
+    sampler = Sampler(tok, None, [prompt], max_tokens=12)
+    ids = sampler.encode(prompt)
+    assert ids == tok.document(prompt)[:-1] and ids[0] == tok.bos_id  # BOS + text, as documents were framed
+    new = generate(model.eval(), ids, 12, sampler._stop)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = reference(torch.tensor([ids + new])).logits[0, len(ids) - 1 : -1]
+    assert (logits.gather(1, torch.tensor(new)[:, None])[:, 0] >= logits.max(1).values - 1e-4).all()
+    generate_cli([str(folder), prompt, "--raw", "--max-tokens", "12", "--device", "cpu"])
+    assert capsys.readouterr().out == sampler.answer(model, prompt) + "\n"

@@ -1,7 +1,7 @@
 """Samples people read: the model's answers to trainer.sample_prompts after every evaluation.
 
 Chat data renders each prompt as one user turn with the generation prompt, so the model answers as
-it was trained to; text data continues the prompt as it is. Generation stops at the tokenizer's EOS,
+it was trained to; text data continues the prompt, framed as the corpus's documents were. Generation stops at the tokenizer's EOS,
 at an end-of-turn token, or at an end-of-turn string (a byte tokenizer spells <|im_end|> out); the
 answers are printed and appended to samples.jsonl in the run directory, one line per prompt.
 
@@ -48,8 +48,9 @@ class Sampler:
         self.stop_ids = {i for i in ids if i is not None}
 
     def encode(self, prompt: str) -> list[int]:
-        if self.template is None:
-            return self.tokenizer.encode(prompt)
+        if self.template is None:  # framed as training framed documents (BOS, when the tokenizer adds one), open-ended
+            ids = self.tokenizer.document(prompt)
+            return ids[:-1] if ids[-1:] == [self.tokenizer.eos_id] else ids
         text, _ = self.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
         return self.tokenizer.encode(text)
 
