@@ -16,18 +16,22 @@ import torch.nn.functional as F
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
-def runs(segments: torch.Tensor) -> torch.Tensor:
-    """(B, T) ids -> (B, T) run numbers: a new run wherever the id changes, so an id that
-    reappears later is a new example, for the mask and the positions alike."""
+def _starts(segments: torch.Tensor) -> torch.Tensor:
+    """True at each example's first token: wherever the id changes, so an id that reappears
+    later is a new example, for the mask and the positions alike."""
     change = torch.ones_like(segments, dtype=torch.bool)
     change[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    return change.cumsum(1)
+    return change
+
+
+def runs(segments: torch.Tensor) -> torch.Tensor:
+    """(B, T) ids -> (B, T) run numbers, one per contiguous example."""
+    return _starts(segments).cumsum(1)
 
 
 def positions(segments: torch.Tensor) -> torch.Tensor:
     """Position of each token within its run: 0 at each example's first token."""
-    change = torch.ones_like(segments, dtype=torch.bool)
-    change[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    change = _starts(segments)
     index = torch.arange(segments.size(1), device=segments.device).expand_as(segments)
     start = torch.where(change, index, torch.zeros_like(index)).cummax(1).values
     return index - start

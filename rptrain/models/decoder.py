@@ -131,8 +131,8 @@ class TokenEmbedding(nn.Module):
         if input_ids.size(-1) > self.max_seq_len:
             raise ValueError(f"sequence length {input_ids.size(-1)} exceeds max_seq_len {self.max_seq_len}")
         h = F.embedding(input_ids, self.embed_tokens.weight, self.padding_idx)
-        if self.scale is not None:  # rounded to the compute dtype first, as transformers does
-            h = h * torch.tensor(self.scale, dtype=h.dtype)
+        if self.scale is not None:  # a float32 scalar rounded to the compute dtype, as transformers does
+            h = h * torch.tensor(self.scale, dtype=torch.float32).to(h.dtype)
         return (h, *rest)
 
 

@@ -293,10 +293,12 @@ class DistConfig:
 # ----------------------------------------------------------------------------- engine
 @dataclass
 class EngineConfig:
-    """RoundPipe's remaining constructor arguments."""
+    """RoundPipe's remaining constructor arguments, and cuDNN's algorithm search."""
 
     cuda_graphs: bool = True
     optimizer_threads: Optional[int] = None  # None: the engine's default
+    channels_last: Optional[bool] = None  # None: on for convolution models on CUDA (train/memory_format.py)
+    cudnn_benchmark: bool = True  # torch.backends.cudnn.benchmark while the run trains (train/kernels.py)
 
 
 @dataclass
