@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 
 from chat_fixture import make_tokenizer_dir
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
@@ -18,10 +17,10 @@ from rptrain.data.chat_formats import Conversation
 from rptrain.data.chat_template import CHATML, ChatTemplate
 from rptrain.models import build_model, count_tokens
 from rptrain.optim import Adam
-from rptrain.train import schema
 from rptrain.train.data import build_data
 from test_cli_errors import cli, expect_error  # noqa: F401  (cli is a fixture)
 from test_cli_helpers import explain, read_jsonl, rptrain
+from test_train_data import make  # noqa: F401  (a fixture: composes a config)
 
 QA = [("What is the capital of France?", "Paris."), ("What do bees make?", "Honey."),
       ("Who wrote Hamlet?", "Shakespeare."), ("How many legs has a spider?", "Eight.")]
@@ -57,13 +56,6 @@ def test_packed_rows_give_the_loss_and_gradients_of_padded_ones():
     assert loss_packed == pytest.approx(loss_padded, rel=1e-5)
     for name, g in grads_padded.items():
         torch.testing.assert_close(grads_packed[name], g, rtol=1e-5, atol=1e-7, msg=name)
-
-
-@pytest.fixture(scope="module")
-def make():
-    schema.register_configs()
-    with initialize_config_module("rptrain.conf", version_base="1.3"):
-        yield lambda *overrides: compose("config", overrides=list(overrides))
 
 
 def test_nothing_to_train_on_is_one_data_error(make, tmp_path):
