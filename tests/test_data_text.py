@@ -4,7 +4,8 @@ import sys
 import pytest
 import torch
 
-from rptrain.data import BatchLoader, ByteTokenizer, DataError, get_tokenizer, load_text_corpus, load_tokenizer
+from rptrain.data import ByteTokenizer, DataError, WindowLoader, get_tokenizer, load_text_corpus, load_tokenizer
+from rptrain.models import IGNORE_INDEX
 
 TEXT = "héllo wörld — 日本語テキスト 🙂\n\tend"
 
@@ -37,26 +38,66 @@ def _corpus(tmp_path):
     return root
 
 
+def rows(windows):
+    """Every window of a split, in order: (inputs, targets, segment_ids)."""
+    return windows.batch(torch.arange(len(windows)))
+
+
 def test_folder_corpus_is_sorted_packed_and_shifted(tmp_path):
     root = _corpus(tmp_path)
-    before = sorted(p.relative_to(root) for p in root.rglob("*"))
     tok = ByteTokenizer()
     corpus = load_text_corpus(root, tok, seq_len=8, val_fraction=0.0)
     assert [p.relative_to(root).as_posix() for p in corpus.files] == ["a.md", "b.txt", "empty.txt", "sub/c.txt"]
-    stream = []
-    for text in ["# first doc\n", "second doc ü", "third " * 20]:  # empty file: no document, no EOS
-        stream += tok.encode(text) + [tok.eos_id]
+    stream, docs = [], []
+    for d, text in enumerate(["# first doc\n", "second doc ü", "third " * 20]):  # empty file: no document, no EOS
+        ids = tok.encode(text) + [tok.eos_id]
+        stream, docs = stream + ids, docs + [d] * len(ids)
     assert corpus.num_tokens == len(stream)
-    x, y = corpus.train
-    assert x.shape == y.shape == ((len(stream) - 1) // 8, 8) and x.dtype == torch.int64
-    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are inputs shifted by one
+    x, y, seg = rows(corpus.train)
+    assert x.shape == y.shape == seg.shape == ((len(stream) - 1) // 8, 8) and x.dtype == y.dtype == torch.int64
+    # Targets are the inputs shifted by one, except where the next token opens another document.
+    nxt = torch.tensor(stream[1 : 8 * len(x) + 1]).view(-1, 8)
+    crossing = torch.tensor([docs[i] != docs[i + 1] for i in range(8 * len(x))]).view(-1, 8)
+    assert torch.equal(y, torch.where(crossing, IGNORE_INDEX, nxt)) and int(crossing.sum()) == 2
     # Windows overlap by one token, so inputs then the last target rebuild the stream.
-    rebuilt = torch.cat([x.reshape(-1), y[-1, -1:]]).tolist()
-    assert rebuilt == stream[: len(rebuilt)] and len(stream) - len(rebuilt) < 8
-    assert corpus.val[0].shape == (0, 8)
-    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before  # nothing written into the corpus
-    batches = list(BatchLoader(corpus.train, batch_size=2, seed=0).epoch(0))
-    assert batches[0][0].shape == (2, 8) and torch.equal(batches[0][0][:, 1:], batches[0][1][:, :-1])
+    assert torch.cat([x.reshape(-1), y[-1, -1:]]).tolist() == stream[: 8 * len(x) + 1]
+    # Segment ids: each window numbers its documents 1, 2, ... in order.
+    first = torch.tensor(docs[: 8 * len(x)]).view(-1, 8)
+    assert torch.equal(seg, first - first[:, :1] + 1)
+    assert corpus.val is None
+    # The token cache is the corpus folder's hidden .rptrain_cache, which corpus listings skip.
+    assert corpus.cache.path.parent == root / ".rptrain_cache" and not corpus.cache.reused
+    batches = list(WindowLoader(corpus.train, batch_size=2, seed=0).epoch(0))
+    assert batches[0][0].shape == (2, 8) and len(batches) == len(x) // 2  # drop_last
+
+
+def test_token_cache_is_reused_and_follows_changes(tmp_path):
+    root = _corpus(tmp_path)
+    tok = ByteTokenizer()
+    first = load_text_corpus(root, tok, seq_len=8, val_fraction=0.2)
+    calls = []
+    original = tok.document
+    tok.document = lambda text: calls.append(text) or original(text)
+    second = load_text_corpus(root, tok, seq_len=8, val_fraction=0.2)
+    assert second.cache.reused and calls == []  # nothing tokenized on the second start
+    for a, b in [(first.train, second.train), (first.val, second.val)]:
+        assert all(torch.equal(p, q) for p, q in zip(rows(a), rows(b)))
+    loader = lambda c: list(WindowLoader(c.train, batch_size=3, seed=5).epoch(1))  # noqa: E731
+    assert all(torch.equal(p, q) for bp, bq in zip(loader(first), loader(second)) for p, q in zip(bp, bq))
+    assert isinstance(second.cache.tokens, __import__("numpy").memmap) and second.cache.tokens.dtype.name == "uint16"
+    (root / "b.txt").write_text("second doc, edited", encoding="utf-8")
+    third = load_text_corpus(root, tok, seq_len=8, val_fraction=0.2)
+    assert not third.cache.reused and calls and third.cache.path != second.cache.path
+    elsewhere = load_text_corpus(root, ByteTokenizer(), seq_len=8, val_fraction=0.2, cache_dir=tmp_path / "cache")
+    assert elsewhere.cache.path.parent == tmp_path / "cache" and not elsewhere.cache.reused
+
+
+def test_glob_picks_any_files(tmp_path):
+    root = _corpus(tmp_path)
+    corpus = load_text_corpus(root, ByteTokenizer(), seq_len=4, val_fraction=0.0, glob="**/*.py")
+    assert [f.name for f in corpus.files] == ["notes.py"] and corpus.num_tokens == len("ignored = True") + 1
+    with pytest.raises(DataError, match=r"no files matching data.glob=\*.csv"):
+        load_text_corpus(root, ByteTokenizer(), seq_len=4, glob="*.csv")
 
 
 def test_val_split_is_the_stream_tail(tmp_path):
@@ -65,11 +106,12 @@ def test_val_split_is_the_stream_tail(tmp_path):
     corpus = load_text_corpus(path, ByteTokenizer(), seq_len=10, val_fraction=0.25)
     assert corpus.files == [path] and corpus.num_tokens == 201
     n_val = int(201 * 0.25)
-    assert corpus.train[0].shape == ((201 - n_val - 1) // 10, 10)
-    assert corpus.val[0].shape == ((n_val - 1) // 10, 10)
+    assert len(corpus.train) == (201 - n_val - 1) // 10
+    val_x, val_y, _ = rows(corpus.val)
+    assert val_x.shape == ((n_val - 1) // 10, 10)
     val_stream = (ByteTokenizer().encode("abcdefghij" * 20) + [257])[-n_val:]
-    assert corpus.val[0][0].tolist() == val_stream[:10]
-    assert corpus.val[1][-1].tolist() == val_stream[31:41]  # 4 windows; the last 9 tokens do not fill one
+    assert val_x[0].tolist() == val_stream[:10]
+    assert val_y[-1].tolist() == val_stream[31:41]  # 4 windows; the last 9 tokens do not fill one
 
 
 def test_text_errors(tmp_path):
@@ -123,7 +165,7 @@ def test_load_tokenizer_json(tmp_path):
     corpus_file = tmp_path / "c.txt"
     corpus_file.write_text("hello world " * 10)
     corpus = load_text_corpus(corpus_file, tok, seq_len=4, val_fraction=0.0)
-    assert corpus.vocab_size == 4 and corpus.train[0].shape == (5, 4)
+    assert corpus.vocab_size == 4 and len(corpus.train) == 5
     with pytest.raises(DataError, match="data.eos_token"):
         load_tokenizer(path, eos_token="</s>")
     with pytest.raises(DataError, match="not found"):

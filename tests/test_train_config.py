@@ -23,7 +23,7 @@ from rptrain.train.validate import validate_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 IMAGE_DATA = ["cifar100", "cifar10", "synthetic"]
-LM_DATA = ["synthetic_tokens", "text"]
+LM_DATA = ["synthetic_tokens", "text", "chat"]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_every_model_builds_on_meta_with_compatible_data(make, model, tmp_path):
 def test_every_option_composes_and_validates(make, data, precision, tmp_path):
     optim = options("optim")[(len(data) + len(precision)) % len(options("optim"))]  # each optimizer with several data sets
     model = "model=llama_tiny" if data in LM_DATA else "model=resnet18"
-    extra = [f"data.path={tmp_path}"] if data == "text" else []
+    extra = [f"data.path={tmp_path}"] if data in ("text", "chat") else []
     cfg = make(model, f"data={data}", f"precision={precision}", f"optim={optim}", *extra)
     validate_config(cfg)
     scaler = build_scaler(cfg.precision)

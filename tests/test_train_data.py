@@ -66,6 +66,6 @@ def test_text_with_a_tokenizer_json(make, tmp_path):
                f"data.tokenizer={tmp_path / 'tokenizer.json'}", "data.seq_len=8", "trainer.batch_size=4")
     data = build_data(cfg, torch.float32)
     assert data.vocab_size == tok.get_vocab_size() and "HFTokenizer" in data.description
-    ids, _ = next(data.train.epoch(0))
-    assert int(ids.max()) < data.vocab_size
+    ids, targets, segments = next(data.train.epoch(0))
+    assert int(ids.max()) < data.vocab_size and ids.shape == targets.shape == segments.shape == (4, 8)
     assert build_model(cfg, torch.float32, device="meta", vocab_size=data.vocab_size)[0].embed_tokens.weight.shape[0] == data.vocab_size

@@ -7,6 +7,11 @@
   synthetic.py      learnable random images and token sequences
   text.py           the byte tokenizer and packed text corpora
   hf_tokenizer.py   Hugging Face tokenizer folders (tokenizer.json + tokenizer_config.json)
+  token_cache.py    a corpus tokenized once into a memory-mapped file, reused by later starts
+  windows.py        fixed-length windows over a token stream, documents kept apart by segment ids
+  chat_formats.py   chat / instruction records (JSON Lines, JSON, Parquet) as lists of messages
+  chat_template.py  the tokenizer's chat template, rendered as transformers renders it
+  chat.py           conversations -> token ids with a loss mask, packed or padded rows
   errors.py         DataError, raised for every bad input
 
 torchvision and tokenizers are only imported when a function needs them.
@@ -28,6 +33,7 @@ from .loader import BatchLoader, ShardedLoader, mix_seed, shard_indices
 from .synthetic import synthetic_images, synthetic_tokens
 from .hf_tokenizer import HFTokenizer, load_tokenizer
 from .text import ByteTokenizer, TextCorpus, Tokenizer, get_tokenizer, load_text_corpus
+from .windows import TokenWindows, WindowLoader
 
 __all__ = [
     "BatchAugment",
@@ -57,4 +63,6 @@ __all__ = [
     "get_tokenizer",
     "load_text_corpus",
     "load_tokenizer",
+    "TokenWindows",
+    "WindowLoader",
 ]

@@ -35,6 +35,14 @@ class HFTokenizer:
             ids.insert(0, self.bos_id)
         return ids if ids[-1:] == [self.eos_id] else ids + [self.eos_id]
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """encode(text) and, per id, the (start, end) characters of `text` it came from (chat loss masks)."""
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def token_id(self, token: str) -> Optional[int]:
+        return self.tokenizer.token_to_id(token)
+
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 

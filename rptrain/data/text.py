@@ -1,24 +1,22 @@
 """Text corpora as packed token sequences for next-token prediction.
 
-A corpus (one file, or every .txt/.md file under a folder, in sorted order)
-becomes one token stream, each document framed as its tokenizer frames it
-(BOS first when the tokenizer adds one) and closed with EOS. The stream is split
-into train | val at the token level (val is the tail) and each part is cut
-into windows of seq_len + 1 tokens that overlap by one, so every token except
-the first is a target exactly once: inputs = window[:-1], targets = window[1:].
-
-Nothing is cached on disk; in particular nothing is written into the user's
-corpus folder. Tokenizing is cheap next to training at the sizes this is for.
+A corpus (one file, or every .txt/.md file under a folder, or every file matching data.glob, in
+sorted order) becomes one token stream, each document framed as its tokenizer frames it (BOS first
+when the tokenizer adds one) and closed with EOS, tokenized once into a memory-mapped cache
+(token_cache.py) that later starts reuse. The stream is split into train | val at the token level
+(val is the tail) and each part is cut into windows of seq_len + 1 tokens that overlap by one
+(windows.py); documents sharing a window keep apart through segment ids.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Protocol
-
-import torch
+from typing import Iterable, Optional, Protocol
 
 from .errors import DataError
+from .token_cache import TokenStream, load_or_build
+from .windows import TokenWindows
 from .hf_tokenizer import load_tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md")
@@ -33,6 +31,10 @@ class Tokenizer(Protocol):
     def document(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...
+
+    def token_id(self, token: str) -> int | None: ...
 
 
 class ByteTokenizer:
@@ -49,9 +51,17 @@ class ByteTokenizer:
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         return [self.bos_id] * bos + list(text.encode("utf-8")) + [self.eos_id] * eos
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """ids and, per id, the (start, end) characters of `text` it came from."""
+        offsets = [(i, i + 1) for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8")))]
+        return self.encode(text), offsets
+
     def document(self, text: str) -> list[int]:
         """One document of a corpus: its bytes, then EOS."""
         return self.encode(text, eos=True)
+
+    def token_id(self, token: str) -> int | None:
+        return None  # no token spells more than one byte
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]
@@ -73,62 +83,70 @@ def get_tokenizer(spec: str | Path, eos_token: str | None = None) -> Tokenizer:
     return load_tokenizer(spec, eos_token)
 
 
-def corpus_files(path: str | Path) -> list[Path]:
-    """`path` itself if it is a file, else the .txt/.md files under it (recursively, hidden ones skipped), sorted."""
+def corpus_files(path: str | Path, glob: Optional[str] = None) -> list[Path]:
+    """`path` itself if it is a file, else the .txt/.md files under it (or those matching `glob`),
+    recursively, hidden ones skipped, sorted."""
     root = Path(path).expanduser()
     if root.is_file():
         return [root]
     if not root.is_dir():
         raise DataError(f"text corpus {root} does not exist: set data.path to a text file or a folder of .txt/.md files")
-    files = [
-        f
-        for f in root.rglob("*")
-        if f.suffix.lower() in TEXT_SUFFIXES and f.is_file() and not any(p.startswith(".") for p in f.relative_to(root).parts)
-    ]
+    found = root.glob(glob) if glob else (f for f in root.rglob("*") if f.suffix.lower() in TEXT_SUFFIXES)
+    files = [f for f in found if f.is_file() and not any(p.startswith(".") for p in f.relative_to(root).parts)]
     if not files:
-        raise DataError(f"no .txt or .md files under {root}: set data.path to a text file or a folder of them")
+        what = f"files matching data.glob={glob}" if glob else ".txt or .md files"
+        raise DataError(f"no {what} under {root}: set data.path (and data.glob) to where the text is")
     return sorted(files, key=lambda f: f.relative_to(root).as_posix())
 
 
 @dataclass
 class TextCorpus:
-    train: tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64 (n, seq_len), views of one tensor
-    val: tuple[torch.Tensor, torch.Tensor]  # same; (0, seq_len) when val_fraction == 0
+    train: TokenWindows
+    val: Optional[TokenWindows]  # None when val_fraction == 0
     vocab_size: int
     num_tokens: int  # train + val, including the EOS tokens
     files: list[Path] = field(default_factory=list)
+    cache: Optional[TokenStream] = None
 
 
-def pack(stream: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut a 1-D token stream into (inputs, targets) windows; the tail shorter than a window is dropped."""
-    if len(stream) < seq_len + 1:
-        empty = torch.empty(0, seq_len, dtype=torch.int64)
-        return empty, empty
-    windows = stream.unfold(0, seq_len + 1, seq_len)  # a view: no copy of the stream
-    return windows[:, :-1], windows[:, 1:]
+def tokenizer_id(tokenizer: Tokenizer) -> str:
+    """What the token cache's key needs to know about the tokenizer: its files' bytes and how it frames documents."""
+    path = getattr(tokenizer, "path", None)
+    h = hashlib.sha1(type(tokenizer).__name__.encode())
+    for f in [Path(path), Path(path).parent / "tokenizer_config.json"] if path else []:
+        h.update(f.read_bytes() if f.is_file() else b"-")
+    framing = [getattr(tokenizer, k, None) for k in ("vocab_size", "eos_id", "bos_id", "add_bos")]
+    return f"{h.hexdigest()}:{framing}"
 
 
-def load_text_corpus(path: str | Path, tokenizer: Tokenizer, seq_len: int, val_fraction: float = 0.1) -> TextCorpus:
-    """Tokenize a file or folder of text into packed train/val sequences ready for BatchLoader."""
-    if seq_len < 1:
-        raise DataError(f"data.seq_len={seq_len} must be >= 1")
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1)")
-    files = corpus_files(path)
-    docs = []
-    for f in files:
+def _reader(tokenizer: Tokenizer, path: str | Path):
+    def encode_file(f: Path) -> Optional[list[int]]:
         try:
             text = f.read_text(encoding="utf-8")
         except UnicodeDecodeError as err:
             raise DataError(f"{f} is not UTF-8 text ({err.reason} at byte {err.start}): convert it or remove it from {path}") from err
         except OSError as err:
             raise DataError(f"could not read {f} ({type(err).__name__}: {err.strerror or err})") from err
-        if text:
-            docs.append(torch.tensor(tokenizer.document(text), dtype=torch.int64))
-    if not docs:
+        return tokenizer.document(text) if text else None
+
+    return encode_file
+
+
+def load_text_corpus(
+    path: str | Path, tokenizer: Tokenizer, seq_len: int, val_fraction: float = 0.1,
+    glob: Optional[str] = None, cache_dir: Optional[str | Path] = None,
+) -> TextCorpus:
+    """Tokenize (or read the cache of) a file or folder of text into train/val windows for WindowLoader."""
+    if seq_len < 1:
+        raise DataError(f"data.seq_len={seq_len} must be >= 1")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1)")
+    files = corpus_files(path, glob)
+    root = Path(path).expanduser()
+    stream = load_or_build(files, root, tokenizer_id(tokenizer), tokenizer.vocab_size, _reader(tokenizer, path), cache_dir)
+    total = len(stream.tokens)
+    if total == 0:
         raise DataError(f"text corpus {path} is empty ({len(files)} file(s), 0 characters): add text or point data.path elsewhere")
-    stream = torch.cat(docs)
-    total = len(stream)
     n_val = int(total * val_fraction)
     need = seq_len + 1
     if total - n_val < need:
@@ -141,10 +159,12 @@ def load_text_corpus(path: str | Path, tokenizer: Tokenizer, seq_len: int, val_f
             f"validation split of {path} has {n_val} tokens ({total} in all, val_fraction={val_fraction}), "
             f"fewer than one sequence of seq_len+1={need}: raise data.val_fraction, lower data.seq_len, or set data.val_fraction=0"
         )
+    split = total - n_val
     return TextCorpus(
-        train=pack(stream[: total - n_val], seq_len),
-        val=pack(stream[total - n_val :], seq_len),
+        train=TokenWindows(stream.tokens, stream.doc_starts, 0, split, seq_len),
+        val=TokenWindows(stream.tokens, stream.doc_starts, split, total, seq_len) if n_val else None,
         vocab_size=tokenizer.vocab_size,
         num_tokens=total,
         files=files,
+        cache=stream,
     )

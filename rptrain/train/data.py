@@ -6,11 +6,15 @@ Images take one of two paths (data.pipeline):
                GPU run is not input-bound;
   torchvision  the tutorial's per-sample PIL transforms behind a DataLoader (trainer.num_workers).
 Both are exactly resumable: batch order and augmentation are functions of (seed, epoch, batch).
+
+Token data: `text` reads windows from a memory-mapped token cache; `chat` renders conversations with
+the tokenizer's chat template, masks the loss to the tokens data.train_on names and packs several
+conversations a row (data.pack). Both hand the model (ids, targets, segment_ids).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -18,8 +22,10 @@ from omegaconf import DictConfig
 from rptrain.data import (
     BatchAugment,
     BatchLoader,
+    DataError,
     DatasetLoader,
     ShardedLoader,
+    WindowLoader,
     cifar_dataset,
     cifar_eval_transforms,
     cifar_train_transforms,
@@ -28,6 +34,9 @@ from rptrain.data import (
     synthetic_images,
     synthetic_tokens,
 )
+from rptrain.data.chat import encode_all, pack, pad
+from rptrain.data.chat_formats import read_conversations
+from rptrain.data.chat_template import ChatTemplate
 
 from . import dist
 from .model import IMAGE, LM, data_kind
@@ -42,6 +51,8 @@ class TrainData:
     eval: Optional[ShardedLoader]  # None when there is no held-out split
     vocab_size: Optional[int] = None  # language data only
     description: str = ""
+    tokenizer: Any = None  # language data from text or chat: what samples are encoded and decoded with
+    template: Optional[ChatTemplate] = None  # chat data: sample prompts are rendered as a user turn
 
 
 def augment_device(data_cfg: DictConfig) -> torch.device:
@@ -108,20 +119,73 @@ def _torchvision_data(cfg: DictConfig) -> TrainData:
 
 def _token_data(cfg: DictConfig) -> TrainData:
     d, t = cfg.data, cfg.trainer
+    if d.name == "chat":
+        return _chat_data(cfg)
     if d.name == "text":
         tokenizer = build_tokenizer(cfg)
-        corpus = load_text_corpus(d.path, tokenizer, d.seq_len, d.val_fraction)
-        train, val, vocab = corpus.train, corpus.val, corpus.vocab_size
-        about = f"text {d.path}: {corpus.num_tokens} tokens ({tokenizer!r})"
-    else:
-        inputs, targets = synthetic_tokens(d.num_train + d.num_val, d.seq_len, d.vocab_size, d.seed, d.branching)
-        n = d.num_train
-        train, val, vocab = (inputs[:n], targets[:n]), (inputs[n:], targets[n:]), d.vocab_size
-        about = f"synthetic tokens: vocabulary {vocab}, branching {d.branching}"
+        corpus = load_text_corpus(d.path, tokenizer, d.seq_len, d.val_fraction, d.glob, d.cache_dir)
+        cache = f"token cache {corpus.cache.path} ({'reused' if corpus.cache.reused else 'written'})"
+        return TrainData(
+            LM,
+            WindowLoader(corpus.train, shuffle=True, drop_last=t.drop_last, seed=t.seed, **_shard(cfg)),
+            WindowLoader(corpus.val, _eval_batch(cfg), shuffle=False, drop_last=False, seed=t.seed) if corpus.val else None,
+            vocab_size=corpus.vocab_size,
+            description=f"text {d.path}: {corpus.num_tokens} tokens in {len(corpus.files)} files ({tokenizer!r}), {cache}; "
+            f"{len(corpus.train)} train / {len(corpus.val or [])} val sequences of {d.seq_len}",
+            tokenizer=tokenizer,
+        )
+    inputs, targets = synthetic_tokens(d.num_train + d.num_val, d.seq_len, d.vocab_size, d.seed, d.branching)
+    n = d.num_train
+    train, val, vocab = (inputs[:n], targets[:n]), (inputs[n:], targets[n:]), d.vocab_size
+    about = f"synthetic tokens: vocabulary {vocab}, branching {d.branching}"
     return TrainData(
         LM,
         BatchLoader(train, shuffle=True, drop_last=t.drop_last, seed=t.seed, **_shard(cfg)),
         BatchLoader(val, _eval_batch(cfg), shuffle=False, drop_last=False, seed=t.seed) if len(val[0]) else None,
         vocab_size=vocab,
         description=f"{about}; {len(train[0])} train / {len(val[0])} val sequences of {d.seq_len}",
+    )
+
+
+def _chat_tokenizer(cfg: DictConfig):
+    """(tokenizer, chat template): data.tokenizer's (or the model's) with the template in its tokenizer_config.json."""
+    tokenizer = build_tokenizer(cfg)
+    path = getattr(tokenizer, "path", None)
+    config = path.parent / "tokenizer_config.json" if path is not None else None
+    return tokenizer, ChatTemplate.for_tokenizer(config if config and config.is_file() else None, cfg.data.chat_template)
+
+
+CHAT_SEQ_LEN = 4096  # data.max_seq_len=null: rows this long at most, whatever context the model has
+
+
+def chat_seq_len(cfg: DictConfig) -> int:
+    return cfg.data.max_seq_len or min(cfg.model.get("max_seq_len") or CHAT_SEQ_LEN, CHAT_SEQ_LEN)
+
+
+def _chat_data(cfg: DictConfig) -> TrainData:
+    d, t = cfg.data, cfg.trainer
+    seq_len = chat_seq_len(cfg)
+    tokenizer, template = _chat_tokenizer(cfg)
+    conversations = list(read_conversations(d.path, d.format.value))
+    n_val = int(len(conversations) * d.val_fraction)
+    split = len(conversations) - n_val
+    args = (tokenizer, template, d.train_on.value, seq_len, d.too_long.value)
+    train, val = encode_all(conversations[:split], *args), encode_all(conversations[split:], *args)
+    if not train.pairs:
+        raise DataError(f"data.path={d.path}: no conversation left to train on ({train.stats.line(seq_len, d.too_long.value)}): "
+                        f"check data.format, data.train_on and data.max_seq_len")
+    rows = (lambda pairs: pack(pairs, seq_len)) if d.pack else pad
+    train_rows = rows(train.pairs)
+    val_rows = rows(val.pairs) if val.pairs else None
+    filled = train.stats.tokens / train_rows[0].numel()
+    return TrainData(
+        LM,
+        BatchLoader(train_rows, shuffle=True, drop_last=t.drop_last, seed=t.seed, **_shard(cfg)),
+        BatchLoader(val_rows, _eval_batch(cfg), shuffle=False, drop_last=False, seed=t.seed) if val_rows else None,
+        vocab_size=tokenizer.vocab_size,
+        description=f"chat {d.path} ({template.name}, train_on={d.train_on.value}): {train.stats.line(seq_len, d.too_long.value)}; "
+        f"{len(train_rows[0])} train / {len(val_rows[0]) if val_rows else 0} val sequences of {train_rows[0].shape[1]} "
+        f"({'packed' if d.pack else 'padded'}, {filled:.0%} tokens)",
+        tokenizer=tokenizer,
+        template=template,
     )

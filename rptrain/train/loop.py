@@ -44,6 +44,7 @@ from .plots import plot_curves
 from .precision import build_scaler, torch_dtype
 from .resume import check_resume_state, loader_state_for, resolve_resume
 from .run_config import build_run_config
+from .samples import make_sampler, write_samples
 from .signals import SIGNALS, Interrupted, StopRequest
 from .tasks import StepResult, make_task
 from .validate import check_vocab, num_microbatch, validate_config
@@ -145,6 +146,7 @@ class Trainer:
         self.metrics = MetricsLog(self.run_dir if self.dist.main else None, state["history"] if state else None)
         del state
         self.task = make_task(data.kind, num_microbatch(cfg), dtype, self.dist.world)
+        self.sampler = make_sampler(cfg, data)  # every rank: evaluations (and their synchronizations) happen at the same steps
         self._param_names = {name for name, _ in engine.named_parameters()}  # BatchNorm buffers differ across ranks
         self.parts = dict(engine=engine, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data)
         try:
@@ -249,7 +251,7 @@ class Trainer:
                     self._after_step(p, epoch, data.train.next_batch >= len(data.train), stop, bool(stop) if d.world == 1 else stopping)
                 batches.close()
                 epoch, batch_index = data.train.position()
-        if p.last_eval_step != p.step and data.eval is not None:
+        if p.last_eval_step != p.step and (data.eval is not None or self.sampler):
             self._evaluate(p, epoch)
         if self._ckpt_step != p.step:  # not the file's existence: every rank must decide the same
             self._checkpoint(p)
@@ -284,7 +286,7 @@ class Trainer:
     def _after_step(self, p: RunProgress, epoch: int, epoch_done: bool, stop: StopRequest, stopping: bool) -> None:
         t, data = self.cfg.trainer, self.parts["data"]
         last = p.step >= self.total_steps
-        if data.eval is not None and (epoch_done or last or (t.eval_interval and p.step % t.eval_interval == 0)):
+        if (data.eval is not None or self.sampler) and (epoch_done or last or (t.eval_interval and p.step % t.eval_interval == 0)):
             self._evaluate(p, epoch)
         if epoch_done:
             self._end_epoch(p, epoch)
@@ -333,10 +335,13 @@ class Trainer:
             return
         engine.eval()
         with torch.no_grad():
-            result = self.task.evaluate(engine, loader.epoch(0))
+            result = self.task.evaluate(engine, loader.epoch(0)) if loader is not None else None
+            if self.sampler:
+                write_samples(engine, self.sampler, p.step, self.run_dir, lambda line: say(self.console, line))
         engine.train()
-        p.last_eval, p.last_eval_step = result, p.step
-        self.metrics.add("eval", step=p.step, epoch=epoch + 1, **result, time=p.train_seconds)
+        if result is not None:
+            p.last_eval, p.last_eval_step = result, p.step
+            self.metrics.add("eval", step=p.step, epoch=epoch + 1, **result, time=p.train_seconds)
 
     def _end_epoch(self, p: RunProgress, epoch: int) -> None:
         metric, m = self.task.metric, self._global(p.epoch_meter)

@@ -21,7 +21,7 @@ from .run_weights import load_run_weights, run_checkpoint
 
 IMAGE, LM = "image", "lm"
 # Which data each kind of model trains on (the data group's `name`).
-DATA_FOR = {IMAGE: ("cifar100", "cifar10", "synthetic"), LM: ("text", "synthetic_tokens")}
+DATA_FOR = {IMAGE: ("cifar100", "cifar10", "synthetic"), LM: ("text", "synthetic_tokens", "chat")}
 
 
 def model_kind(model_cfg: DictConfig) -> str:
@@ -46,7 +46,7 @@ def build_model(cfg: DictConfig, dtype: torch.dtype, device: Any = None, vocab_s
         if isinstance(cause, HFModelError):  # names the file and field itself
             raise ConfigError(one_line(cause)) from err
         raise ConfigError(f"model={cfg.model.name}: {one_line(cause)}: fix the model.* values") from err
-    limit, seq_len = getattr(model[0], "max_seq_len", None), cfg.data.get("seq_len")
+    limit, seq_len = getattr(model[0], "max_seq_len", None), cfg.data.get("seq_len") or cfg.data.get("max_seq_len")
     if cfg.model.get("max_seq_len", 0) is None and limit is not None and seq_len is not None and seq_len > limit:
         raise ConfigError(f"data.seq_len={seq_len} is longer than {cfg.model.path}'s {limit} positions: "
                           f"lower data.seq_len, or set model.max_seq_len to train longer anyway")

@@ -50,6 +50,24 @@ class OnNonfinite(Enum):
     skip = "skip"  # that step's update is skipped (as GradScaler does)
 
 
+class ChatFormat(Enum):
+    auto = "auto"  # told apart record by record by their keys
+    messages = "messages"
+    prompt_completion = "prompt_completion"
+    alpaca = "alpaca"
+
+
+class TrainOn(Enum):
+    assistant = "assistant"  # every assistant turn
+    completion = "completion"  # the last assistant turn
+    all = "all"
+
+
+class TooLong(Enum):
+    truncate = "truncate"
+    drop = "drop"
+
+
 class Backend(Enum):
     auto = "auto"  # nccl when CUDA is available, gloo otherwise
     nccl = "nccl"
@@ -169,6 +187,23 @@ class TextDataConfig:
     eos_token: Optional[str] = None  # the token closing each document; None: tokenizer_config.json's, else a usual name
     seq_len: int = 256
     val_fraction: float = 0.1
+    glob: Optional[str] = None  # a file pattern under data.path (e.g. "**/*.jsonl.txt"); None: .txt and .md files
+    cache_dir: Optional[str] = None  # where the token cache goes; None: data.path/.rptrain_cache (a folder) or beside the file
+
+
+@dataclass
+class ChatDataConfig:
+    name: str = "chat"
+    path: str = MISSING
+    format: ChatFormat = ChatFormat.auto
+    tokenizer: Optional[str] = None  # byte | a tokenizer.json or its folder | None: the model's (model=hf), else byte
+    eos_token: Optional[str] = None  # None: tokenizer_config.json's, else a usual name; generation stops there
+    chat_template: Optional[str] = None  # None: the tokenizer's own (ChatML without one) | chatml | a .jinja file
+    train_on: TrainOn = TrainOn.assistant
+    max_seq_len: Optional[int] = None  # None: model.max_seq_len, at most 4096 (rptrain.train.data.CHAT_SEQ_LEN)
+    too_long: TooLong = TooLong.truncate
+    pack: bool = True
+    val_fraction: float = 0.0
 
 
 @dataclass
@@ -270,6 +305,9 @@ class TrainerConfig:
     keep_checkpoints: int = 2  # the newest N checkpoints stay (checkpoints/step-*.pt)
     on_nonfinite: OnNonfinite = OnNonfinite.stop  # a NaN/inf loss without a GradScaler
     hf_export: bool = True  # language models: write the final weights as a Hugging Face folder, RUN_DIR/hf
+    sample_prompts: Any = None  # None | a list of prompts | a text file, one prompt a line: generated at every evaluation
+    sample_max_tokens: int = 64
+    sample_temperature: float = 0.0  # 0: greedy
 
 
 # ----------------------------------------------------------------------------- dist
@@ -317,3 +355,4 @@ def register_configs() -> None:
     cs.store(group="schema/data", name="synthetic", node=SyntheticImagesConfig)
     cs.store(group="schema/data", name="text", node=TextDataConfig)
     cs.store(group="schema/data", name="synthetic_tokens", node=SyntheticTokensConfig)
+    cs.store(group="schema/data", name="chat", node=ChatDataConfig)

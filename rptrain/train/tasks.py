@@ -3,8 +3,9 @@
 Image classifiers: the engine returns logits; the loss is cross entropy summed over the batch
 and divided by the batch size, so uneven microbatch splits still give the batch mean.
 Language models (rptrain.models Llama): the Sequential's first layer takes one argument, the
-tuple (ids, targets), and the last returns the summed token cross entropy; dividing by the
-batch's token count gives the mean per token.
+tuple (ids, targets) or (ids, targets, segment_ids) for packed data, and the last returns the summed
+token cross entropy; dividing by the batch's count of trained tokens (targets != IGNORE_INDEX) gives
+the mean per token, so masked prompt and padding positions count neither in the loss nor in tokens/s.
 Nothing here reads a number back from the GPU during training: a step's loss and correct count
 stay tensors (the count is taken on the device, inside the loss function, so the logits never
 leave it) and meters.Meter reads them at log steps. Evaluation reads once per pass.
@@ -114,12 +115,12 @@ class LanguageTask(Task):
         return count_tokens(batch[1])
 
     def train_step(self, engine: RoundPipe, batch: tuple, scaler: GradScaler, total: Optional[int] = None) -> StepResult:
-        ids, targets = batch
+        ids, targets = batch[:2]  # then segment ids, when the data packs several documents a row
         tokens = count_tokens(targets)
         divisor, to_mean = self.divisor(tokens, total)
         scale = scaler.get_scale()
         loss = engine.forward_backward(
-            input_args=((ids, targets),),
+            input_args=(tuple(batch),),
             label=None,
             loss_fn=lambda out, _: scaler.scale(out / divisor),
             run_config=self.run_config(len(ids)),
@@ -128,8 +129,9 @@ class LanguageTask(Task):
 
     def evaluate(self, engine: RoundPipe, batches: Iterable[tuple]) -> dict[str, float]:
         loss_sums, total = [], 0
-        for ids, targets in batches:
-            loss_sums.append(engine((ids, targets), run_config=self.run_config(len(ids))).double().sum())
+        for batch in batches:
+            ids, targets = batch[:2]
+            loss_sums.append(engine(tuple(batch), run_config=self.run_config(len(ids))).double().sum())
             total += count_tokens(targets)
         loss = (float(device_sum(loss_sums)) if loss_sums else 0.0) / max(total, 1)
         return {"loss": loss, "ppl": perplexity(loss)}

@@ -46,6 +46,7 @@ DATA_SCHEMAS = {
     "synthetic": schema.SyntheticImagesConfig,
     "text": schema.TextDataConfig,
     "synthetic_tokens": schema.SyntheticTokensConfig,
+    "chat": schema.ChatDataConfig,
 }
 
 
@@ -95,6 +96,9 @@ def validate_config(cfg: DictConfig) -> None:
     for key in ("max_steps", "eval_batch_size", "eval_interval", "checkpoint_interval"):
         _positive(f"trainer.{key}", t[key])
     _positive("trainer.keep_checkpoints", t.keep_checkpoints, allow_none=False)
+    _positive("trainer.sample_max_tokens", t.sample_max_tokens, allow_none=False)
+    if t.sample_temperature < 0:
+        raise ConfigError(f"trainer.sample_temperature={t.sample_temperature} must be >= 0 (0: greedy)")
     if t.num_workers < 0:
         raise ConfigError(f"trainer.num_workers={t.num_workers} must be >= 0")
     micro = cfg.run_config.num_microbatch
@@ -148,7 +152,8 @@ def _missing_values(cfg: DictConfig) -> None:
     for key in sorted(OmegaConf.missing_keys(cfg)):
         if key.startswith("hydra."):
             continue
-        example = {"data.path": "data.path=/path/to/corpus.txt (a text file or a folder of .txt/.md files)",
+        path = "/path/to/chat.jsonl (a .jsonl/.json/.parquet file or a folder of them)" if cfg.data.name == "chat" else "/path/to/corpus.txt (a text file or a folder of .txt/.md files)"
+        example = {"data.path": f"data.path={path}",
                    "model.path": "model.path=/path/to/hf_model (a folder with config.json and *.safetensors)"}.get(key, f"{key}=VALUE")
         raise ConfigError(f"{key} is required for this config: add {example}")
 
@@ -200,9 +205,10 @@ def _validate_images(cfg: DictConfig) -> None:
 
 def _validate_lm(cfg: DictConfig) -> None:
     d, m = cfg.data, cfg.model
-    _positive("data.seq_len", d.seq_len, allow_none=False)
-    if m.max_seq_len is not None and d.seq_len > m.max_seq_len:
-        raise ConfigError(f"data.seq_len={d.seq_len} is longer than model.max_seq_len={m.max_seq_len}: raise model.max_seq_len or lower data.seq_len")
+    key = "max_seq_len" if d.name == "chat" else "seq_len"
+    _positive(f"data.{key}", d[key], allow_none=d.name == "chat")  # chat: null is the model's context
+    if m.max_seq_len is not None and d[key] is not None and d[key] > m.max_seq_len:
+        raise ConfigError(f"data.{key}={d[key]} is longer than model.max_seq_len={m.max_seq_len}: raise model.max_seq_len or lower data.{key}")
     if d.name == "synthetic_tokens":
         _positive("data.num_train", d.num_train, allow_none=False)
         if m.get("vocab_size") is not None and m.vocab_size < d.vocab_size:
@@ -231,9 +237,18 @@ def check_inputs(cfg: DictConfig) -> None:
     if d.name == "text":
         from rptrain.data.text import corpus_files
 
-        files = corpus_files(d.path)  # raises DataError naming data.path
+        files = corpus_files(d.path, d.glob)  # raises DataError naming data.path
         if not any(f.stat().st_size for f in files):
             raise DataError(f"data.path={d.path}: the text corpus is empty ({len(files)} file(s), 0 bytes): add text or point data.path elsewhere")
+    if d.name == "chat":
+        from rptrain.data.chat_formats import chat_files
+
+        chat_files(d.path)
+    if cfg.trainer.sample_prompts is not None:
+        from .samples import load_prompts
+
+        load_prompts(cfg.trainer.sample_prompts)  # a missing prompts file: one line now, not after the model is built
+    if d.name in ("text", "chat"):
         from .tokenizer import tokenizer_source
 
         source = tokenizer_source(cfg)
