@@ -49,7 +49,7 @@ def test_synthetic_tokens_split_and_vocab(make):
     assert ids.shape == targets.shape == (8, 16) and torch.equal(ids[:, 1:], targets[:, :-1])
     assert data.vocab_size == 50 and len(data.eval.epoch(0).__next__()[0]) == 4
     model = build_model(cfg, torch.float32, device="meta", vocab_size=data.vocab_size)
-    assert model[0].weight.shape[0] == 50
+    assert model[0].embed_tokens.weight.shape[0] == 50
 
 
 def test_text_with_a_tokenizer_json(make, tmp_path):
@@ -68,4 +68,4 @@ def test_text_with_a_tokenizer_json(make, tmp_path):
     assert data.vocab_size == tok.get_vocab_size() and "HFTokenizer" in data.description
     ids, _ = next(data.train.epoch(0))
     assert int(ids.max()) < data.vocab_size
-    assert build_model(cfg, torch.float32, device="meta", vocab_size=data.vocab_size)[0].weight.shape[0] == data.vocab_size
+    assert build_model(cfg, torch.float32, device="meta", vocab_size=data.vocab_size)[0].embed_tokens.weight.shape[0] == data.vocab_size

@@ -123,7 +123,7 @@ def _data_vocab(cfg: DictConfig) -> Optional[int]:
         return None
     if cfg.data.name == "synthetic_tokens":
         return cfg.data.vocab_size
-    from rptrain.data import get_tokenizer
+    from rptrain.train.tokenizer import build_tokenizer
 
-    return get_tokenizer(cfg.data.tokenizer).vocab_size
+    return build_tokenizer(cfg).vocab_size
 

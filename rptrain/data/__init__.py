@@ -5,7 +5,8 @@
   loader.py         BatchLoader: seeded order, DistributedSampler-style shards, resume
   dataset_loader.py DatasetLoader: the per-sample torchvision transforms path (slower)
   synthetic.py      learnable random images and token sequences
-  text.py           byte / tokenizer.json tokenizers and packed text corpora
+  text.py           the byte tokenizer and packed text corpora
+  hf_tokenizer.py   Hugging Face tokenizer folders (tokenizer.json + tokenizer_config.json)
   errors.py         DataError, raised for every bad input
 
 torchvision and tokenizers are only imported when a function needs them.
@@ -25,7 +26,8 @@ from .dataset_loader import DatasetLoader, cifar_eval_transforms, cifar_train_tr
 from .errors import DataError
 from .loader import BatchLoader, ShardedLoader, mix_seed, shard_indices
 from .synthetic import synthetic_images, synthetic_tokens
-from .text import ByteTokenizer, HFTokenizer, TextCorpus, Tokenizer, get_tokenizer, load_text_corpus, load_tokenizer
+from .hf_tokenizer import HFTokenizer, load_tokenizer
+from .text import ByteTokenizer, TextCorpus, Tokenizer, get_tokenizer, load_text_corpus
 
 __all__ = [
     "BatchAugment",

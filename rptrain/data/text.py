@@ -1,7 +1,8 @@
 """Text corpora as packed token sequences for next-token prediction.
 
 A corpus (one file, or every .txt/.md file under a folder, in sorted order)
-becomes one token stream with EOS after each document. The stream is split
+becomes one token stream, each document framed as its tokenizer frames it
+(BOS first when the tokenizer adds one) and closed with EOS. The stream is split
 into train | val at the token level (val is the tail) and each part is cut
 into windows of seq_len + 1 tokens that overlap by one, so every token except
 the first is a target exactly once: inputs = window[:-1], targets = window[1:].
@@ -18,6 +19,7 @@ from typing import Iterable, Protocol
 import torch
 
 from .errors import DataError
+from .hf_tokenizer import load_tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md")
 
@@ -27,6 +29,8 @@ class Tokenizer(Protocol):
     eos_id: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def document(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
@@ -45,6 +49,10 @@ class ByteTokenizer:
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         return [self.bos_id] * bos + list(text.encode("utf-8")) + [self.eos_id] * eos
 
+    def document(self, text: str) -> list[int]:
+        """One document of a corpus: its bytes, then EOS."""
+        return self.encode(text, eos=True)
+
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -56,55 +64,13 @@ class ByteTokenizer:
         return "ByteTokenizer(vocab_size=259)"
 
 
-EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end_of_text|>", "[SEP]")
-
-
-class HFTokenizer:
-    """A `tokenizers` tokenizer.json behind the ByteTokenizer interface."""
-
-    def __init__(self, tokenizer, eos_id: int, path: Path) -> None:
-        self.tokenizer, self.eos_id, self.path = tokenizer, eos_id, path
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def __repr__(self) -> str:
-        return f"HFTokenizer({self.path}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
-
-
-def load_tokenizer(path: str | Path, eos_token: str | None = None) -> HFTokenizer:
-    """Load a Hugging Face `tokenizers` tokenizer.json (needs `pip install tokenizers`).
-
-    The end-of-document token is `eos_token` or the first of EOS_CANDIDATES in the vocabulary.
-    """
-    path = Path(path).expanduser()
-    try:
-        from tokenizers import Tokenizer as _HF
-    except ImportError as err:
-        raise DataError(f"loading tokenizer {path} needs the 'tokenizers' package: pip install tokenizers") from err
-    if not path.is_file():
-        raise DataError(f"tokenizer file {path} not found: set data.tokenizer to a tokenizer.json path or 'byte'")
-    try:
-        tok = _HF.from_file(str(path))
-    except Exception as err:  # the Rust side raises plain Exception subclasses for malformed files
-        raise DataError(f"could not read tokenizer {path} ({type(err).__name__}: {' '.join(str(err).split())})") from err
-    names = [eos_token] if eos_token is not None else list(EOS_CANDIDATES)
-    for name in names:
-        eos_id = tok.token_to_id(name)
-        if eos_id is not None:
-            return HFTokenizer(tok, eos_id, path)
-    raise DataError(f"tokenizer {path} has no end-of-text token among {names}: set data.eos_token to one it has")
-
-
-def get_tokenizer(spec: str | Path) -> Tokenizer:
-    """'byte' -> ByteTokenizer(); anything else is a tokenizer.json path for load_tokenizer."""
+def get_tokenizer(spec: str | Path, eos_token: str | None = None) -> Tokenizer:
+    """'byte' -> ByteTokenizer(); anything else is a tokenizer.json or a folder holding one, for load_tokenizer."""
     if str(spec) == "byte":
+        if eos_token is not None:
+            raise DataError(f"data.eos_token={eos_token!r} needs a tokenizer file: the byte tokenizer's EOS is fixed; set data.eos_token=null")
         return ByteTokenizer()
-    return load_tokenizer(spec)
+    return load_tokenizer(spec, eos_token)
 
 
 def corpus_files(path: str | Path) -> list[Path]:
@@ -158,7 +124,7 @@ def load_text_corpus(path: str | Path, tokenizer: Tokenizer, seq_len: int, val_f
         except OSError as err:
             raise DataError(f"could not read {f} ({type(err).__name__}: {err.strerror or err})") from err
         if text:
-            docs.append(torch.tensor(tokenizer.encode(text) + [tokenizer.eos_id], dtype=torch.int64))
+            docs.append(torch.tensor(tokenizer.document(text), dtype=torch.int64))
     if not docs:
         raise DataError(f"text corpus {path} is empty ({len(files)} file(s), 0 characters): add text or point data.path elsewhere")
     stream = torch.cat(docs)

@@ -23,7 +23,6 @@ from rptrain.data import (
     cifar_dataset,
     cifar_eval_transforms,
     cifar_train_transforms,
-    get_tokenizer,
     load_cifar,
     load_text_corpus,
     synthetic_images,
@@ -33,6 +32,7 @@ from rptrain.data import (
 from . import dist
 from .errors import ConfigError
 from .model import IMAGE, LM, data_kind
+from .tokenizer import build_tokenizer
 from .validate import local_batch
 
 
@@ -112,7 +112,7 @@ def _torchvision_data(cfg: DictConfig) -> TrainData:
 def _token_data(cfg: DictConfig) -> TrainData:
     d, t = cfg.data, cfg.trainer
     if d.name == "text":
-        tokenizer = get_tokenizer(d.tokenizer)
+        tokenizer = build_tokenizer(cfg)
         corpus = load_text_corpus(d.path, tokenizer, d.seq_len, d.val_fraction)
         train, val, vocab = corpus.train, corpus.val, corpus.vocab_size
         about = f"text {d.path}: {corpus.num_tokens} tokens ({tokenizer!r})"

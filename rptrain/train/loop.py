@@ -34,6 +34,7 @@ from .console import ProgressBar, epoch_line, log, say, step_line
 from .data import TrainData, build_data
 from .dist import Dist, FailedOnRankZero, inject_fault, peer_errors
 from .errors import CheckpointError, one_line
+from .export import export_run, exportable
 from .meters import Meter, RunProgress, progress_from, progress_state, rank_share
 from .metrics import MetricsLog
 from .model import IMAGE, build_model, fingerprint
@@ -142,6 +143,8 @@ class Trainer:
             self._loop(progress)
         finally:
             self.metrics.close()
+        if self.dist.main and cfg.trainer.hf_export and exportable(cfg):
+            say(self.console, f"Hugging Face folder: {export_run(cfg, engine.state_dict(), self.run_dir, dtype)}")
         return self._summary(progress, resume)
 
     def _restore(self, state: dict, path: Path, engine, optimizer, scheduler, scaler, data: TrainData) -> RunProgress:

@@ -17,6 +17,7 @@ from torch import nn
 from rptrain.models import load_weights
 
 from .errors import ConfigError, one_line
+from .run_weights import load_run_weights, run_checkpoint
 
 IMAGE, LM = "image", "lm"
 # Which data each kind of model trains on (the data group's `name`).
@@ -43,7 +44,9 @@ def build_model(cfg: DictConfig, dtype: torch.dtype, device: Any = None, vocab_s
     except Exception as err:  # the builders raise ValueError for inconsistent shapes; Hydra wraps it
         cause = err.__cause__ or err
         raise ConfigError(f"model={cfg.model.name}: {one_line(cause)}: fix the model.* values") from err
-    if weights is not None and device != "meta":
+    if weights is not None and (checkpoint := run_checkpoint(weights)) is not None:
+        load_run_weights(model, checkpoint)  # a finished run seeds this one (checked on meta too: preflight)
+    elif weights is not None and device != "meta":
         try:
             load_weights(model, weights)
         except (OSError, ValueError, KeyError, RuntimeError) as err:

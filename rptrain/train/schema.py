@@ -82,7 +82,7 @@ class LlamaModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     loss_chunk_tokens: int = 4096
-    weights: Optional[str] = None  # a local checkpoint loaded with rptrain.models.load_weights
+    weights: Optional[str] = None  # a local checkpoint (rptrain.models.load_weights), or a finished run: its directory or checkpoints/last.pt
 
 
 # ----------------------------------------------------------------------------- data
@@ -125,7 +125,8 @@ class SyntheticImagesConfig:
 class TextDataConfig:
     name: str = "text"
     path: str = MISSING
-    tokenizer: str = "byte"
+    tokenizer: Optional[str] = None  # byte | a tokenizer.json or its folder | None: the model's (model=hf), else byte
+    eos_token: Optional[str] = None  # the token closing each document; None: tokenizer_config.json's, else a usual name
     seq_len: int = 256
     val_fraction: float = 0.1
 
@@ -226,6 +227,7 @@ class TrainerConfig:
     resume: Optional[str] = None  # None | auto | a checkpoint file or run directory
     async_step: bool = True
     progress: Optional[bool] = None  # None: a live bar on a terminal, plain log lines otherwise
+    hf_export: bool = True  # language models: write the final weights as a Hugging Face folder, RUN_DIR/hf
 
 
 # ----------------------------------------------------------------------------- dist

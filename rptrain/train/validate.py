@@ -203,8 +203,11 @@ def check_inputs(cfg: DictConfig) -> None:
         from rptrain.data.text import corpus_files
 
         corpus_files(d.path)  # raises DataError naming data.path
-        if d.tokenizer != "byte" and not Path(d.tokenizer).expanduser().is_file():
-            raise DataError(f"data.tokenizer={d.tokenizer}: no such file: give a tokenizer.json path or data.tokenizer=byte")
+        from .tokenizer import tokenizer_source
+
+        source = tokenizer_source(cfg)
+        if source != "byte" and not Path(source).expanduser().exists():
+            raise DataError(f"data.tokenizer={source}: no such file or folder: give a tokenizer.json, a folder holding one, or data.tokenizer=byte")
 
 
 @functools.lru_cache(maxsize=None)  # once per data set for all the jobs of a sweep

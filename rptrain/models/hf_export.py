@@ -1,0 +1,125 @@
+"""Write a decoder `nn.Sequential` as a Hugging Face folder that `AutoModelForCausalLM.from_pretrained` loads.
+
+    config.json                      the architecture (the caller's config.json dict), dtype and weight tying updated
+    model.safetensors                the weights under transformers' names (hf_names.py), in one dtype;
+    model-0000i-of-0000n.safetensors   above max_shard_bytes: shards plus model.safetensors.index.json
+    model.safetensors.index.json
+    generation_config.json           bos/eos/pad token ids
+    tokenizer.json, ...              copied from the tokenizer's folder, when there is one
+
+Tensors are cast one at a time and written a shard at a time, so exporting needs about one shard of extra
+memory, not a second copy of the model. A tied embedding/head matrix is written once, as transformers does.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import nn
+
+from rptrain.models.hf_names import hf_name
+
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# What transformers reads from a tokenizer folder; the ones present are copied.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def hf_state(state: Mapping[str, torch.Tensor], n_layers: int) -> tuple[dict[str, torch.Tensor], bool]:
+    """Our state dict under transformers' names, and whether the head is tied to the embedding
+    (no head tensor, or the embedding's very memory): then it is left out."""
+    named = {hf_name(name, n_layers): tensor for name, tensor in state.items()}
+    if EMBED not in named:
+        raise ValueError(f"no embedding ({EMBED}) among the {len(named)} tensors: not a decoder of the hf_names convention")
+    head, embed = named.get(HEAD), named[EMBED]
+    # data_ptr, not the storage: the engine's master weights are views into a few flat tensors.
+    tied = head is None or (head.data_ptr() == embed.data_ptr() and head.shape == embed.shape and head.stride() == embed.stride())
+    if tied:
+        named.pop(HEAD, None)
+    return named, tied
+
+
+def _shards(named: dict[str, torch.Tensor], dtype: torch.dtype, max_shard_bytes: int) -> list[list[str]]:
+    """Names grouped into shards in order, each at most max_shard_bytes (a bigger tensor gets a shard alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in named.items():
+        nbytes = tensor.numel() * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def write_weights(named: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype, max_shard_bytes: int) -> None:
+    from safetensors.torch import save_file
+
+    shards = _shards(named, dtype, max_shard_bytes)
+    for stale in [*out_dir.glob("model*.safetensors"), out_dir / "model.safetensors.index.json"]:  # an earlier export's shards
+        stale.unlink(missing_ok=True)
+    files = ["model.safetensors"] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for names, file in zip(shards, files):
+        # A copy each: safetensors refuses tensors that share memory (views of the engine's flat buffers do).
+        tensors = {name: named[name].detach().to("cpu", dtype, copy=True).contiguous() for name in names}
+        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
+        del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * dtype.itemsize for t in named.values())},
+                 "weight_map": {name: file for names, file in zip(shards, files) for name in names}}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def tokenizer_folder(tokenizer: Optional[str | Path]) -> Optional[Path]:
+    """The folder whose tokenizer files go with the export: a folder, or the folder of a tokenizer.json; None for 'byte'."""
+    if tokenizer is None or str(tokenizer) == "byte":
+        return None
+    path = Path(tokenizer).expanduser()
+    return path if path.is_dir() else path.parent
+
+
+def hf_export(
+    model: nn.Module | Mapping[str, torch.Tensor],
+    config: Mapping[str, Any],
+    out_dir: str | Path,
+    dtype: Optional[torch.dtype] = None,
+    tokenizer: Optional[str | Path] = None,
+    generation_config: Optional[Mapping[str, Any]] = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Write `model` (a decoder Sequential, or its state dict) to `out_dir` as a Hugging Face folder.
+
+    config: the config.json fields of the same architecture (model_type, architectures, sizes, ...);
+    dtype: the weights' dtype on disk (None: the model's own, which must be one dtype);
+    tokenizer: a tokenizer folder or tokenizer.json whose folder's tokenizer files are copied;
+    generation_config: generation_config.json's fields (None: bos/eos/pad ids from `config`).
+    """
+    state = model.state_dict() if isinstance(model, nn.Module) else dict(model)
+    named, tied = hf_state(state, int(config["num_hidden_layers"]))
+    if dtype is None:
+        dtypes = {t.dtype for t in named.values() if t.is_floating_point()}
+        if len(dtypes) != 1:
+            raise ValueError(f"the model mixes dtypes {sorted(map(str, dtypes))}: pass dtype=")
+        dtype = dtypes.pop()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_weights(named, out, dtype, max_shard_bytes)
+    dtype_name = str(dtype).removeprefix("torch.")
+    # transformers 5 writes "dtype", 4.x "torch_dtype"; both versions read the other key too.
+    written = {**config, "torch_dtype": dtype_name, "tie_word_embeddings": tied}
+    if "dtype" in written:
+        written["dtype"] = dtype_name
+    (out / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    if generation_config is None:
+        generation_config = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    (out / "generation_config.json").write_text(json.dumps(dict(generation_config), indent=2, sort_keys=True) + "\n")
+    source = tokenizer_folder(tokenizer)
+    for name in TOKENIZER_FILES if source is not None else ():
+        if (source / name).is_file() and (source / name).resolve() != (out / name).resolve():
+            shutil.copyfile(source / name, out / name)
+    return out

@@ -1,0 +1,89 @@
+"""A language-model run's weights -> a Hugging Face folder of the same architecture.
+
+Every run of `model=hf` or of a Llama/Qwen3 preset writes `hf/` in its run directory at the end
+(trainer.hf_export), and `rptrain-export` does the same for any checkpoint. The config.json is:
+  model=hf        the source folder's config.json (its generation_config.json is kept too);
+  llama_*         a LlamaForCausalLM config from the preset's fields;
+  qwen3_*         the Qwen3ForCausalLM config.json the preset mirrors, with the run's overrides;
+the vocabulary size is the trained embedding's and the token ids are the run's tokenizer's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rptrain.models import LLAMA_PRESETS, LlamaConfig
+from rptrain.models.hf_export import hf_export
+from rptrain.models.hf_presets import QWEN3_PRESETS, llama_hf_config
+
+from .errors import USER_ERRORS, ConfigError, one_line
+from .tokenizer import build_tokenizer, tokenizer_source
+
+EMBEDDING = "0.embed_tokens.weight"
+
+
+def exportable(cfg: DictConfig) -> bool:
+    m = cfg.model
+    return bool(m.get("path")) or m.name in LLAMA_PRESETS or m.name in QWEN3_PRESETS
+
+
+def _source_json(cfg: DictConfig, name: str) -> Optional[dict]:
+    """A file of model=hf's source folder (None when the folder has no such file)."""
+    path = Path(cfg.model.path).expanduser() / name
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"model.path: {path} cannot be read ({type(err).__name__}): restore the model folder the run trained") from err
+
+
+def _token_ids(cfg: DictConfig) -> dict:
+    if cfg.data.name != "text":
+        return {}
+    tok = build_tokenizer(cfg)
+    ids = dict(bos_token_id=getattr(tok, "bos_id", None), eos_token_id=tok.eos_id, pad_token_id=getattr(tok, "pad_id", None))
+    return {k: v for k, v in ids.items() if v is not None}
+
+
+def hf_config(cfg: DictConfig, vocab_size: int) -> dict:
+    """The config.json for a run's model, with the trained vocabulary size."""
+    m = OmegaConf.to_container(cfg.model, resolve=True)
+    if m.get("path"):
+        config = _source_json(cfg, "config.json")
+        if config is None:
+            raise ConfigError(f"model.path={m['path']} has no config.json any more: restore the model folder the run trained")
+        return config
+    if m["name"] in LLAMA_PRESETS:
+        fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+        config = llama_hf_config(LlamaConfig(**{k: v for k, v in m.items() if k in fields and k != "vocab_size"}, vocab_size=vocab_size))
+    elif m["name"] in QWEN3_PRESETS:
+        preset = QWEN3_PRESETS[m["name"]]
+        config = {**preset, **{k: v for k, v in m.items() if k in preset}, "vocab_size": vocab_size}
+    else:
+        raise ConfigError(f"model={m['name']} has no Hugging Face architecture: only language models (model=hf, llama_*, qwen3_*) export")
+    return {**config, **_token_ids(cfg)}
+
+
+def export_weights(cfg: DictConfig, state: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype) -> Path:
+    """Write `state` (the run's Sequential names) as a Hugging Face folder in `dtype`."""
+    if EMBEDDING not in state:
+        raise ConfigError(f"the weights of model={cfg.model.name} have no {EMBEDDING}: not a decoder this rptrain exports")
+    config = hf_config(cfg, int(state[EMBEDDING].shape[0]))
+    generation = _source_json(cfg, "generation_config.json") if cfg.model.get("path") else None
+    has_tokenizer = cfg.data.name == "text" or cfg.model.get("path")
+    return hf_export(state, config, out_dir, dtype=dtype, tokenizer=tokenizer_source(cfg) if has_tokenizer else None,
+                     generation_config=generation)
+
+
+def export_run(cfg: DictConfig, state: dict[str, torch.Tensor], run_dir: Path, dtype: torch.dtype) -> Path:
+    """The end of a run: RUN_DIR/hf. A failure names the way to retry (the checkpoint is written by then)."""
+    try:
+        return export_weights(cfg, state, Path(run_dir) / "hf", dtype)
+    except USER_ERRORS as err:
+        raise ConfigError(f"{one_line(err)} (the checkpoint is saved: after fixing, run rptrain-export {run_dir} OUT_DIR)") from err
