@@ -12,59 +12,30 @@ import pytest
 import torch
 from torch import nn
 
+from hf_fixture import VOCAB, llama_folder
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.models import build_model, load_weights
-from rptrain.models.llama_layers import DecoderBlock
 from rptrain.models.lora import LoraLinear, apply_lora, merge_lora, target_modules
 from rptrain.models.lora_export import adapter_state, save_adapter
 from rptrain.optim import Adam
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+import peft
+import transformers
 
 RANK, ALPHA, LR = 4, 8.0, 1e-2
 ASYNC = [True, True, True, False, False, False]  # step(is_async=...) per iteration
 
 
-class _HFNamedBlock(DecoderBlock):
-    """Today's preset block under transformers' module names (self_attn.q_proj, mlp.gate_proj, ...),
-    the convention of hf_names.py that the presets are being migrated to."""
-
-    wq = property(lambda s: s._modules["self_attn"].q_proj)
-    wk = property(lambda s: s._modules["self_attn"].k_proj)
-    wv = property(lambda s: s._modules["self_attn"].v_proj)
-    wo = property(lambda s: s._modules["self_attn"].o_proj)
-    w1 = property(lambda s: s._modules["mlp"].gate_proj)
-    w3 = property(lambda s: s._modules["mlp"].up_proj)
-    w2 = property(lambda s: s._modules["mlp"].down_proj)
-    attn_norm = property(lambda s: s._modules["input_layernorm"])
-    mlp_norm = property(lambda s: s._modules["post_attention_layernorm"])
-
-
-def hf_named(model: nn.Sequential) -> nn.Sequential:
-    for block in model[1:-1]:
-        m = block._modules
-        attn, mlp = nn.Module(), nn.Module()
-        attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj = m.pop("wq"), m.pop("wk"), m.pop("wv"), m.pop("wo")
-        mlp.gate_proj, mlp.up_proj, mlp.down_proj = m.pop("w1"), m.pop("w3"), m.pop("w2")
-        m["input_layernorm"], m["post_attention_layernorm"] = m.pop("attn_norm"), m.pop("mlp_norm")
-        m["self_attn"], m["mlp"] = attn, mlp
-        block.__class__ = _HFNamedBlock
-    return model
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(path)
-    return path
+    return llama_folder(tmp_path_factory.mktemp("tiny_llama"), tie=False)
+
+
+def rptrain_base(hf_dir) -> nn.Sequential:
+    """The llama_tiny preset in the folder's shapes, its weights loaded from the folder."""
+    model = build_model("llama_tiny", vocab_size=VOCAB, dim=32, ffn_hidden=64, n_heads=4, n_kv_heads=2, loss_chunk_tokens=16)
+    load_weights(model, hf_dir)
+    return model
 
 
 def hf_base(hf_dir):
@@ -80,9 +51,7 @@ def peft_model(hf_dir, dropout: float = 0.0):
 
 def rptrain_lora(hf_dir, reference) -> nn.Sequential:
     """rptrain's Sequential with the checkpoint loaded and PEFT's initial adapters copied in."""
-    model = build_model("llama_tiny", vocab_size=512, loss_chunk_tokens=16)
-    load_weights(model, hf_dir)
-    apply_lora(hf_named(model), RANK, ALPHA)
+    model = apply_lora(rptrain_base(hf_dir), RANK, ALPHA)
     theirs = peft.get_peft_model_state_dict(reference)
     mine = adapter_state(model)
     assert mine.keys() == theirs.keys()
@@ -93,7 +62,7 @@ def rptrain_lora(hf_dir, reference) -> nn.Sequential:
     return model
 
 
-def token_batches(count=len(ASYNC), batch=4, seq=12, vocab=512):
+def token_batches(count=len(ASYNC), batch=4, seq=12, vocab=VOCAB):
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(count):
@@ -124,10 +93,9 @@ def test_init_is_peft_s_and_step_zero_is_the_base_model(hf_dir):
     assert lora.lora_A.weight.abs().max() <= bound and lora.lora_A.weight.std() > bound / 3
     assert torch.count_nonzero(lora.lora_B.weight) == 0 and lora.scaling == ALPHA / RANK
     assert not lora.base_layer.weight.requires_grad and lora.lora_A.weight.requires_grad
-    base = build_model("llama_tiny", vocab_size=512)
-    load_weights(base, hf_dir)
-    model = apply_lora(hf_named(copy.deepcopy(base)), RANK, ALPHA, dropout=0.1)
-    ids = torch.randint(0, 512, (2, 8))
+    base = rptrain_base(hf_dir)
+    model = apply_lora(copy.deepcopy(base), RANK, ALPHA, dropout=0.1)
+    ids = torch.randint(0, VOCAB, (2, 8))
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(ids), base(ids), rtol=0, atol=0)
