@@ -45,12 +45,15 @@ class LoraLinear(nn.Module):
         return self.base_layer(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
     def merged(self) -> nn.Linear:
-        """The base layer with the adapter folded in (computed in fp32, stored in the base's dtype)."""
-        base = self.base_layer
+        """The base layer with the adapter folded in."""
         with torch.no_grad():
-            delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
-            base.weight.copy_(base.weight.float() + delta)
-        return base
+            self.base_layer.weight.copy_(fold(self.base_layer.weight, self.lora_A.weight, self.lora_B.weight, self.scaling))
+        return self.base_layer
+
+
+def fold(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """weight + scaling * B @ A, computed in fp32 and returned in the weight's dtype."""
+    return (weight.float() + (lora_b.float() @ lora_a.float()) * scaling).to(weight.dtype)
 
 
 def target_modules(targets: Sequence[str]) -> set[str]:
@@ -92,6 +95,22 @@ def merge_lora(model: nn.Module) -> nn.Module:
             if isinstance(child, LoraLinear):
                 setattr(parent, name, child.merged())
     return model
+
+
+def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A LoRA model's state dict with every adapter folded into its base weight, under the plain
+    model's names ('1.self_attn.q_proj.weight'): what a merged export writes."""
+    out = {}
+    for key, t in state.items():
+        if ".lora_A." in key or ".lora_B." in key:
+            continue
+        if ".base_layer." in key:
+            prefix, _, leaf = key.partition(".base_layer.")
+            if leaf == "weight":
+                t = fold(t, state[f"{prefix}.lora_A.weight"], state[f"{prefix}.lora_B.weight"], scaling)
+            key = f"{prefix}.{leaf}"
+        out[key] = t
+    return out
 
 
 def lora_config(model: nn.Module) -> dict:

@@ -35,6 +35,7 @@ from .data import TrainData, build_data
 from .dist import Dist, FailedOnRankZero, inject_fault, peer_errors
 from .errors import CheckpointError, one_line
 from .export import export_run, exportable
+from .lora import export_adapter, wants_adapter
 from .meters import Meter, RunProgress, progress_from, progress_state, rank_share
 from .metrics import MetricsLog
 from .model import IMAGE, build_model, fingerprint
@@ -143,7 +144,9 @@ class Trainer:
             self._loop(progress)
         finally:
             self.metrics.close()
-        if self.dist.main and cfg.trainer.hf_export and exportable(cfg):
+        if self.dist.main and cfg.trainer.hf_export and wants_adapter(cfg):
+            say(self.console, f"LoRA adapters (PEFT format): {export_adapter(cfg, engine.model, engine.state_dict(), self.run_dir)}")
+        elif self.dist.main and cfg.trainer.hf_export and exportable(cfg):
             say(self.console, f"Hugging Face folder: {export_run(cfg, engine.state_dict(), self.run_dir, dtype)}")
         return self._summary(progress, resume)
 

@@ -52,6 +52,22 @@ class Backend(Enum):
 
 
 # ----------------------------------------------------------------------------- model
+class LoraExport(Enum):
+    merged = "merged"  # RUN_DIR/hf: the base weights with the adapters folded in
+    adapter = "adapter"  # RUN_DIR/adapter: the adapters alone, in PEFT's format
+
+
+@dataclass
+class LoraConfig:
+    """model.lora for every decoder; its values live here only (no YAML repeats them)."""
+
+    rank: int = 0  # 0: full fine-tuning; >0: LoRA adapters of this rank, the base weights frozen
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input
+    targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
+    export: LoraExport = LoraExport.merged
+
+
 @dataclass
 class ResNetConfig:
     _target_: str = "rptrain.models.build_model"
@@ -83,6 +99,7 @@ class LlamaModelConfig:
     init_std: float = 0.02
     loss_chunk_tokens: int = 4096
     weights: Optional[str] = None  # a local checkpoint (rptrain.models.load_weights), or a finished run: its directory or checkpoints/last.pt
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 # ----------------------------------------------------------------------------- data
