@@ -85,6 +85,7 @@ class Trainer:
                                devices=d.devices, process_group=d.group, cuda_graphs=cfg.engine.cuda_graphs,
                                optimizer_threads=cfg.engine.optimizer_threads)
         engine_ref = weakref.ref(engine)
+        log.info("engine host memory: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in engine.memory_report().items()))
         del model  # the engine owns the weights now
         # Handed over in a list that _fit empties: a big checkpoint should not stay mapped all run.
         handover = [state]
