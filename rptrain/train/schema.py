@@ -59,13 +59,14 @@ class LoraExport(Enum):
 
 @dataclass
 class LoraConfig:
-    """model.lora for every decoder; its values live here only (no YAML repeats them)."""
+    """model.lora for every decoder: the values are in conf/model/lora/default.yaml, which each
+    decoder's model file includes (`- lora: default` in its defaults list)."""
 
-    rank: int = 0  # 0: full fine-tuning; >0: LoRA adapters of this rank, the base weights frozen
-    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
-    dropout: float = 0.0  # on the adapters' input
-    targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
-    export: LoraExport = LoraExport.merged
+    rank: int = MISSING  # 0: full fine-tuning; >0: LoRA adapters of this rank, the base weights frozen
+    alpha: float = MISSING
+    dropout: float = MISSING
+    targets: list[str] = MISSING
+    export: LoraExport = MISSING
 
 
 @dataclass
