@@ -18,6 +18,7 @@ from rptrain.models import build_model, load_weights
 from rptrain.models.lora import LoraLinear, apply_lora, merge_lora, target_modules
 from rptrain.models.lora_export import adapter_state, save_adapter
 from rptrain.optim import Adam
+from test_engine_llama import batches
 
 import peft
 import transformers
@@ -60,15 +61,6 @@ def rptrain_lora(hf_dir, reference) -> nn.Sequential:
         for k, name in zip(mine, [n for n in named if ".lora_" in n]):
             named[name].copy_(theirs[k])
     return model
-
-
-def token_batches(count=len(ASYNC), batch=4, seq=12, vocab=VOCAB):
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(count):
-        ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-    return out
 
 
 def test_targets_map_onto_module_names_and_fused_modules():
@@ -118,7 +110,7 @@ def test_lora_through_the_engine_matches_peft(hf_dir, tmp_path):
     cfg = RoundPipeRunConfig(num_microbatch=2)
     # The summed loss (not the mean): a few elements of lora_A get gradients near Adam's eps, where
     # rounding differences between transformers' and rptrain's kernels would show as 1e-4 relative.
-    for i, ((x, y), is_async) in enumerate(zip(token_batches(), ASYNC)):
+    for i, ((x, y), is_async) in enumerate(zip(batches(len(ASYNC), vocab=VOCAB), ASYNC)):
         loss = engine.forward_backward(input_args=((x, y),), loss_fn=lambda out, _: out, run_config=cfg)
         engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
         logits = reference(input_ids=x).logits
@@ -146,7 +138,7 @@ def test_lora_through_the_engine_matches_peft(hf_dir, tmp_path):
     # Exported adapters load in PEFT and give rptrain's logits.
     save_adapter(model, tmp_path / "adapter", state=state)
     loaded = peft.PeftModel.from_pretrained(hf_base(hf_dir), tmp_path / "adapter")
-    ids = token_batches(1)[0][0]
+    ids = batches(1, vocab=VOCAB)[0][0]
     with torch.no_grad():
         ours = engine(ids)
         torch.testing.assert_close(loaded(input_ids=ids).logits, ours, rtol=1e-5, atol=1e-5)

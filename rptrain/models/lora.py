@@ -74,12 +74,12 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, 
         raise ValueError(f"model.lora.rank={rank}: LoRA needs a rank of at least 1 (0 means full fine-tuning)")
     names = target_modules(targets)
     model.requires_grad_(False)
-    found: dict[str, set[str]] = {}
-    for parent_name, parent in list(model.named_modules()):
+    found = 0
+    for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if name in names and isinstance(child, nn.Linear):
                 setattr(parent, name, LoraLinear(child, rank, alpha, dropout))
-                found.setdefault(name, set()).add(parent_name)
+                found += 1
             elif name in FUSED and isinstance(child, nn.Linear) and any(TARGETS[p] in names for p in FUSED[name]):
                 wanted = [p for p in FUSED[name] if TARGETS[p] in names]
                 raise ValueError(f"model.lora.targets: {name} fuses {'/'.join(FUSED[name])}; target all of them or none, not only {'/'.join(wanted)}")
