@@ -20,7 +20,8 @@ def anon_kib(field: str = "RssAnon") -> int:
 
 
 def train_step(model: nn.Sequential, width: int) -> RoundPipe:
-    engine = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=1))
+    # On the CPU: pinned memory (a GPU engine's) is accounted differently by the kernel.
+    engine = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=1), devices=["cpu"])
     with OptimizerCtx():
         opt = Adam([p for p in engine.parameters() if p.requires_grad], lr=1e-3)
     x, y = torch.randn(2, width, dtype=torch.bfloat16), torch.tensor([0, 1])
