@@ -1,7 +1,8 @@
 """A LoRA run from the command line (model.lora.rank=4 on a tiny transformers Llama, model.weights=its
 folder): a sweep trains 3 and 6 steps, a run resumed from the 3-step checkpoint reproduces the 6-step
 losses exactly, the merged export (hf/) loads in transformers and the adapter export (adapter/) in
-PEFT over the base folder, both giving the LoRA model's logits (fp32, rtol 1e-5)."""
+PEFT over the base folder, and model.weights=RUN_DIR seeds a plain model with the adapters folded in,
+all giving the LoRA model's logits (fp32, rtol 1e-5)."""
 from __future__ import annotations
 
 import json
@@ -61,7 +62,11 @@ def test_merged_and_adapter_exports_give_the_lora_model_s_logits(runs):
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     merged = AutoModelForCausalLM.from_pretrained(straight / "hf").eval()
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), resumed / "adapter").eval()
+    # A LoRA run seeds a new run (model.weights=RUN_DIR) with its adapters folded in.
+    with initialize_config_module("rptrain.conf", version_base="1.3"):
+        seeded = build_model(compose("config", overrides=[*common, f"model.weights={straight}", "model.lora.rank=0"]), torch.float32)
     with torch.no_grad():
         expected = ours.eval()(ids)
         torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(adapted(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(seeded.eval()(ids), expected, rtol=1e-5, atol=1e-5)
