@@ -118,7 +118,7 @@ class TokenEmbedding(nn.Module):
 
     def __init__(self, cfg: DecoderConfig, device: Device = None, dtype=None):
         super().__init__()
-        self.max_seq_len, self.init_std, self.scale = cfg.max_seq_len, cfg.init_std, cfg.embed_scale
+        self.max_seq_len, self.init_std, self.scale, self.padding_idx = cfg.max_seq_len, cfg.init_std, cfg.embed_scale, cfg.padding_idx
         self.embed_tokens = skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size,
                                       device=torch.get_default_device() if device is None else device, dtype=dtype)
         self.reset_parameters()
@@ -130,7 +130,7 @@ class TokenEmbedding(nn.Module):
         input_ids, *rest = (batch, None) if isinstance(batch, torch.Tensor) else batch
         if input_ids.size(-1) > self.max_seq_len:
             raise ValueError(f"sequence length {input_ids.size(-1)} exceeds max_seq_len {self.max_seq_len}")
-        h = F.embedding(input_ids, self.embed_tokens.weight)
+        h = F.embedding(input_ids, self.embed_tokens.weight, self.padding_idx)
         if self.scale is not None:  # rounded to the compute dtype first, as transformers does
             h = h * torch.tensor(self.scale, dtype=h.dtype)
         return (h, *rest)

@@ -40,6 +40,7 @@ class DecoderConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()  # per layer: attends within sliding_window; () = none
     tie_embeddings: bool = False
+    padding_idx: int | None = None  # transformers' pad_token_id: that embedding row gets no gradient
     max_seq_len: int = 2048
     init_std: float = 0.02
     loss_chunk_tokens: int = 4096  # tokens per logits chunk in the fused LM-head loss

@@ -103,6 +103,19 @@ class LlamaModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
+@dataclass
+class HFModelConfig:
+    """model=hf: a Hugging Face folder; the architecture comes from its config.json alone."""
+
+    _target_: str = "rptrain.models.build_model"
+    name: str = "hf"
+    path: str = MISSING  # folder with config.json and *.safetensors (model.safetensors.index.json when sharded)
+    max_seq_len: Optional[int] = None  # None: config.json's max_position_embeddings (x factor for dynamic rope)
+    loss_chunk_tokens: int = 4096
+    weights: Optional[str] = None  # another checkpoint of this model to load after the folder's weights
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
 # ----------------------------------------------------------------------------- data
 @dataclass
 class CifarDataConfig:
@@ -285,6 +298,7 @@ def register_configs() -> None:
     cs.store(name="rptrain_schema", node=RPTrainConfig)
     cs.store(group="schema/model", name="resnet", node=ResNetConfig)
     cs.store(group="schema/model", name="llama", node=LlamaModelConfig)
+    cs.store(group="schema/model", name="hf", node=HFModelConfig)
     cs.store(group="schema/data", name="cifar", node=CifarDataConfig)
     cs.store(group="schema/data", name="synthetic", node=SyntheticImagesConfig)
     cs.store(group="schema/data", name="text", node=TextDataConfig)
