@@ -147,3 +147,27 @@ def test_lora_through_the_engine_matches_peft(hf_dir, tmp_path):
         assert not any(isinstance(m, LoraLinear) for m in merged.modules())
         torch.testing.assert_close(merged(ids), ours, rtol=1e-5, atol=1e-5)
     engine.close()
+
+
+def test_phi3_fused_projections_take_one_adapter_each_as_in_peft(tmp_path):
+    """Phi-3 (model=hf): qkv_proj and gate_up_proj are adapted whole; with the same (non-zero) adapters
+    the logits are PEFT's (fp32, relative error 1e-5)."""
+    from rptrain.models import build_model as build
+    from test_models_hf import V, rel, save_case
+
+    ref = save_case("phi3", tmp_path)
+    theirs = peft.get_peft_model(ref, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=sorted(target_modules(["q", "k", "v", "o", "gate", "up", "down"]))))
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    model = apply_lora(build("hf", path=str(tmp_path)), RANK, ALPHA)
+    assert {n.rpartition(".lora_A")[0].rpartition(".")[2] for n, _ in model.named_parameters() if ".lora_A." in n} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    state = peft.get_peft_model_state_dict(theirs)
+    names = [n for n, _ in model.named_parameters() if ".lora_" in n]
+    assert adapter_state(model).keys() == state.keys()
+    with torch.no_grad():
+        for name, key in zip(names, adapter_state(model)):  # both in the model's order
+            dict(model.named_parameters())[name].copy_(state[key])
+        ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(0))
+        assert rel(model.eval()(ids), theirs.eval()(input_ids=ids).logits) < 1e-5
