@@ -78,4 +78,4 @@ def test_bad_folders(cli, folder, tmp_path):  # noqa: F811
     (no_weights / "model.safetensors").unlink()
     expect_error(cli("model=hf", f"model.path={no_weights}", *DATA), "no *.safetensors weights")
     expect_error(cli("model=hf", f"model.path={folder}", *DATA, "data.seq_len=128"), "data.seq_len=128 is longer than", "64 positions")
-    expect_error(cli("model=hf", f"model.path={folder}", *DATA, "data.vocab_size=100"), "tokenizer has 100 tokens but the model embeds 64")
+    expect_error(cli("model=hf", f"model.path={folder}", *DATA, "data.vocab_size=100"), "the data has 100 token ids", "the model embeds 64")

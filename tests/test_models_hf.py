@@ -107,9 +107,12 @@ def test_matches_transformers(saved, name):
     assert (ours[-1].lm_head.weight is ours[0].embed_tokens.weight) == tied
 
 
-# A tied, a soft-capped and a fused family, each under two plans (stage cuts differ forward/backward).
-@pytest.mark.parametrize("name", ["qwen2", "gemma2", "phi3"])
-@pytest.mark.parametrize("plan", [ExecutePlan.from_cuts(4, [3], [1, 3]), ExecutePlan.from_cuts(4, [1, 2], [2])], ids=["a", "b"])
+# A tied, a soft-capped and a fused family under two plans whose backward stages differ from the forward ones.
+PLAN_A, PLAN_B = ExecutePlan.from_cuts(4, [3], [1, 3]), ExecutePlan.from_cuts(4, [1, 2], [2])
+
+
+@pytest.mark.parametrize("name, plan", [("qwen2", PLAN_A), ("gemma2", PLAN_B), ("phi3", PLAN_A), ("phi3", PLAN_B)],
+                         ids=["qwen2-a", "gemma2-b", "phi3-a", "phi3-b"])
 def test_through_the_engine(saved, name, plan):
     folder, _ = saved(name)
     model = build_model("hf", path=str(folder))
@@ -138,7 +141,7 @@ REFUSALS = [
      "(qwen2): partial_rotary_factor other than 1 is supported for phi3 only"),
     ("phi3", dict(resid_pdrop=0.1), "resid_pdrop=0.1 (phi3): dropout is not supported"),
     ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope type 'longrope' is not supported"),
-    ("mistral", dict(attention_bias=True), "attention_bias=true (mistral): rptrain does not know this field"),
+    ("mistral", dict(attention_bias=True), "attention_bias=true (mistral): transformers' mistral has no attention biases"),
     ("qwen3", dict(layer_types=["full_attention", "chunked_attention"]), "layer_types="),
     ("llama3", dict(sliding_window=4), "sliding_window=4 (llama): rptrain does not know this field"),
 ]

@@ -240,8 +240,8 @@ def test_loss_function_gradcheck():
     hidden = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(11, 5, dtype=torch.float64, requires_grad=True)
     targets = torch.tensor([3, IGNORE_INDEX, 0, 10, 10, IGNORE_INDEX, 1])
-    for chunk in [3, 7, 100]:
-        fn = lambda h, w: LinearCrossEntropy.apply(h, w, targets, chunk, True)  # noqa: E731
+    for chunk, softcap in [(3, None), (7, None), (100, None), (3, 1.5)]:  # 1.5: Gemma's final soft-capping, saturating
+        fn = lambda h, w: LinearCrossEntropy.apply(h, w, targets, chunk, True, softcap)  # noqa: E731
         assert torch.autograd.gradcheck(fn, (hidden, weight))
 
 

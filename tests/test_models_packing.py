@@ -8,7 +8,7 @@ import torch
 
 from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.models import IGNORE_INDEX
-from rptrain.models.attention import positions
+from rptrain.models.attention import causal_attention, flex_attention, positions
 from rptrain.models.decoder import build_decoder
 from rptrain.models.decoder_config import DecoderConfig
 from rptrain.models.rope import Rope
@@ -107,3 +107,14 @@ def test_packed_through_the_engine():
     assert len(grads) == len(expected)
     for g, e in zip(grads, expected):
         assert rel(g, e) < 1e-5
+
+
+@pytest.mark.parametrize("softcap, window", [(None, None), (2.0, 3)])
+def test_flex_attention_matches_sdpa(softcap, window):
+    """The CUDA FlexAttention path, run eagerly on the CPU (forward only there): same output as the SDPA path."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 4, 16, 8), torch.randn(3, 2, 16, 8), torch.randn(3, 2, 16, 8)
+    _, _, segments = packed(examples())
+    expected = causal_attention(q, k, v, 0.3, softcap, window, segments)
+    got = flex_attention(q, k, v, 0.3, softcap, window, segments, compiled=False)
+    assert rel(got, expected) < 1e-5

@@ -16,18 +16,22 @@ import torch.nn.functional as F
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
-def runs(segments: torch.Tensor) -> torch.Tensor:
-    """(B, T) ids -> (B, T) run numbers: a new run wherever the id changes, so an id that
-    reappears later is a new example, for the mask and the positions alike."""
+def _starts(segments: torch.Tensor) -> torch.Tensor:
+    """True at each example's first token: wherever the id changes, so an id that reappears
+    later is a new example, for the mask and the positions alike."""
     change = torch.ones_like(segments, dtype=torch.bool)
     change[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    return change.cumsum(1)
+    return change
+
+
+def runs(segments: torch.Tensor) -> torch.Tensor:
+    """(B, T) ids -> (B, T) run numbers, one per contiguous example."""
+    return _starts(segments).cumsum(1)
 
 
 def positions(segments: torch.Tensor) -> torch.Tensor:
     """Position of each token within its run: 0 at each example's first token."""
-    change = torch.ones_like(segments, dtype=torch.bool)
-    change[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    change = _starts(segments)
     index = torch.arange(segments.size(1), device=segments.device).expand_as(segments)
     start = torch.where(change, index, torch.zeros_like(index)).cummax(1).values
     return index - start
@@ -46,6 +50,35 @@ def attention_mask(T: int, device, segments: torch.Tensor | None, window: int | 
     return (allowed[None] & (r[:, :, None] == r[:, None, :]))[:, None]
 
 
+_COMPILED: dict[str, object] = {}
+
+
+def flex_attention(q, k, v, scale=None, softcap=None, window=None, segments=None, compiled: bool = True) -> torch.Tensor:
+    """The same attention through FlexAttention: a block mask skips the blocks no query may read
+    (other examples, outside the window), which SDPA's dense mask computes and discards. Compiled
+    on CUDA (eager FlexAttention is a slow reference: forward only)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    B, T = q.size(0), q.size(2)
+    r = None if segments is None else runs(segments)
+
+    def mask_mod(b, h, qi, ki):
+        ok = ki <= qi
+        if window is not None:
+            ok = ok & (qi - ki < window)
+        if r is not None:
+            ok = ok & (r[b, qi] == r[b, ki])
+        return ok
+
+    block_mask = create_block_mask(mask_mod, None if r is None else B, None, T, T, device=q.device)
+    score_mod = None if softcap is None else (lambda s, b, h, qi, ki: torch.tanh(s / softcap) * softcap)
+    if compiled and "flex" not in _COMPILED:
+        _COMPILED["flex"] = torch.compile(flex, dynamic=False)
+    fn = _COMPILED["flex"] if compiled else flex
+    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
+
+
 def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     n_rep = q.size(1) // k.size(1)
     if n_rep == 1:
@@ -62,11 +95,15 @@ def causal_attention(
     softcap: float | None = None,
     window: int | None = None,
     segments: torch.Tensor | None = None,
+    flex: bool = False,
 ) -> torch.Tensor:
-    """q: (B, H, T, hd); k, v: (B, H_kv, T, hd) with H a multiple of H_kv. scale None: 1/sqrt(hd)."""
+    """q: (B, H, T, hd); k, v: (B, H_kv, T, hd) with H a multiple of H_kv. scale None: 1/sqrt(hd).
+    flex: FlexAttention on CUDA for masked attention (packed rows, windows); SDPA elsewhere."""
     T = q.size(2)
     if window is not None and window >= T:
         window = None  # a window longer than the sequence masks nothing
+    if flex and q.is_cuda and (window is not None or segments is not None):
+        return flex_attention(q, k, v, scale, softcap, window, segments)
     if softcap is not None:
         k, v = _repeat_kv(q, k, v)
         scores = (q @ k.transpose(-1, -2)) * (q.size(-1) ** -0.5 if scale is None else scale)

@@ -58,7 +58,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.rope, self.window = cfg.layer_rope(layer), cfg.window(layer)
-        self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap
+        self.scale, self.softcap, self.flex = cfg.attn_scale, cfg.attn_softcap, cfg.attention == "flex"
         q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.splits = (q_out, kv_out, kv_out)
         if cfg.fused_qkv:
@@ -87,7 +87,7 @@ class SelfAttention(nn.Module):
         pos = None if segments is None else positions(segments)
         cos, sin = rotary_cos_sin(self.rope, self.head_dim, pos, T, x.device, x.dtype)
         y = causal_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v,
-                             self.scale, self.softcap, self.window, segments)
+                             self.scale, self.softcap, self.window, segments, self.flex)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -131,8 +131,8 @@ class TokenEmbedding(nn.Module):
         if input_ids.size(-1) > self.max_seq_len:
             raise ValueError(f"sequence length {input_ids.size(-1)} exceeds max_seq_len {self.max_seq_len}")
         h = F.embedding(input_ids, self.embed_tokens.weight, self.padding_idx)
-        if self.scale is not None:  # rounded to the compute dtype first, as transformers does
-            h = h * torch.tensor(self.scale, dtype=h.dtype)
+        if self.scale is not None:  # a float32 scalar rounded to the compute dtype, as transformers does
+            h = h * torch.tensor(self.scale, dtype=torch.float32).to(h.dtype)
         return (h, *rest)
 
 

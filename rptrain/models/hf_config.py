@@ -40,14 +40,15 @@ SLIDING = {"sliding_window", "use_sliding_window", "max_window_layers", "layer_t
 GEMMA2 = {"attention_bias", "hidden_activation", "use_bidirectional_attention", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
           "sliding_window", "layer_types"}
 FAMILIES: dict[str, set[str]] = {
-    "llama": {"attention_bias", "mlp_bias"},
-    "mistral": {"sliding_window"},
+    "llama": {"attention_bias", "mlp_bias", "max_sequence_length"},  # max_sequence_length: LLaMA-1 files; unused
+    "mistral": {"sliding_window", "attention_bias"},  # attention_bias: must be false (no biases in transformers' Mistral)
     "qwen2": SLIDING,
     "qwen3": SLIDING | {"attention_bias"},
     "gemma": {"attention_bias", "hidden_activation", "use_bidirectional_attention"},
-    "gemma2": GEMMA2,
+    "gemma2": GEMMA2 | {"sliding_window_size"},  # an old duplicate of sliding_window that transformers ignores
     "gemma3_text": GEMMA2 | {"rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"},
-    "phi3": {"sliding_window", "embd_pdrop", "resid_pdrop", "original_max_position_embeddings", "partial_rotary_factor"},
+    "phi3": {"sliding_window", "embd_pdrop", "resid_pdrop", "original_max_position_embeddings", "partial_rotary_factor",
+             "attention_bias"},
 }
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 ROPE_KEYS = {
@@ -68,6 +69,7 @@ class _Fields:
 
     def fail(self, field: str, why: str) -> HFModelError:
         value = json.dumps(self.raw.get(field)) if field in self.raw else "(absent)"
+        value = value if len(value) <= 80 else value[:77] + "..."  # long_factor lists: keep the line short
         return HFModelError(f"{self.where}: {field}={value} ({self.family}): {why}")
 
     def get(self, field: str, default: Any = None) -> Any:
@@ -85,7 +87,7 @@ class _Fields:
 
     def zero(self, field: str) -> None:
         if self.get(field, 0.0) != 0:
-            raise self.fail(field, "dropout is not supported (rptrain trains deterministically): set it to 0.0 in config.json")
+            raise self.fail(field, "dropout is not supported: set it to 0.0 in config.json")
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
@@ -196,7 +198,7 @@ def _activation(f: _Fields) -> str:
 
 
 def decoder_config(raw: dict[str, Any], where: str = "config.json", max_seq_len: int | None = None,
-                   loss_chunk_tokens: int = 4096) -> DecoderConfig:
+                   loss_chunk_tokens: int = 4096, attention: str = "sdpa") -> DecoderConfig:
     """Raise HFModelError (one line) for anything rptrain would not compute as transformers does."""
     family = raw.get("model_type")
     if family not in FAMILIES:
@@ -212,6 +214,8 @@ def decoder_config(raw: dict[str, Any], where: str = "config.json", max_seq_len:
                               f"{', '.join(sorted(COMMON | FAMILIES[family]))}")
     for key in ("attention_dropout", "embd_pdrop", "resid_pdrop"):
         f.zero(key)
+    if family in ("mistral", "phi3") and f.get("attention_bias", False):
+        raise f.fail("attention_bias", f"transformers' {family} has no attention biases: it must be false")
     if f.get("use_bidirectional_attention", False):
         raise f.fail("use_bidirectional_attention", "rptrain trains causal decoders: it must be false")
     hidden, heads = int(f.need("hidden_size")), int(f.need("num_attention_heads"))
@@ -225,8 +229,9 @@ def decoder_config(raw: dict[str, Any], where: str = "config.json", max_seq_len:
     bias = bool(f.get("attention_bias", False))
     vocab = int(f.need("vocab_size"))
     pad = f.raw.get("pad_token_id")
-    if pad is not None and not 0 <= int(pad) < vocab:
+    if pad is not None and not -vocab <= int(pad) < vocab:
         raise f.fail("pad_token_id", f"must be a token id below vocab_size={vocab} or null")
+    pad = None if pad is None else int(pad) % vocab  # -1: the last row, as nn.Embedding reads it
     try:
         return DecoderConfig(
             vocab_size=vocab, hidden_size=hidden, n_layers=n_layers, n_heads=heads,
@@ -241,10 +246,10 @@ def decoder_config(raw: dict[str, Any], where: str = "config.json", max_seq_len:
             attn_softcap=f.opt("attn_logit_softcapping", 50.0 if family == "gemma2" else None) if gemma2 else None,
             final_softcap=f.opt("final_logit_softcapping", 30.0 if family == "gemma2" else None) if gemma2 else None,
             rope=rope, local_rope=local_rope, sliding_window=window, sliding_layers=sliding,
-            tie_embeddings=bool(f.get("tie_word_embeddings", family in GEMMAS)), padding_idx=None if pad is None else int(pad),
+            tie_embeddings=bool(f.get("tie_word_embeddings", family in GEMMAS)), padding_idx=pad,
             # dynamic rope exists to run past max_position_embeddings, by up to its factor
             max_seq_len=max_seq_len or int(max_positions * (rope.factor if rope.type == "dynamic" else 1)),
-            loss_chunk_tokens=loss_chunk_tokens,
+            loss_chunk_tokens=loss_chunk_tokens, attention=attention,
         )
     except ValueError as err:
         raise HFModelError(f"{where} ({family}): {err}") from None

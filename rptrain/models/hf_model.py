@@ -15,7 +15,7 @@ from torch import nn
 
 from rptrain.models.decoder import Device, build_decoder
 from rptrain.models.hf_config import HFModelError, decoder_config, read_config_json
-from rptrain.models.hf_names import hf_name, seq_name
+from rptrain.models.hf_names import hf_name
 from rptrain.models.llama_weights import listing
 from rptrain.models.registry import register_model
 
@@ -46,6 +46,14 @@ def weight_files(path: Path) -> dict[str, Path]:
     return files
 
 
+def _by_file(names, files: dict[str, Path]) -> dict[Path, list[str]]:
+    """Tensor names grouped by shard, so each shard is opened once."""
+    out: dict[Path, list[str]] = {}
+    for name in names:
+        out.setdefault(files[name], []).append(name)
+    return out
+
+
 def _plan(model: nn.Sequential, files: dict[str, Path], path: Path) -> dict[str, str]:
     """Our parameter name for every checkpoint tensor to load; raise if names or shapes do not match."""
     from safetensors import safe_open
@@ -66,9 +74,7 @@ def _plan(model: nn.Sequential, files: dict[str, Path], path: Path) -> dict[str,
     if missing or unexpected:
         raise HFModelError(f"model.path={path}: the weights do not match config.json: missing {len(missing)} "
                            f"[{listing(missing)}], unexpected {len(unexpected)} [{listing(unexpected)}]")
-    by_file: dict[Path, list[str]] = {}
-    for name in plan:
-        by_file.setdefault(files[name], []).append(name)
+    by_file = _by_file(plan, files)
     wrong = []
     for file, names in by_file.items():
         with safe_open(file, framework="pt") as f:
@@ -79,14 +85,12 @@ def _plan(model: nn.Sequential, files: dict[str, Path], path: Path) -> dict[str,
     return plan
 
 
-def load_hf_weights(model: nn.Sequential, path: Path, files: dict[str, Path], plan: dict[str, str]) -> None:
+def load_hf_weights(model: nn.Sequential, files: dict[str, Path], plan: dict[str, str]) -> None:
     """Copy each tensor from its memory-mapped shard into the allocated model, converting its dtype."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
-    by_file: dict[Path, list[str]] = {}
-    for name in plan:
-        by_file.setdefault(files[name], []).append(name)
+    by_file = _by_file(plan, files)
     with torch.no_grad():
         for file, names in by_file.items():
             with safe_open(file, framework="pt") as f:
@@ -96,17 +100,19 @@ def load_hf_weights(model: nn.Sequential, path: Path, files: dict[str, Path], pl
 
 @register_model("hf")
 def build_hf(path: str, device: Device = None, dtype: torch.dtype | None = None, max_seq_len: int | None = None,
-             loss_chunk_tokens: int = 4096, vocab_size: int | None = None) -> nn.Sequential:
+             loss_chunk_tokens: int = 4096, attention: str = "sdpa", vocab_size: int | None = None) -> nn.Sequential:
     """The decoder of the folder `path`, with its weights (device="meta": checked, nothing loaded).
 
     max_seq_len None: config.json's max_position_embeddings. vocab_size (passed by the trainer) is
     the data's vocabulary, which the model's embedding must cover.
     """
+    if attention not in ("sdpa", "flex"):
+        raise HFModelError(f"model.attention={attention}: use sdpa or flex")
     folder = Path(path).expanduser()
-    cfg = decoder_config(read_config_json(folder), f"{folder / 'config.json'}", max_seq_len, loss_chunk_tokens)
+    cfg = decoder_config(read_config_json(folder), f"{folder / 'config.json'}", max_seq_len, loss_chunk_tokens, attention)
     if vocab_size is not None and vocab_size > cfg.vocab_size:
-        raise HFModelError(f"model.path={path}: the data's tokenizer has {vocab_size} tokens but the model embeds "
-                           f"{cfg.vocab_size}: use the folder's own tokenizer")
+        raise HFModelError(f"model.path={path}: the data has {vocab_size} token ids (its tokenizer or data.vocab_size) but "
+                           f"the model embeds {cfg.vocab_size}: use the folder's own tokenizer")
     model = build_decoder(cfg, "meta", dtype)
     files = weight_files(folder)
     plan = _plan(model, files, folder)
@@ -115,5 +121,5 @@ def build_hf(path: str, device: Device = None, dtype: torch.dtype | None = None,
     model = model.to_empty(device=torch.get_default_device() if device is None else device)
     if cfg.tie_embeddings:  # one Parameter in both places, whatever to_empty did
         model[-1].lm_head.weight = model[0].embed_tokens.weight
-    load_hf_weights(model, folder, files, plan)
+    load_hf_weights(model, files, plan)
     return model

@@ -121,12 +121,12 @@ def rotary_table(rope: Rope, head_dim: int, length: int, device: torch.device, d
 
 def rotary_cos_sin(rope: Rope, head_dim: int, positions: torch.Tensor | None, T: int, device, dtype):
     """cos/sin for (B, T) positions, shaped (B, 1, T, dim) to broadcast over heads; (T, dim) for 0..T-1."""
+    # Packed rows read the row's table: no device sync (CUDA graphs capture this). For dynamic rope that
+    # scales by the row length, where transformers would see each example's own: the two differ only
+    # for rows longer than max_position_embeddings.
+    cos, sin = rotary_table(rope, head_dim, T, device, dtype)
     if positions is None:
-        return rotary_table(rope, head_dim, T, device, dtype)
-    # dynamic rescales by the longest position, i.e. the longest packed example, as transformers would
-    # see it with that example alone; other types read the table of the whole row (same values).
-    length = int(positions.max()) + 1 if rope.type == "dynamic" else T
-    cos, sin = rotary_table(rope, head_dim, length, device, dtype)
+        return cos, sin
     return cos[positions][:, None], sin[positions][:, None]
 
 

@@ -56,6 +56,12 @@ def epoch_line(epoch: int, epochs: int, rec: dict, metric: str) -> str:
     return " | ".join(parts)
 
 
+def epoch_rate_line(epoch: int, epochs: int, rec: dict) -> str:
+    """The whole epoch's throughput: its training samples over its wall time, evaluation included."""
+    return (f"Epoch {epoch:02d}/{epochs} took {rec['epoch_wall_time']:.2f} s with its evaluation: "
+            f"{rec['epoch_samples_per_s']:,.0f} samples/s")
+
+
 def step_line(rec: dict, total: int, metric: str, unit: str) -> str:
     rate = rec.get(f"{unit}_per_s") or 0.0
     return (
@@ -74,6 +80,7 @@ class ProgressBar:
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
             console=console, transient=True, disable=not self.enabled,
+            refresh_per_second=4,  # rendering holds the GIL the step's issuing thread needs
         )
         self._task: Optional[int] = None
 
@@ -89,6 +96,11 @@ class ProgressBar:
             self._progress.remove_task(self._task)
         self._task = self._progress.add_task(description, total=total, completed=done, stats="")
 
-    def advance(self, stats: str) -> None:
-        if self._task is not None:
-            self._progress.update(self._task, advance=1, stats=stats)
+    def advance(self) -> None:
+        if self.enabled and self._task is not None:
+            self._progress.update(self._task, advance=1)
+
+    def show(self, stats: str) -> None:
+        """Loss and throughput next to the bar: updated at log steps, the only time they are read."""
+        if self.enabled and self._task is not None:
+            self._progress.update(self._task, stats=stats)

@@ -112,6 +112,7 @@ class HFModelConfig:
     path: str = MISSING  # folder with config.json and *.safetensors (model.safetensors.index.json when sharded)
     max_seq_len: Optional[int] = None  # None: config.json's max_position_embeddings (x factor for dynamic rope)
     loss_chunk_tokens: int = 4096
+    attention: str = "sdpa"  # sdpa | flex (FlexAttention block masks on CUDA for packed rows and sliding windows)
     weights: Optional[str] = None  # another checkpoint of this model to load after the folder's weights
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -273,10 +274,12 @@ class DistConfig:
 # ----------------------------------------------------------------------------- engine
 @dataclass
 class EngineConfig:
-    """RoundPipe's remaining constructor arguments."""
+    """RoundPipe's remaining constructor arguments, and cuDNN's algorithm search."""
 
     cuda_graphs: bool = True
     optimizer_threads: Optional[int] = None  # None: the engine's default
+    channels_last: Optional[bool] = None  # None: on for convolution models on CUDA (train/memory_format.py)
+    cudnn_benchmark: bool = True  # torch.backends.cudnn.benchmark while the run trains (train/kernels.py)
 
 
 @dataclass
