@@ -174,6 +174,7 @@ class Executor:
         self.devices = devices
         self._shells: dict[tuple[int, int], Shell] = {}
         self._resident: dict[int, _Resident] = {}
+        self._resident_frozen: dict[int, StageTensors] = {}  # device index -> the frozen weights, whole
         self._resident_lock = threading.Lock()
         self._static_buffers: dict[tuple[int, int, int], StageTensors] = {}
         self._static_grads: dict[tuple[int, int, int], StageTensors] = {}
@@ -237,10 +238,41 @@ class Executor:
     def _shell(self, device: Device, layer: int) -> Shell:
         key = (device.index, layer)
         if key not in self._shells:
-            self._shells[key] = Shell(self.layers[layer], self.host.params, self.host.buffer_layout, layer)
+            self._shells[key] = Shell(self.layers[layer], self.host.params, self.host.frozen_layout, self.host.buffer_layout, layer)
         return self._shells[key]
 
     # ----------------------------------------------------------------------------- tensors of a job
+    def _stage_weights(self, device: Device, job: Job, version: int) -> tuple[StageTensors, StageTensors]:
+        return self._weights(device, job, version), self._frozen(device, job)
+
+    def _frozen(self, device: Device, job: Job) -> StageTensors:
+        """The stage's frozen weights: the host copy itself on a CPU, uploaded once per GPU when the
+        model stays resident (always the same memory, for CUDA graphs), else with every job."""
+        layout = self.host.frozen_layout
+        if not device.is_cuda:
+            return StageTensors(layout, [(Range(k, 0, t.numel()), t) for k, t in self.host.frozen.items()])
+        if self.resident:
+            with self._resident_lock:
+                found = self._resident_frozen.get(device.index)
+                if found is None:
+                    with device.stream("upload"):
+                        pieces = [(Range(k, 0, t.numel()), device.upload(t)) for k, t in self.host.frozen.items()]
+                        found = self._resident_frozen[device.index] = StageTensors(layout, pieces, device.record("upload"))
+                return found
+        with device.stream("upload"):
+            pieces = [(r, device.upload(self.host.frozen[r.key][r.start : r.stop])) for r in layout.ranges(job.start, job.stop)]
+            return StageTensors(layout, pieces, device.record("upload"))
+
+    def frozen_changed(self) -> None:
+        """The host's frozen weights were overwritten (load_state_dict): rewrite the resident copies in place."""
+        with self._resident_lock:
+            for index, found in self._resident_frozen.items():
+                device = self.devices[index]
+                with device.stream("upload"):
+                    for r, t in found.pieces:
+                        t.copy_(self.host.frozen[r.key], non_blocking=True)
+                    found.event = device.record("upload")
+
     def _weights(self, device: Device, job: Job, version: int) -> StageTensors:
         layout = self.host.params
         if not device.is_cuda:
@@ -301,6 +333,7 @@ class Executor:
     def drop_resident(self) -> None:
         with self._resident_lock:
             self._resident.clear()
+            self._resident_frozen.clear()
         self._static_buffers.clear()
         self._static_grads.clear()
         self._graphs.clear()
@@ -346,10 +379,10 @@ class Executor:
     # ----------------------------------------------------------------------------- one job
     def _run_job(self, job: Job, state: PassState) -> None:
         device = self.devices[job.device]
-        weights = state.prefetched.pop(job.index, None) or self._weights(device, job, state.version)
+        weights, frozen = state.prefetched.pop(job.index, None) or self._stage_weights(device, job, state.version)
         following = state.next_on_device.get(job.index)
         if following is not None and device.is_cuda and not self.resident:
-            state.prefetched[following.index] = self._weights(device, following, state.version)
+            state.prefetched[following.index] = self._stage_weights(device, following, state.version)
         graphed = (job.kind is JobKind.FUSED and self.cuda_graphs and self.resident and device.is_cuda and not state.profile
                    and worth_recording(sum(r.numel for r in self.host.params.ranges(job.start, job.stop))))
         buffers = self._buffers(device, job, scratch=job.kind is JobKind.BACKWARD, state=state, static=graphed)
@@ -357,13 +390,14 @@ class Executor:
         buffer_versions = None if graphed else _buffer_versions(shells)
         with device.stream("compute"):
             device.wait("compute", weights.event)
+            device.wait("compute", frozen.event)
             device.wait("compute", buffers.event)
             grads = None if job.kind is JobKind.FORWARD else self._grads(device, job, static=graphed)
             if grads is not None and self.reducer is None:  # a reducer needs each stage's gradients in one call
                 state.early_grads[job.index] = _EarlyGrads(self, device, job, grads, state, shells)
             # A replayed graph reads the static tensors directly: the shells are bound only when
             # something runs them (recording, eager layers), which saves a Python pass per layer.
-            modules = _BoundOnUse(shells, weights, buffers, grads)
+            modules = _BoundOnUse(shells, weights, frozen, buffers, grads)
             if not graphed:
                 modules.bind()
             start_mark = device.timer() if state.profile else None
@@ -394,7 +428,7 @@ class Executor:
                 self._send_grads(device, job, early.rest() if early else grads.pieces, state)
             if job.kind is not JobKind.BACKWARD and device.is_cuda and buffers_changed:
                 self._send_buffers(device, buffers, state)
-        for _, t in weights.pieces + buffers.pieces:
+        for _, t in weights.pieces + frozen.pieces + buffers.pieces:
             device.keep_alive(t, "compute")
 
     def _run_layers(self, modules: list, job: Job, a: int, b: int, x: Any, micro: int, state: PassState, device: Device, saves: tuple = ()) -> Any:
@@ -629,14 +663,14 @@ class _EarlyGrads:
 class _BoundOnUse:
     """The job's modules: the shells bound to the job's tensors on first use."""
 
-    def __init__(self, shells: list[Shell], weights: StageTensors, buffers: StageTensors, grads: Optional[StageTensors]):
-        self._shells, self._tensors = shells, (weights, buffers, grads)
+    def __init__(self, shells: list[Shell], weights: StageTensors, frozen: StageTensors, buffers: StageTensors, grads: Optional[StageTensors]):
+        self._shells, self._tensors = shells, (weights, frozen, buffers, grads)
         self._modules: Optional[list[torch.nn.Module]] = None
 
     def bind(self) -> list[torch.nn.Module]:
         if self._modules is None:
-            weights, buffers, grads = self._tensors
-            self._modules = [s.bind(weights.view, buffers.view, grads.view if grads else None) for s in self._shells]
+            weights, frozen, buffers, grads = self._tensors
+            self._modules = [s.bind(weights.view, frozen.view, buffers.view, grads.view if grads else None) for s in self._shells]
         return self._modules
 
     def __getitem__(self, i: int) -> torch.nn.Module:

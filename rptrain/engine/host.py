@@ -1,14 +1,23 @@
-"""Host memory: master weights, two compute copies, buffers and two gradient buffers.
+"""Host memory: master weights, two compute copies, buffers, two gradient buffers and frozen weights.
 
-- ``master``: one flat tensor in ``optim_dtype`` holding every parameter; the optimizer owns views of it.
+- ``master``: one flat tensor in ``optim_dtype`` holding every trainable parameter (``requires_grad``);
+  the optimizer owns views of it.
 - ``compute[v % 2]``: version ``v`` of the weights in the model's dtype, one flat tensor per dtype
   (pinned when a GPU reads it). Two copies let the optimizer write version v+1 while a call reads v.
 - ``buffers``: BatchNorm statistics and other buffers, one flat tensor per dtype, updated in place.
 - ``grads[w]``: two flat fp32 gradient buffers in the master's layout. A call accumulates into the
   open window's buffer while the optimizer may still read the other one.
+- ``frozen``: parameters with ``requires_grad=False`` (e.g. a LoRA base model), stored once in their own
+  dtype, one flat tensor per dtype, read-only: no master, no gradient, no second copy, since nothing
+  ever writes them. ``requires_grad`` is read when the engine wraps the model.
+
+Bytes per parameter: trainable = compute dtype x 2 + optim dtype (master) + 4 x 1 or 2 (gradient
+buffers; the second only for async steps) + the optimizer's state (Adam: 2 x optim dtype); frozen =
+its own dtype x 1.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Sequence
 
@@ -16,6 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from .layout import FlatLayout, Range
+
+PIN_FROZEN_SHARE = 0.5  # of physical memory: frozen weights past this stay pageable
 
 
 class GradBuffer:
@@ -40,9 +51,12 @@ class HostState:
                     raise ValueError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters are supported")
         self.layers = layers
         self.pin_memory = pin_memory
-        self.params = FlatLayout.of_parameters(layers)
+        self.params = FlatLayout.of_parameters(layers, trainable=True)
+        self.frozen_layout = FlatLayout.of_parameters(layers, trainable=False)
         self.buffer_layout = FlatLayout.of_buffers(layers)
-        originals = self._unique_tensors(layers, "parameters")
+        originals = [p for p in self._unique_tensors(layers, "parameters") if p.requires_grad]
+        self.frozen_params = [p for p in self._unique_tensors(layers, "parameters") if not p.requires_grad]
+        self.frozen = self._store_frozen(pin_memory)
 
         self.compute = [self.params.allocate(pin_memory), self.params.allocate(pin_memory)]
         # Pinned when GPUs cast their resident copy from it (refresh.py): DMA reads it directly.
@@ -66,6 +80,39 @@ class HostState:
         self.user_params = originals
         self.show_version(0)
         self.grads: list[GradBuffer] = [GradBuffer(self.params, pin_memory)]
+
+    def _store_frozen(self, pin_memory: bool) -> dict[str, Tensor]:
+        """One flat copy of the frozen parameters; each original is let go as soon as it is copied,
+        so host memory peaks at the frozen size plus one tensor (``torch.empty`` commits pages only
+        when they are written). Pinned when a GPU reads it and it takes at most half the machine's
+        memory: pinned pages cannot be swapped or reclaimed, and more would starve the rest of the
+        process; pageable memory uploads through the driver's staging buffer, about half as fast."""
+        layout = self.frozen_layout
+        nbytes = sum(n * layout.dtypes[k].itemsize for k, n in layout.sizes.items())
+        pin = pin_memory and nbytes <= PIN_FROZEN_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        flats = {k: torch.empty(n, dtype=layout.dtypes[k], pin_memory=pin) for k, n in layout.sizes.items()}
+        ends = dict.fromkeys(flats, 0)
+        with torch.no_grad():
+            for slot, p in zip(layout.slots, self.frozen_params):
+                flats[slot.key][ends[slot.key] : slot.offset].zero_()  # alignment padding
+                view = layout.view(flats, slot)
+                view.copy_(p.detach())
+                p.data = view
+                ends[slot.key] = slot.offset + slot.numel
+            for key, flat in flats.items():
+                flat[ends[key] :].zero_()
+        return flats
+
+    def nbytes(self) -> dict[str, int]:
+        """Host bytes held per kind of state."""
+        size = lambda flats: sum(t.untyped_storage().nbytes() for t in flats)
+        return {
+            "master": size([self.master]),
+            "grads": size([g.flat for g in self.grads]),
+            "compute": size([t for copy in self.compute for t in copy.values()]),
+            "frozen": size(self.frozen.values()),
+            "buffers": size(self.buffers.values()),
+        }
 
     @staticmethod
     def _unique_tensors(layers: Sequence[nn.Module], kind: str) -> list[Tensor]:

@@ -82,8 +82,9 @@ class FlatLayout:
         self._slots_cache: dict[Range, list[Slot]] = {}
 
     @classmethod
-    def of_parameters(cls, layers: Sequence[nn.Module]) -> "FlatLayout":
-        return cls([list(m.named_parameters(remove_duplicate=False)) for m in layers])
+    def of_parameters(cls, layers: Sequence[nn.Module], trainable: bool = True) -> "FlatLayout":
+        """The parameters that require grad (``trainable``) or the frozen ones."""
+        return cls([[(n, p) for n, p in m.named_parameters(remove_duplicate=False) if p.requires_grad == trainable] for m in layers])
 
     @classmethod
     def of_buffers(cls, layers: Sequence[nn.Module]) -> "FlatLayout":

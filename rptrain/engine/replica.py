@@ -25,13 +25,16 @@ def _placeholder(t: Tensor) -> Tensor:
 class Shell:
     """One layer's shell for one device."""
 
-    def __init__(self, layer: nn.Module, params: FlatLayout, buffers: FlatLayout, index: int):
+    def __init__(self, layer: nn.Module, params: FlatLayout, frozen: FlatLayout, buffers: FlatLayout, index: int):
         memo = {id(t): _placeholder(t) for t in [*layer.parameters(), *layer.buffers()]}
         self.module = copy.deepcopy(layer, memo)
         own_params = dict(self.module.named_parameters(remove_duplicate=False))
         own_buffers = dict(self.module.named_buffers(remove_duplicate=False))
         self.params: list[tuple[nn.Parameter, Slot]] = [
             (own_params[name], params.slots[i]) for name, i in params.layer_slots[index]
+        ]
+        self.frozen: list[tuple[nn.Parameter, Slot]] = [
+            (own_params[name], frozen.slots[i]) for name, i in frozen.layer_slots[index]
         ]
         self.buffers: list[tuple[Tensor, Slot]] = [
             (own_buffers[name], buffers.slots[i]) for name, i in buffers.layer_slots[index]
@@ -41,12 +44,15 @@ class Shell:
     def bind(
         self,
         param_view: Callable[[Slot], Tensor],
+        frozen_view: Callable[[Slot], Tensor],
         buffer_view: Callable[[Slot], Tensor],
         grad_view: Optional[Callable[[Slot], Tensor]],
     ) -> nn.Module:
         for p, slot in self.params:
             p.data = param_view(slot)
-            p.grad = grad_view(slot) if grad_view is not None and slot.requires_grad else None
+            p.grad = grad_view(slot) if grad_view is not None else None
+        for p, slot in self.frozen:  # requires_grad=False: autograd computes no gradient for these
+            p.data = frozen_view(slot)
         for b, slot in self.buffers:
             b.data = buffer_view(slot)
         # Mirror train/eval per submodule: users may freeze parts (e.g. BatchNorm in eval mode).
@@ -56,7 +62,7 @@ class Shell:
 
     def release(self) -> None:
         """Drop references to device memory so it can be reused once the job is done."""
-        for p, _ in self.params:
+        for p, _ in self.params + self.frozen:
             p.data = torch.empty(0, dtype=p.dtype)
             p.grad = None
         for b, _ in self.buffers:

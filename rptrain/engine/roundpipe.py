@@ -128,8 +128,9 @@ class RoundPipe(nn.Module):
         if self._cuda:
             # Small models stay on every GPU (uploaded once per version, not once per stage).
             cap = min(d.memory_cap() or 0 for d in self._devices)
-            weights = sum(p.numel() * p.element_size() for p in model.parameters())
-            resident = self._same_on_all_ranks(2 * weights <= 0.2 * cap)
+            # Two versions of the trainable weights (upload slot and live copy), one of the frozen.
+            weights = sum((2 if p.requires_grad else 1) * p.numel() * p.element_size() for p in model.parameters())
+            resident = self._same_on_all_ranks(weights <= 0.2 * cap)
         self._host = HostState(self._layers, optim_dtype, pin_memory=self._cuda, pin_master=resident)
         self._executor = Executor(self._layers, self._host, self._devices)
         self._executor.resident = resident
@@ -177,14 +178,15 @@ class RoundPipe(nn.Module):
         raise RuntimeError("RoundPipe decides where weights live: do not call .to()/.cuda()/.half() on it; build the model in the dtype you want before wrapping it")
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """Names as in the wrapped Sequential. Inside ``OptimizerCtx``: the master parameters."""
+        """Names as in the wrapped Sequential. Inside ``OptimizerCtx``: the master parameters (frozen
+        ones are yielded as they are: they never get a gradient, so optimizers skip them)."""
         originals = self.model.named_parameters(prefix=prefix, remove_duplicate=remove_duplicate)
         if not _in_optimizer_ctx():
             yield from originals
             return
         master = {id(p): m for p, m in zip(self._host.user_params, self._host.master_params)}
         for name, p in originals:
-            yield name, master[id(p)]
+            yield name, master.get(id(p), p)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
@@ -203,6 +205,18 @@ class RoundPipe(nn.Module):
     @property
     def devices(self) -> list:
         return [d.torch_device for d in self._devices]
+
+    def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+        """Host bytes this engine allocated, per kind: ``master``, ``grads``, ``compute`` (copies),
+        ``frozen`` (requires_grad=False weights, stored once), ``buffers``, and ``optimizer`` (the
+        state tensors of ``optimizer``, when given: it allocates them, not the engine), plus ``total``."""
+        report = self._host.nbytes()
+        if optimizer is not None:
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for state in optimizer.state.values() for t in state.values() if isinstance(t, Tensor) and t.device.type == "cpu"}
+            report["optimizer"] = sum(storages.values())
+        report["total"] = sum(report.values())
+        return report
 
     @property
     def plan(self) -> Optional[ExecutePlan]:
@@ -385,6 +399,7 @@ class RoundPipe(nn.Module):
             for key, value in state_dict.items():
                 if key in targets:
                     targets[key].copy_(value)
+        self._executor.frozen_changed()
         self.synchronize()
         return IncompatibleKeys(missing, unexpected)
 
@@ -500,11 +515,11 @@ class RoundPipe(nn.Module):
         return cfg
 
     def _static_costs(self) -> list[LayerCost]:
-        layout = self._host.params
+        layout, frozen = self._host.params, self._host.frozen_layout
         costs = []
         for i in range(len(self._layers)):
-            nbytes = layout.nbytes(i, i + 1)
-            grad_bytes = sum(s.numel * layout.dtypes[s.key].itemsize for s in layout.slots_of(i, i + 1) if s.requires_grad)
+            nbytes = layout.nbytes(i, i + 1) + frozen.nbytes(i, i + 1)
+            grad_bytes = sum(s.numel * layout.dtypes[s.key].itemsize for s in layout.slots_of(i, i + 1))
             costs.append(LayerCost(nbytes, grad_bytes, float(nbytes + 1), 2.0 * (nbytes + 1)))
         return costs
 

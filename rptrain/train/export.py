@@ -23,6 +23,7 @@ from rptrain.models.hf_export import hf_export
 from rptrain.models.hf_presets import QWEN3_PRESETS, llama_hf_config
 
 from .errors import USER_ERRORS, ConfigError, one_line
+from .lora import merged
 from .tokenizer import build_tokenizer, tokenizer_source
 
 EMBEDDING = "0.embed_tokens.weight"
@@ -74,6 +75,7 @@ def hf_config(cfg: DictConfig, vocab_size: int) -> dict:
 
 def export_weights(cfg: DictConfig, state: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype) -> Path:
     """Write `state` (the run's Sequential names) as a Hugging Face folder in `dtype`."""
+    state = merged(cfg, state)  # a LoRA run: adapters folded into the base weights
     if EMBEDDING not in state:
         raise ConfigError(f"the weights of model={cfg.model.name} have no {EMBEDDING}: not a decoder this rptrain exports")
     config = hf_config(cfg, int(state[EMBEDDING].shape[0]))

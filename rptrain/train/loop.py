@@ -36,6 +36,7 @@ from .dist import Dist, FailedOnRankZero, inject_fault, peer_errors
 from .errors import CheckpointError, NonFiniteLoss, one_line
 from .export import export_run, exportable
 from .kernels import cudnn_benchmark
+from .lora import export_adapter, wants_adapter
 from .memory_format import choose_memory_format
 from .meters import Meter, RunProgress, epoch_rate, progress_from, progress_state, rank_share
 from .metrics import MetricsLog
@@ -88,6 +89,7 @@ class Trainer:
                                optimizer_threads=cfg.engine.optimizer_threads,
                                memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices))
         engine_ref = weakref.ref(engine)
+        log.info("engine host memory: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in engine.memory_report().items()))
         del model  # the engine owns the weights now
         # Handed over in a list that _fit empties: a big checkpoint should not stay mapped all run.
         handover = [state]
@@ -153,7 +155,9 @@ class Trainer:
             self._loop(progress)
         finally:
             self.metrics.close()
-        if self.dist.main and cfg.trainer.hf_export and exportable(cfg):
+        if self.dist.main and cfg.trainer.hf_export and wants_adapter(cfg):
+            say(self.console, f"LoRA adapters (PEFT format): {export_adapter(cfg, engine.model, engine.state_dict(), self.run_dir)}")
+        elif self.dist.main and cfg.trainer.hf_export and exportable(cfg):
             say(self.console, f"Hugging Face folder: {export_run(cfg, engine.state_dict(), self.run_dir, dtype)}")
         return self._summary(progress, resume)
 

@@ -17,6 +17,7 @@ from torch import nn
 from rptrain.models import HFModelError, load_weights
 
 from .errors import ConfigError, one_line
+from .lora import with_lora
 from .run_weights import load_run_weights, run_checkpoint
 
 IMAGE, LM = "image", "lm"
@@ -37,6 +38,7 @@ def build_model(cfg: DictConfig, dtype: torch.dtype, device: Any = None, vocab_s
     """Build cfg.model; `vocab_size` fills in a language model's null model.vocab_size."""
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     weights = model_cfg.pop("weights", None)
+    lora = model_cfg.pop("lora", None)
     if model_kind(cfg.model) == LM and model_cfg.get("vocab_size") is None:
         model_cfg["vocab_size"] = vocab_size
     try:
@@ -57,7 +59,7 @@ def build_model(cfg: DictConfig, dtype: torch.dtype, device: Any = None, vocab_s
             load_weights(model, weights)
         except (OSError, ValueError, KeyError, RuntimeError) as err:
             raise ConfigError(f"model.weights={weights} cannot be loaded ({one_line(err)}): point it at a checkpoint of this model") from err
-    return model
+    return with_lora(model, lora)
 
 
 def fingerprint(model_name: str, model: nn.Module) -> dict:

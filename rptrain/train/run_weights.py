@@ -15,6 +15,7 @@ from torch import nn
 
 from .checkpoint import FORMAT, LAST, load_checkpoint
 from .errors import CheckpointError, one_line
+from .lora import merged
 
 
 def run_checkpoint(path: str | Path) -> Optional[Path]:
@@ -61,9 +62,10 @@ def load_run_weights(model: nn.Module, checkpoint: Path, key: str = "model.weigh
     """Copy a run checkpoint's master weights into `model` (cast to its dtype); on the meta device only check them."""
     source = f"{key}={checkpoint}"
     try:
-        weights = load_checkpoint(checkpoint)["model"]
+        state = load_checkpoint(checkpoint)
     except CheckpointError as err:
         raise CheckpointError(f"{key}: {one_line(err)}") from err
+    weights = merged(run_config(checkpoint, state), state["model"])  # a LoRA run seeds with its adapters folded in
     check_same_model(model, weights, source)
     if not any(t.is_meta for t in model.state_dict().values()):
         model.load_state_dict(weights)

@@ -75,6 +75,23 @@ class Backend(Enum):
 
 
 # ----------------------------------------------------------------------------- model
+class LoraExport(Enum):
+    merged = "merged"  # RUN_DIR/hf: the base weights with the adapters folded in
+    adapter = "adapter"  # RUN_DIR/adapter: the adapters alone, in PEFT's format
+
+
+@dataclass
+class LoraConfig:
+    """model.lora for every decoder: the values are in conf/model/lora/default.yaml, which each
+    decoder's model file includes (`- lora: default` in its defaults list)."""
+
+    rank: int = MISSING  # 0: full fine-tuning; >0: LoRA adapters of this rank, the base weights frozen
+    alpha: float = MISSING
+    dropout: float = MISSING
+    targets: list[str] = MISSING
+    export: LoraExport = MISSING
+
+
 @dataclass
 class ResNetConfig:
     _target_: str = "rptrain.models.build_model"
@@ -106,6 +123,7 @@ class LlamaModelConfig:
     init_std: float = 0.02
     loss_chunk_tokens: int = 4096
     weights: Optional[str] = None  # a local checkpoint (rptrain.models.load_weights), or a finished run: its directory or checkpoints/last.pt
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -141,6 +159,7 @@ class HFModelConfig:
     loss_chunk_tokens: int = 4096
     attention: str = "sdpa"  # sdpa | flex (FlexAttention block masks on CUDA for packed rows and sliding windows)
     weights: Optional[str] = None  # another checkpoint of this model to load after the folder's weights
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 # ----------------------------------------------------------------------------- data
