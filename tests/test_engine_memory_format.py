@@ -62,9 +62,11 @@ def test_channels_last_trains_like_plain_pytorch(plan, delayed):
                 torch.testing.assert_close(g, p.grad.float().cpu(), rtol=1e-5, atol=1e-6)
         ref.step()
     engine.synchronize()
-    # Only the standard reference's 2 microbatches ran contiguous: every engine call (4 batches x 2
-    # microbatches, recomputes too) and the channels-last reference's 8 did not.
-    assert SEEN.count(False) == 2 and SEEN.count(True) >= 16
+    # Only the standard reference's 2 microbatches ran contiguous: the channels-last reference's 8 and
+    # every engine forward that ran Python did not (on CUDA a replayed graph runs none: at least the
+    # recording's; on the CPU all 4 batches x 2 microbatches, recomputes too).
+    engine_calls = SEEN.count(True) - 8
+    assert SEEN.count(False) == 2 and engine_calls >= (1 if torch.cuda.is_available() else 8)
     state = engine.state_dict()
     assert_state_close(state, ref.state())
     assert all(t.is_contiguous() for t in state.values())
