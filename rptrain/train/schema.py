@@ -226,6 +226,7 @@ class TrainerConfig:
     resume: Optional[str] = None  # None | auto | a checkpoint file or run directory
     async_step: bool = True
     progress: Optional[bool] = None  # None: a live bar on a terminal, plain log lines otherwise
+    objective: str = "test_loss"  # what the job returns to a sweeper (hydra/sweeper=optuna): a final metric
 
 
 # ----------------------------------------------------------------------------- dist
@@ -261,6 +262,9 @@ class RPTrainConfig:
 
 def register_configs() -> None:
     """Idempotent: the ConfigStore replaces nodes stored under the same name."""
+    from .auto_precision import register_resolver
+
+    register_resolver()  # precision=auto's ${rptrain.auto_precision:...}
     cs = ConfigStore.instance()
     cs.store(name="rptrain_schema", node=RPTrainConfig)
     cs.store(group="schema/model", name="resnet", node=ResNetConfig)
