@@ -29,6 +29,7 @@ from omegaconf import DictConfig, open_dict
 from rptrain.train import dist
 from rptrain.train.checkpoint import load_checkpoint
 from rptrain.train.errors import ConfigError
+from rptrain.train.loggers import check_loggers
 from rptrain.train.model import LM, build_model, fingerprint, model_kind
 from rptrain.train.precision import torch_dtype
 from rptrain.train.resume import check_resume_state, resolve_resume
@@ -89,6 +90,7 @@ def preflight(argv: list[str]) -> None:
             job_cfg = _without_hydra(cfg)  # what the job itself will see
             validate_config(job_cfg)
             check_objective(job_cfg)
+            check_loggers(job_cfg)
             if args.multirun:
                 check_sweeper(cfg.hydra, args.overrides)
             if running:

@@ -20,7 +20,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from hydra.utils import instantiate
@@ -48,9 +48,11 @@ from .validate import check_vocab, num_microbatch, validate_config
 
 class Trainer:
     def __init__(
-        self, cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, resume_hint: str, dist: Optional[Dist] = None
+        self, cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, resume_hint: str, dist: Optional[Dist] = None,
+        on_record: Optional[Callable[[dict], None]] = None,  # each metrics record, for the experiment trackers (loggers.py)
     ) -> None:
         self.cfg, self.run_dir, self.overrides = cfg, Path(run_dir), list(overrides)
+        self.on_record = on_record
         self.console, self.resume_hint = console, resume_hint
         self.dist = dist or Dist()
         self.checkpoint_path = self.run_dir / "checkpoints" / LAST
@@ -133,7 +135,7 @@ class Trainer:
         progress = RunProgress()
         if state is not None:
             progress = rank_share(self._restore(state, resume, engine, optimizer, scheduler, scaler, data), self.dist.main)
-        self.metrics = MetricsLog(self.run_dir if self.dist.main else None, state["history"] if state else None)
+        self.metrics = MetricsLog(self.run_dir if self.dist.main else None, state["history"] if state else None, self.on_record)
         del state
         self.task = make_task(data.kind, num_microbatch(cfg), dtype, self.dist.world)
         self._param_names = {name for name, _ in engine.named_parameters()}  # BatchNorm buffers differ across ranks
@@ -210,8 +212,9 @@ class Trainer:
                     p.train_seconds += t2 - t0
                     p.samples += result.samples
                     p.tokens += result.count if data.kind != IMAGE else 0
-                    bar.advance(self._bar_stats(window))
-                    if p.step % t.log_interval == 0 or p.step == self.total_steps:
+                    logged = p.step % t.log_interval == 0 or p.step == self.total_steps
+                    bar.advance(self._bar_stats(window), logged)
+                    if logged:
                         self._log_train(p, window, epoch, lr_of(p.step - 1), scale, bar.enabled)
                         window = Meter()
                     # One process: a signal during the step stops after it. Several: after the step all agreed on.
@@ -250,8 +253,9 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- logging
     def _bar_stats(self, window: Meter) -> str:
-        rate = window.samples / max(window.seconds(), 1e-9)
-        return f"loss {window.mean_loss():.4f}  {rate:,.0f} samples/s"
+        lm = self.task.metric == "ppl"  # a language model's throughput is in tokens
+        rate = (window.count if lm else window.samples) / max(window.seconds(), 1e-9)
+        return f"loss {window.mean_loss():.4f}  {rate:,.0f} {'tokens' if lm else 'samples'}/s"
 
     def _global(self, m: Meter) -> Meter:
         """A meter's sums over all ranks (counts added, times averaged): what the run as a whole did."""

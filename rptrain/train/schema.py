@@ -247,6 +247,43 @@ class EngineConfig:
     optimizer_threads: Optional[int] = None  # None: the engine's default
 
 
+# ----------------------------------------------------------------------------- logger
+@dataclass
+class JsonlLoggerConfig:
+    """metrics.jsonl/.csv: always written; an option so that logger=[jsonl, ...] reads naturally."""
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    log_dir: str = "tensorboard"  # relative: under the run directory
+
+
+@dataclass
+class WandbLoggerConfig:
+    project: str = "rptrain"
+    entity: Optional[str] = None
+    name: Optional[str] = None  # None: the run directory's name
+    tags: list[str] = field(default_factory=list)
+    mode: str = "offline"  # offline | online | disabled
+
+
+@dataclass
+class MlflowLoggerConfig:
+    tracking_uri: Optional[str] = None  # None: a file store under the run directory (mlruns/)
+    experiment_name: str = "rptrain"
+    run_name: Optional[str] = None  # None: the run directory's name
+
+
+@dataclass
+class LoggerConfig:
+    """logger=[jsonl, tensorboard, wandb, mlflow]: each chosen option fills its field (train/loggers.py)."""
+
+    jsonl: Optional[JsonlLoggerConfig] = None
+    tensorboard: Optional[TensorBoardLoggerConfig] = None
+    wandb: Optional[WandbLoggerConfig] = None
+    mlflow: Optional[MlflowLoggerConfig] = None
+
+
 @dataclass
 class RPTrainConfig:
     model: Any = MISSING
@@ -257,6 +294,7 @@ class RPTrainConfig:
     trainer: TrainerConfig = MISSING
     dist: DistConfig = MISSING
     engine: EngineConfig = MISSING
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_root: str = "outputs"
 
 
