@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -91,6 +91,11 @@ if [[ $what == final ]]; then  # issue 4 goal 3 at 3B x 4096 x 4, every implemen
   run 100 "${llm[@]}" --batch 4 --impl roundpipe --trace-steps 0
   run 80 "${llm[@]}" --batch 4 --impl plain --no-checkpoint --trace-steps 0
   run 95 "${llm[@]}" --batch 5 --impl fsdp2 --no-checkpoint --trace-steps 0
+fi
+if [[ $what == cli ]]; then  # issue 22: the CLI's main job against plain PyTorch and the engine (about 5 minutes)
+  run 80 python3 -m pytest -q -p no:cacheprovider tests/test_engine_memory_format.py tests/test_train_speed.py
+  run 440 python3 bench/cli_resnet.py
+  grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
 fi
 if [[ $what == llm || $what == all ]]; then
   {

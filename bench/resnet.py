@@ -31,17 +31,22 @@ def batches(count: int, batch: int, size: int, dtype: torch.dtype, pin: bool) ->
     return out
 
 
-def plain(args, model_kwargs):
+def plain(args, model_kwargs, memory_format: str = "contiguous", compiled: bool = False):
     device = args.device
     model = build_model("resnet34", **model_kwargs).to(device)
+    if memory_format == "channels_last":  # weights too, as a user following PyTorch's guide would
+        model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.Adam(model.parameters(), fused=device == "cuda")
+    layout = torch.channels_last if memory_format != "contiguous" else torch.contiguous_format
+    if compiled:  # inductor on CUDA; on the CPU (CI) the eager backend checks the code path only
+        model = torch.compile(model, backend="inductor" if device == "cuda" else "eager")
     scaler = torch.amp.GradScaler(device, enabled=device == "cuda")
     criterion = nn.CrossEntropyLoss()
     data = batches(4, args.batch, args.size, torch.float32, device == "cuda")
 
     def step(i: int) -> None:
         x, y = data[i % len(data)]
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = x.to(device, non_blocking=True).contiguous(memory_format=layout), y.to(device, non_blocking=True)
         with torch.autocast(device, dtype=torch.float16, enabled=device == "cuda"):
             loss = criterion(model(x).float(), y)
         scaler.scale(loss).backward()
@@ -94,11 +99,13 @@ def library(name: str) -> SimpleNamespace:
                            RoundPipeRunConfig=RoundPipeRunConfig)
 
 
-def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int | None = None):
+def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int | None = None, memory_format: str = "contiguous"):
     lib = library(lib_name)
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     ours = lib_name == "rptrain"
     extra = dict(cuda_graphs=not args.no_graphs, optimizer_threads=optimizer_threads) if ours else {}
+    if ours and memory_format != "contiguous":  # the engine converts the inputs only (engine/memory_format.py)
+        extra["memory_format"] = torch.channels_last
     model = lib.RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32, **extra)
     with lib.OptimizerCtx():
         optimizer = lib.Adam(model.parameters())
@@ -200,6 +207,12 @@ def main() -> None:
     p.add_argument("--no-step", action="store_true", help="engine without the Adam step (its ceiling)")
     p.add_argument("--cprofile", action="store_true", help="cProfile 10 engine steps (all Python threads on 3.12+)")
     p.add_argument("--repeat", type=int, default=1, help="alternate plain and engine runs this many times")
+    formats = ["contiguous", "channels_last", "inputs"]
+    p.add_argument("--memory-format", choices=formats, nargs="*", default=["contiguous"],
+                   help="one run of each implementation per value. channels_last: plain converts weights and inputs; "
+                        "inputs: plain converts the inputs only; the engine converts its inputs for either")
+    p.add_argument("--compile-formats", choices=formats, nargs="*", default=[],
+                   help="plain: also one torch.compile'd run in each of these layouts")
     p.add_argument("--optimizer-threads", type=int, nargs="+", default=[None],
                    help="the engine's optimizer_threads; several values run the engine once each")
     args = p.parse_args()
@@ -215,16 +228,17 @@ def main() -> None:
     for _ in range(args.repeat):
         plain_rate = None
         if args.impl in ("plain", "both", "all"):
-            seconds = plain(args, model_kwargs)
-            plain_rate = args.batch / seconds
-            emit(bench="resnet34", impl="plain", device=args.device, batch=args.batch, microbatches=1,
-                 step_ms=round(seconds * 1e3, 3), images_per_s=round(plain_rate, 1))
+            for fmt, compiled in [(f, False) for f in args.memory_format] + [(f, True) for f in args.compile_formats]:
+                seconds = plain(args, model_kwargs, fmt, compiled)
+                plain_rate = plain_rate or args.batch / seconds  # the round's first plain run is the engine's yardstick
+                emit(bench="resnet34", impl="plain", device=args.device, batch=args.batch, microbatches=1, memory_format=fmt,
+                     compiled=compiled, step_ms=round(seconds * 1e3, 3), images_per_s=round(args.batch / seconds, 1))
         if args.impl in ("rptrain", "both", "all"):
-            for threads in args.optimizer_threads:
-                seconds = engine(args, model_kwargs, optimizer_threads=threads)
+            for threads, fmt in [(t, f) for f in args.memory_format for t in args.optimizer_threads]:
+                seconds = engine(args, model_kwargs, optimizer_threads=threads, memory_format=fmt)
                 rate = args.batch / seconds
                 emit(bench="resnet34", impl="rptrain", device=args.device, batch=args.batch, microbatches=args.microbatches,
-                     cuda_graphs=not args.no_graphs, optimizer_threads=threads, adam=not args.no_step, step_ms=round(seconds * 1e3, 3),
+                     memory_format=fmt, cuda_graphs=not args.no_graphs, optimizer_threads=threads, adam=not args.no_step, step_ms=round(seconds * 1e3, 3),
                      images_per_s=round(rate, 1), **({"rptrain_over_plain": round(rate / plain_rate, 3)} if plain_rate else {}))
         if args.impl in ("roundpipe", "all"):
             seconds = engine(args, model_kwargs, "roundpipe")

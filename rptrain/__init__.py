@@ -2,7 +2,12 @@
 
 Importing it starts no threads and touches no GPU.
 """
-from .engine import ExecutePlan, GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from . import optim
+from .engine import (ExecutePlan, GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, doing_recompute, get_recompute_data,
+                     save_for_recompute, wrap_model, wrap_model_to_roundpipe)
 
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "ExecutePlan"]
+ModelExecutePlan = ExecutePlan  # the original library's name
+
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "ExecutePlan", "ModelExecutePlan", "optim",
+           "wrap_model", "wrap_model_to_roundpipe", "save_for_recompute", "doing_recompute", "get_recompute_data"]
 __version__ = "0.1.0"

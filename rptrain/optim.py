@@ -1,6 +1,8 @@
 """CPU optimizers for the master weights (create them inside ``OptimizerCtx``).
 
-They are PyTorch's Adam and AdamW, run with PyTorch's fused CPU kernel. torch.optim calls that
+They are PyTorch's Adam and AdamW, run with PyTorch's fused CPU kernel (``Adam`` is the name
+the original library's ``roundpipe.optim`` exports; any other torch optimizer works on the master
+weights too, at torch's own speed). torch.optim calls that
 kernel once per parameter tensor: for a ResNet's hundred-odd small tensors most calls are too
 small to spread over the cores. The engine keeps master weights and gradients in flat buffers, so
 here the kernel runs once per contiguous run of parameters instead: the moments live in flat
@@ -173,11 +175,13 @@ class _FlatStepMixin:
                 return self._torch_step(None)  # some group cannot be flattened: torch's path for all
         for group, runs in zip(self.param_groups, all_runs):
             beta1, beta2 = group["betas"]
+            # torch.optim.Adam(decoupled_weight_decay=True) is AdamW (the original library documents it).
+            kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else self._kernel
             for run in runs:
                 m, v, step = self._flat_runs.state(run)
                 step += 1
                 numel = m.numel()
-                self._kernel(
+                kernel(
                     [_flat(run[0], numel)], [_flat(run[0].grad, numel)], [m], [v], [], [step],
                     lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
                     amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None,

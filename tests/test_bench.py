@@ -43,3 +43,15 @@ def test_llm_in_child_processes():
     records = run_tiny("llm.py", "--isolate")
     (run,) = [r for r in records if r.get("impl") == "rptrain"]
     assert run["tokens_per_s"] > 0 and run["steady_tokens_per_s"] > 0 and "error" not in run
+
+
+def test_cli_resnet_ratios():
+    """Issue 22's comparison at CI size: the CLI's second epoch, the engine and plain PyTorch in
+    its layouts (one resnet.py process each here; one per layout on CUDA), then both ratios."""
+    records = run_tiny("cli_resnet.py", "--no-compile")
+    (cli,) = [r for r in records if r.get("impl") == "cli"]
+    assert cli["epoch"] == 2 and cli["epoch_samples_per_s"] > 0 and cli["step_ms"] > 0, cli
+    runs = {(r["impl"], r["memory_format"]) for r in records if r.get("impl") in ("plain", "rptrain") and "error" not in r}
+    assert runs == {("rptrain", "inputs"), ("rptrain", "contiguous"), ("plain", "contiguous"), ("plain", "channels_last"), ("plain", "inputs")}
+    ratios = {r["what"]: r["ratio"] for r in records if "what" in r}
+    assert set(ratios) == {"cli_over_best_plain", "engine_over_cli_step"} and all(v > 0 for v in ratios.values())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import subprocess
+import threading
 import sys
 
 import pytest
@@ -58,7 +59,7 @@ def test_model_must_be_a_nonempty_sequential():
         ({"recompute_grain": "block"}, r"recompute_grain must be one of"),
         ({"requires_grad": "yes"}, r"requires_grad must be True, False or None"),
         ({"output_device": "gpu9"}, r"output_device must name a torch device"),
-        ({"split_input": 3}, r"split_input must be callable"),
+        ({"split_input": 3}, r"split_input must be callable or \(args_spec, kwargs_spec\)"),
         ({"execute_plan": [[0, 3]]}, r"execute_plan must be an ExecutePlan"),
     ],
 )
@@ -84,7 +85,7 @@ def test_bad_call_arguments():
     with pytest.raises(TypeError, match="input_kwargs must be a dict"):
         engine.forward_backward(input_args=(X,), input_kwargs=[1], label=Y, loss_fn=CE)
     with pytest.raises(TypeError, match="loss_fn"):
-        engine.forward_backward(input_args=(X,), label=Y)
+        engine.forward_backward(input_args=(X,), label=Y, loss_fn=None)
     with pytest.raises(ValueError, match="no input tensors"):
         engine.forward_backward(input_args=(), label=Y, loss_fn=CE)
     with pytest.raises(ValueError, match="empty"):
@@ -205,3 +206,40 @@ def test_optimizer_threads_apply_to_the_optimizer_thread_only(threaded):
     for bad in (0, -2, 1.5, "4"):
         with pytest.raises(ValueError, match="optimizer_threads"):
             RoundPipe(mlp(), optimizer_threads=bad)
+
+
+@pytest.mark.parametrize("thread", ["inline", "thread"])
+def test_failed_synchronous_step_does_not_block_the_next_call(thread, monkeypatch):
+    """The failed step left the master .grad pointing into the gradient buffer; the next call
+    must still get a buffer (it used to wait for it forever)."""
+    if thread == "thread":
+        monkeypatch.setenv("RPTRAIN_CPU_OPTIMIZER_THREAD", "1")
+    engine, opt = engine_and_opt()
+
+    def bad_step():
+        raise OSError("step failed after the gradients were bound")
+
+    engine.forward_backward((X,), label=Y, loss_fn=CE)
+    with pytest.raises(RuntimeError, match="step failed after"):
+        engine.step(bad_step, is_async=False)
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("loss", engine.forward_backward((X,), label=Y, loss_fn=CE)), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "forward_backward blocked after a failed synchronous step"
+    assert torch.isfinite(result["loss"])
+    engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    engine.close()
+
+
+@pytest.mark.parametrize("thread", ["inline", "thread"])
+def test_close_reports_an_unreported_step_error(thread, monkeypatch):
+    if thread == "thread":
+        monkeypatch.setenv("RPTRAIN_CPU_OPTIMIZER_THREAD", "1")
+    engine, _ = engine_and_opt()
+    engine.forward_backward((X,), label=Y, loss_fn=CE)
+    engine.step(lambda: 1 / 0)
+    with pytest.raises(RuntimeError, match="optimizer step failed.*division by zero"):
+        engine.close()
+    assert not _alive(f"rptrain-optimizer-{id(engine):x}")  # closed all the same
+    engine.close()  # reported once: a second close is quiet

@@ -125,12 +125,15 @@ def test_split_errors_name_the_problem():
         split_inputs((torch.zeros(2, 1),), {}, 3)
     with pytest.raises(ValueError, match="empty"):
         split_label(torch.zeros(0), 1)
-    with pytest.raises(ValueError, match="split_input returned 1 microbatches"):
-        split_inputs((torch.zeros(4),), {}, 2, custom=lambda a, k, n: [(a, k)])
+    with pytest.raises(ValueError, match=r"split_input must return \(args_list, kwargs_list\)"):
+        split_inputs((torch.zeros(4),), {}, 2, lambda a, k, n: [(a, k)])
 
 
 def test_merge_outputs():
+    """As the original library: cat along dim 0, 0-dim floats averaged, equal non-tensors once."""
     assert torch.equal(merge_outputs([torch.ones(2, 1), torch.zeros(1, 1)]), torch.tensor([[1.0], [1.0], [0.0]]))
-    merged = merge_outputs([(torch.ones(1), {"s": torch.tensor(1.0)}), (torch.ones(2), {"s": torch.tensor(2.0)})])
-    assert merged[0].shape == (3,) and torch.equal(merged[1]["s"], torch.tensor([1.0, 2.0]))
-    assert merge_outputs([1, 2], custom=sum) == 3
+    merged = merge_outputs([(torch.ones(1), {"s": torch.tensor(1.0)}, "tag"), (torch.ones(2), {"s": torch.tensor(2.0)}, "tag")])
+    assert merged[0].shape == (3,) and merged[1]["s"].item() == 1.5 and merged[2] == "tag"
+    with pytest.raises(ValueError, match="differs between microbatches"):
+        merge_outputs([1, 2])
+    assert merge_outputs([1, 2], sum) == 3

@@ -17,8 +17,12 @@ from rptrain.models import (
     load_weights,
     parameter_count,
 )
-from rptrain.models.llama_layers import DecoderBlock, TokenEmbedding, causal_attention, rotary_frequencies
-from rptrain.models.llama_loss import LinearCrossEntropy, LMHeadLoss
+from rptrain.models.attention import causal_attention
+from rptrain.models.decoder import DecoderBlock, LMHeadLoss, TokenEmbedding
+from rptrain.models.hf_names import hf_name
+from rptrain.models.llama import decoder_config
+from rptrain.models.llama_loss import LinearCrossEntropy
+from rptrain.models.rope import inverse_frequencies
 
 TINY = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=40, max_seq_len=32, rope_theta=500.0)
 
@@ -38,7 +42,7 @@ def tiny_model(seed=0, **overrides) -> nn.Sequential:
 
 
 def batch(cfg_or_model, B=2, T=12, n_ignored=3, seed=1):
-    vocab = cfg_or_model[0].weight.shape[0] if isinstance(cfg_or_model, nn.Sequential) else cfg_or_model
+    vocab = cfg_or_model[0].embed_tokens.weight.shape[0] if isinstance(cfg_or_model, nn.Sequential) else cfg_or_model
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (B, T), generator=g)
     targets = torch.randint(0, vocab, (B, T), generator=g)
@@ -61,6 +65,12 @@ def scaled_frequency(freq: float, cfg: LlamaConfig) -> float:
         return freq / cfg.rope_scale_factor
     smooth = (cfg.rope_original_max_seq_len / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
     return (1 - smooth) * freq / cfg.rope_scale_factor + smooth * freq
+
+
+# The reference's parameter keys -> the Sequential layer's module names (transformers' names).
+OURS = {"attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
+        "wo": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm", "w1": "mlp.gate_proj", "w3": "mlp.up_proj",
+        "w2": "mlp.down_proj"}
 
 
 class ReferenceLlama(nn.Module):
@@ -91,14 +101,14 @@ class ReferenceLlama(nn.Module):
     def pairs(self, model: nn.Sequential):
         """(reference parameter, Sequential parameter) pairs."""
         L = self.cfg.n_layers
-        yield self.embed, model[0].weight
+        yield self.embed, model[0].embed_tokens.weight
         for i, layer in enumerate(self.layers):
             block = model[i + 1]
             for key, p in layer.items():
-                yield p, getattr(block, key).weight
+                yield p, block.get_submodule(OURS[key]).weight
         yield self.norm, model[L + 1].norm.weight
         if self.head is not None:
-            yield self.head, model[L + 1].weight
+            yield self.head, model[L + 1].lm_head.weight
 
     def copy_from(self, model: nn.Sequential):
         with torch.no_grad():
@@ -176,7 +186,7 @@ def test_matches_reference(tie, n_kv_heads, rope):
 
 def test_rope_scaling_bands_and_presets():
     cfg = model_cfg(**SCALED)
-    ours = rotary_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, torch.device("cpu")).double()
+    ours = inverse_frequencies(decoder_config(cfg).rope, cfg.head_dim, 0)[0].double()
     plain = [cfg.rope_theta ** (-2 * i / cfg.head_dim) for i in range(cfg.head_dim // 2)]
     expected = torch.tensor([scaled_frequency(f, cfg) for f in plain], dtype=torch.float64)
     torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)
@@ -194,11 +204,11 @@ def test_rope_scaling_bands_and_presets():
 
 def test_tied_weights_are_one_parameter():
     model = tiny_model(tie_embeddings=True)
-    assert model[-1].weight is model[0].weight
+    assert model[-1].lm_head.weight is model[0].embed_tokens.weight
     distinct = list(model.parameters())  # deduplicated by nn.Module
     assert sum(p.numel() for p in distinct) == parameter_count(model_cfg(tie_embeddings=True))
     untied = tiny_model(tie_embeddings=False)
-    assert untied[-1].weight is not untied[0].weight
+    assert untied[-1].lm_head.weight is not untied[0].embed_tokens.weight
     assert sum(p.numel() for p in untied.parameters()) == parameter_count(model_cfg(tie_embeddings=False))
 
 
@@ -208,7 +218,7 @@ def test_layers_hold_weights_only():
     assert all(isinstance(m, DecoderBlock) for m in model[1:-1])
     assert list(model.buffers()) == []
     names = {n for n, _ in model[1].named_parameters()}
-    assert names == {f"{k}.weight" for k in ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w2", "w3"]}
+    assert names == {f"{k}.weight" for k in OURS.values()}
 
 
 def test_chunk_sizes_agree():
@@ -230,8 +240,8 @@ def test_loss_function_gradcheck():
     hidden = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(11, 5, dtype=torch.float64, requires_grad=True)
     targets = torch.tensor([3, IGNORE_INDEX, 0, 10, 10, IGNORE_INDEX, 1])
-    for chunk in [3, 7, 100]:
-        fn = lambda h, w: LinearCrossEntropy.apply(h, w, targets, chunk, True)  # noqa: E731
+    for chunk, softcap in [(3, None), (7, None), (100, None), (3, 1.5)]:  # 1.5: Gemma's final soft-capping, saturating
+        fn = lambda h, w: LinearCrossEntropy.apply(h, w, targets, chunk, True, softcap)  # noqa: E731
         assert torch.autograd.gradcheck(fn, (hidden, weight))
 
 
@@ -346,11 +356,11 @@ def test_init():
     cfg = LlamaConfig(vocab_size=1000, dim=256, n_layers=8, n_heads=4, init_std=0.02)
     model = build_llama(cfg)
     block = model[1]
-    assert abs(model[0].weight.std().item() - 0.02) < 1e-3
-    assert abs(block.wq.weight.std().item() - 0.02) < 1e-3
-    assert abs(block.w2.weight.std().item() - 0.02 / math.sqrt(16)) < 3e-4
-    assert abs(block.wo.weight.std().item() - 0.02 / math.sqrt(16)) < 3e-4
-    assert torch.equal(block.attn_norm.weight, torch.ones(256)) and torch.equal(model[-1].norm.weight, torch.ones(256))
+    assert abs(model[0].embed_tokens.weight.std().item() - 0.02) < 1e-3
+    assert abs(block.self_attn.q_proj.weight.std().item() - 0.02) < 1e-3
+    assert abs(block.mlp.down_proj.weight.std().item() - 0.02 / math.sqrt(16)) < 3e-4
+    assert abs(block.self_attn.o_proj.weight.std().item() - 0.02 / math.sqrt(16)) < 3e-4
+    assert torch.equal(block.input_layernorm.weight, torch.ones(256)) and torch.equal(model[-1].norm.weight, torch.ones(256))
 
 
 def test_registry_and_presets():
@@ -371,11 +381,11 @@ def test_registry_and_presets():
     m = build_model("llama_8b", device="meta", dtype=torch.bfloat16)
     assert all(p.is_meta and p.dtype == torch.bfloat16 for p in m.parameters())
     assert sum(p.numel() for p in m.parameters()) == 8_030_261_248
-    assert m[-1].weight is not m[0].weight
+    assert m[-1].lm_head.weight is not m[0].embed_tokens.weight
 
     small = build_model("llama_1b", vocab_size=259, max_seq_len=64, device="meta")
-    assert small[0].weight.shape == (259, 2048) and small[-1].weight is small[0].weight
-    assert small[1].w1.weight.shape == (8192, 2048) and small[1].wk.weight.shape == (512, 2048)
+    assert small[0].embed_tokens.weight.shape == (259, 2048) and small[-1].lm_head.weight is small[0].embed_tokens.weight
+    assert small[1].mlp.gate_proj.weight.shape == (8192, 2048) and small[1].self_attn.k_proj.weight.shape == (512, 2048)
     # overriding dim re-derives ffn_hidden where the preset does not pin it
     assert llama_config("llama_tiny", dim=128).ffn_hidden == 352
 
@@ -393,25 +403,9 @@ def test_flops_per_token():
 
 
 def hf_names(model: nn.Sequential) -> dict[str, torch.Tensor]:
-    """The model's weights under Hugging Face Llama names (written out by hand)."""
+    """The model's weights under Hugging Face names, as save_pretrained writes them (a tied head left out)."""
     L = len(model) - 2
-    out = {"model.embed_tokens.weight": model[0].weight, "model.norm.weight": model[L + 1].norm.weight}
-    if model[-1].weight is not model[0].weight:
-        out["lm_head.weight"] = model[L + 1].weight
-    for i in range(L):
-        b, p = model[i + 1], f"model.layers.{i}."
-        out |= {
-            p + "input_layernorm.weight": b.attn_norm.weight,
-            p + "self_attn.q_proj.weight": b.wq.weight,
-            p + "self_attn.k_proj.weight": b.wk.weight,
-            p + "self_attn.v_proj.weight": b.wv.weight,
-            p + "self_attn.o_proj.weight": b.wo.weight,
-            p + "post_attention_layernorm.weight": b.mlp_norm.weight,
-            p + "mlp.gate_proj.weight": b.w1.weight,
-            p + "mlp.up_proj.weight": b.w3.weight,
-            p + "mlp.down_proj.weight": b.w2.weight,
-        }
-    return {k: v.detach().clone() for k, v in out.items()}
+    return {hf_name(k, L): v.detach().clone() for k, v in model.named_parameters()}
 
 
 def assert_same_weights(a: nn.Sequential, b: nn.Sequential):
@@ -432,7 +426,7 @@ def test_load_own_and_hf_names(tmp_path, tie):
     load_weights(dst, tmp_path / "pytorch_model.bin")
     assert_same_weights(src, dst)
     if tie:
-        assert dst[-1].weight is dst[0].weight
+        assert dst[-1].lm_head.weight is dst[0].embed_tokens.weight
 
 
 def test_load_casts_to_model_dtype(tmp_path):
@@ -440,8 +434,8 @@ def test_load_casts_to_model_dtype(tmp_path):
     torch.save(src.state_dict(), tmp_path / "w.pt")
     dst = tiny_model(seed=1).to(torch.bfloat16)
     load_weights(dst, tmp_path / "w.pt")
-    assert dst[1].wq.weight.dtype == torch.bfloat16
-    torch.testing.assert_close(dst[1].wq.weight, src[1].wq.weight.to(torch.bfloat16))
+    assert dst[1].self_attn.q_proj.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(dst[1].self_attn.q_proj.weight, src[1].self_attn.q_proj.weight.to(torch.bfloat16))
 
 
 def test_load_errors(tmp_path):
@@ -450,7 +444,7 @@ def test_load_errors(tmp_path):
     del state["model.layers.1.mlp.up_proj.weight"]
     state["model.layers.1.mlp.extra.weight"] = torch.zeros(1)
     torch.save(state, tmp_path / "bad.bin")
-    with pytest.raises(ValueError, match=r"missing 1 \[2\.w3\.weight\].*unexpected 1 \[model\.layers\.1\.mlp\.extra"):
+    with pytest.raises(ValueError, match=r"missing 1 \[2\.mlp\.up_proj\.weight\].*unexpected 1 \[2\.mlp\.extra"):
         load_weights(tiny_model(), tmp_path / "bad.bin")
 
     torch.save(hf_names(tiny_model(dim=64)), tmp_path / "wide.bin")
@@ -463,7 +457,7 @@ def test_load_errors(tmp_path):
         load_weights(tiny_model(tie_embeddings=True), tmp_path / "untied.bin")
     # a tied checkpoint (no lm_head.weight) lacks a tensor for an untied model
     torch.save(hf_names(tiny_model(tie_embeddings=True)), tmp_path / "tied.bin")
-    with pytest.raises(ValueError, match=r"missing 1 \[3\.weight\]"):
+    with pytest.raises(ValueError, match=r"missing 1 \[3\.lm_head\.weight\]"):
         load_weights(tiny_model(tie_embeddings=False), tmp_path / "tied.bin")
 
     with pytest.raises(FileNotFoundError):

@@ -155,3 +155,26 @@ def test_gradients_moved_between_steps_still_match_torch():
         theirs.step()
         for p, r in zip(params, ref):
             torch.testing.assert_close(p, r, rtol=0, atol=0, msg=arrangement)
+
+
+def test_adam_with_decoupled_weight_decay_is_adamw():
+    """The original library documents Adam(decoupled_weight_decay=True) as AdamW; the flat path must honour it."""
+    from rptrain import OptimizerCtx, RoundPipe
+    from rptrain.optim import Adam
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    engine = RoundPipe(copy.deepcopy(model), devices=["cpu"])  # the step is the subject: compute on the reference's device
+    with OptimizerCtx():
+        opt = Adam(engine.parameters(), lr=0.1, weight_decay=0.5, decoupled_weight_decay=True)
+    ref_opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5, fused=True)
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        engine.forward_backward((x,), loss_fn=lambda out, _: out.pow(2).sum())
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        model(x).pow(2).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    engine.synchronize()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(engine.state_dict()[name], p.detach(), rtol=1e-5, atol=1e-6)

@@ -70,6 +70,12 @@ def test_resnet34_from_the_config_is_the_tutorial_network(make):
 @pytest.mark.parametrize("model", options("model"))
 def test_every_model_builds_on_meta_with_compatible_data(make, model, tmp_path):
     data = ["data=synthetic"] if model.startswith("resnet") else ["data=synthetic_tokens"]
+    if model == "hf":  # a Hugging Face folder: a tiny Llama saved by transformers
+        import transformers
+        config = transformers.LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, max_position_embeddings=256)
+        transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+        data.append(f"model.path={tmp_path}")
     cfg = make(f"model={model}", *data)
     validate_config(cfg)
     net = build_model(cfg, torch.bfloat16, device="meta", vocab_size=cfg.data.get("vocab_size"))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -25,9 +25,11 @@ class RoundPipeRunConfig:
       match the forward (default: True).
     - ``recompute_grain``: ``"stage"`` keeps one input per backward stage and recomputes the stage;
       ``"layer"`` keeps every layer's input and recomputes one layer at a time (less GPU memory).
-    - ``split_input``: ``f(args: tuple, kwargs: dict, n: int) -> list[(args, kwargs)]``.
-    - ``split_label``: ``f(label, n: int) -> list[label]``.
-    - ``merge_output``: ``f(outputs: list) -> output``.
+    - ``split_input``: ``f(args: tuple, kwargs: dict, n: int) -> (args_list, kwargs_list)`` or
+      ``(args_spec, kwargs_spec)`` of chunk specs (batching.py), either None for automatic.
+    - ``split_label``: ``f(label, n: int) -> list[label]`` or a chunk spec structure.
+    - ``merge_output``: ``f(outputs: list) -> output``, a spec structure (``TensorChunkSpec``,
+      ``_Replicate``, ``_CustomReducer``), True (automatic) or False (per-microbatch ``PackedData``).
     - ``execute_plan``: an ``ExecutePlan`` fixing the stage boundaries instead of the planner's.
     """
 
@@ -36,9 +38,9 @@ class RoundPipeRunConfig:
     output_device: Optional[Any] = None
     preserve_rng_state: Optional[bool] = None
     recompute_grain: Optional[str] = None
-    split_input: Optional[Callable] = None
-    split_label: Optional[Callable] = None
-    merge_output: Optional[Callable] = None
+    split_input: Optional[Any] = None
+    split_label: Optional[Any] = None
+    merge_output: Optional[Any] = None
     execute_plan: Optional[Any] = None
 
     def __post_init__(self) -> None:
@@ -60,10 +62,9 @@ class RoundPipeRunConfig:
                 raise ValueError(
                     f"RoundPipeRunConfig.output_device must name a torch device, got {self.output_device!r}"
                 ) from e
-        for name in ("split_input", "split_label", "merge_output"):
-            value = getattr(self, name)
-            if value is not None and not callable(value):
-                raise ValueError(f"RoundPipeRunConfig.{name} must be callable, got {type(value).__name__}")
+        split = self.split_input
+        if split is not None and not callable(split) and not (isinstance(split, (tuple, list)) and len(split) == 2):
+            raise ValueError(f"RoundPipeRunConfig.split_input must be callable or (args_spec, kwargs_spec), got {type(split).__name__}")
         if self.execute_plan is not None:
             from .plan import ExecutePlan
 
@@ -91,9 +92,9 @@ class ResolvedRunConfig:
     output_device: torch.device
     preserve_rng_state: bool
     recompute_grain: str
-    split_input: Optional[Callable]
-    split_label: Optional[Callable]
-    merge_output: Optional[Callable]
+    split_input: Optional[Any]
+    split_label: Optional[Any]
+    merge_output: Optional[Any]
     execute_plan: Optional[Any]
 
 

@@ -57,6 +57,10 @@ class Device:
         """Copy ``src`` into the host tensor ``dst``; call inside ``stream("download")``."""
         dst.copy_(src)
 
+    def follow_caller(self) -> None:
+        """Order this call's compute after the work the caller queued before it (on the caller's
+        thread, before any stream switch): inputs and labels it made on this GPU, e.g. augmentation."""
+
     def receive(self, value: Any, event: Any, source: Optional["Device"]) -> Any:
         """Make tensors produced on ``source`` (None: the host) usable on this device's compute stream."""
         return map_tensors(lambda t: t.to(self.torch_device), value)
@@ -128,6 +132,9 @@ class CudaDevice(Device):
 
     def copy_to_host(self, dst: Tensor, src: Tensor) -> None:
         dst.copy_(src, non_blocking=True)
+
+    def follow_caller(self) -> None:
+        self.streams["compute"].wait_stream(torch.cuda.current_stream(self.torch_device))
 
     def receive(self, value: Any, event: Any, source: Optional[Device]) -> Any:
         if source is self:

@@ -18,12 +18,13 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import refresh
-from .batching import iter_tensors, map_tensors
+from . import recompute, refresh
+from .batching import iter_tensors, map_tensors, opaque_type
 from .device import Device
 from .graphs import StageGraphs, signature, worth_recording
 from .host import GradBuffer, HostState
 from .layout import FlatLayout, Range, Slot
+from .memory_format import convert_inputs
 from .replica import Shell
 from .scaler import recording_scalers
 from .schedule import Job, JobKind
@@ -47,6 +48,11 @@ def float_tensors(value: Any) -> list[Tensor]:
 
 def make_leaves(value: Any, requires_grad: bool) -> Any:
     """Cut ``value`` from any graph; floating tensors become leaves that collect gradients."""
+    if requires_grad and (hidden := opaque_type(value)) is not None:
+        raise TypeError(
+            f"a {hidden.__module__}.{hidden.__qualname__} passed between layers holds tensors the engine cannot see, so "
+            "no gradient would reach the layers before it: register the type with torch.utils._pytree.register_pytree_node"
+        )
     return map_tensors(lambda t: t.detach().requires_grad_(requires_grad and t.is_floating_point()), value)
 
 
@@ -98,6 +104,8 @@ class PassState:
     # Carried from a recorded forward into its backward.
     saved: dict = field(default_factory=dict)  # (layer, micro) -> (value, event, device)
     rng: dict = field(default_factory=dict)  # (layer, micro) -> generator state
+    recompute_data: dict = field(default_factory=dict)  # (layer, micro) -> (save_for_recompute data, event, device)
+    recompute_follows: bool = False  # forward stages' layers run again in backward stages
     # Results.
     losses: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
@@ -173,6 +181,7 @@ class Executor:
         self.reducer = None  # a GradReducer when gradients are averaged across processes
         self.resident = False  # keep the whole compute copy on every GPU
         self.cuda_graphs = False  # replay fused stages as CUDA graphs (needs resident weights)
+        self.memory_format: Optional[torch.memory_format] = None  # the layout of 4-D inputs (memory_format.py)
         self._refresh_plan: Optional[tuple[list[Range], list[Range]]] = None
 
     # ----------------------------------------------------------------------------- running a call
@@ -187,6 +196,8 @@ class Executor:
         for jobs in by_device.values():
             for a, b in zip(jobs, jobs[1:]):
                 state.next_on_device[a.index] = b
+        for index in by_device:
+            self.devices[index].follow_caller()
         if len(by_device) == 1:
             try:
                 for job in state.jobs:
@@ -368,6 +379,8 @@ class Executor:
                     else:
                         value, event, source = state.chain.take(job.index - 1, micro)
                     value = device.receive(value, event, source)
+                    if job.index == 0 and job.kind is not JobKind.BACKWARD:  # the call's inputs (not output gradients)
+                        value = convert_inputs(value, self.memory_format)
                     result = run(job, modules, value, micro, state, device)
                     state.chain.put(job.index, micro, result, device.record("compute"), device)
                 # Graph replays update statistics without bumping the tensors' version counters.
@@ -393,8 +406,23 @@ class Executor:
                     state.saved[(i, micro)] = (x, device.record("compute"), device)
                 if state.preserve_rng:
                     state.rng[(i, micro)] = device.rng_state()
-            x = call_layer(modules[i - job.start], x)
+            with self._recompute_context(job, i, micro, state, device) as store:
+                x = call_layer(modules[i - job.start], x)
+            if store and job.kind is JobKind.FORWARD and (i, micro) in store:  # moved to the recomputing device later
+                store[(i, micro)] = (store[(i, micro)], device.record("compute"), device)
         return x
+
+    @contextlib.contextmanager
+    def _recompute_context(self, job: Job, layer: int, micro: int, state: PassState, device: Device) -> Iterator[Optional[dict]]:
+        """recompute.py's context for one layer call: forward stages save, backward stages read."""
+        key = (layer, micro)
+        if job.kind is JobKind.BACKWARD and key in state.recompute_data:
+            data, event, source = state.recompute_data.pop(key)
+            store = {key: device.receive(data, event, source)}
+        else:
+            store = state.recompute_data if job.kind is JobKind.FORWARD and state.recompute_follows else None
+        with recompute.layer_call(store, key, job.kind is JobKind.BACKWARD):
+            yield store
 
     def _forward(self, job: Job, modules: list, x: Any, micro: int, state: PassState, device: Device) -> Any:
         with torch.no_grad():
@@ -433,7 +461,10 @@ class Executor:
         if not needs_input_grad:
             return None
         # A graph returns input gradients in memory its next replay overwrites.
-        return [t.grad if key is None or t.grad is None else t.grad.clone() for t in float_tensors(leaves)]
+        grads = [t.grad if key is None or t.grad is None else t.grad.clone() for t in float_tensors(leaves)]
+        if job.start == 0:
+            state.input_grads[micro] = grads
+        return grads
 
     def _backward(self, job: Job, modules: list, grads: Any, micro: int, state: PassState, device: Device) -> Any:
         with self._watch_grads(job, micro, state, eager=True):

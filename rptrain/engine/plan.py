@@ -10,7 +10,7 @@ largest fused last stage that fits (every layer in it is one recompute saved).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 Stages = tuple[tuple[int, int], ...]
 
@@ -67,6 +67,22 @@ class ExecutePlan:
     @classmethod
     def per_layer(cls, num_layers: int) -> "ExecutePlan":
         return cls.from_cuts(num_layers, range(1, num_layers))
+
+    @classmethod
+    def auto(cls, run_type: str, *models: Any, min_stages: Optional[int] = None, upper_threshold: float = 1.1,
+             model_memory_limit: Optional[float] = None) -> "ExecutePlan | list[ExecutePlan]":
+        """The planner's plan for each ``RoundPipe`` (the original library's signature): from the
+        layer times measured so far, else from the layer sizes. ``run_type`` is "infer", "train"
+        or "fused" (one plan serves all three here); ``min_stages`` defaults to the number of
+        devices; ``model_memory_limit`` in GiB caps a stage at half of it; ``upper_threshold``
+        is accepted and unused (the planner balances stage times itself)."""
+        if run_type not in ("infer", "train", "fused"):
+            raise ValueError(f"ExecutePlan.auto: run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
+        if not models:
+            raise ValueError("ExecutePlan.auto needs at least one RoundPipe model")
+        cap = None if model_memory_limit is None else int(model_memory_limit * 2**30 / 2)
+        plans = [model._auto_plan(min_stages, cap) for model in models]
+        return plans[0] if len(plans) == 1 else plans
 
     def check_layers(self, num_layers: int) -> None:
         if self.num_layers != num_layers:

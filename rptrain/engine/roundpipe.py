@@ -26,13 +26,16 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
-from .batching import iter_tensors, map_tensors, merge_outputs, split_inputs, split_label
+from .batching import PackedData, merge_outputs, split_inputs, split_label
 from .config import RoundPipeRunConfig, ResolvedRunConfig, resolve
 from .device import make_devices
 from .executor import Args, Executor, PassState, float_tensors
 from .host import GradBuffer, HostState
+from .memory_format import check_memory_format
 from .plan import ExecutePlan, LayerCost, plan_stages
+from .recorded import run_recorded
 from .scaler import register_step_queue, step_context
 from .schedule import JobKind, backward_schedule, forward_schedule, training_schedule
 from .trace import span
@@ -71,6 +74,10 @@ class RoundPipe(nn.Module):
         cuda_graphs: bool = True,
         process_group: Any = None,
         optimizer_threads: Optional[int] = None,
+        *,
+        name: Optional[str] = None,
+        pin_model: str = "alloc",
+        memory_format: Optional[torch.memory_format] = None,
     ):
         """``devices``: None (every GPU, else the CPU) or a list like ``["cuda:0", "cuda:1"]``.
         ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
@@ -82,8 +89,16 @@ class RoundPipe(nn.Module):
         ``broadcast_buffers=False``.
         ``optimizer_threads``: OpenMP threads of the optimizer step. Default on GPU engines: one
         fewer than torch's, so the thread issuing GPU work keeps a core; a statically scheduled
-        parallel loop that shares a core with it waits for its slowest thread."""
+        parallel loop that shares a core with it waits for its slowest thread.
+        ``name``, ``pin_model``: the original library's; ``name`` is kept as ``.name``, host copies
+        are always pinned with PyTorch's allocator on GPU engines (its "alloc").
+        ``memory_format``: ``torch.channels_last`` converts 4-D inputs to channels-last on the
+        device, so convolutions run NHWC kernels (faster on recent GPUs); weights, gradients and
+        state dicts keep the standard layout (memory_format.py). None: inputs as given."""
         super().__init__()
+        if pin_model not in ("alloc", "register", "off"):
+            raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
+        self.name = name
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"RoundPipe needs an nn.Sequential (one element per pipeline layer), got {type(model).__name__}")
         if len(model) == 0:
@@ -119,6 +134,7 @@ class RoundPipe(nn.Module):
         self._executor = Executor(self._layers, self._host, self._devices)
         self._executor.resident = resident
         self._executor.cuda_graphs = self._cuda and cuda_graphs
+        self._executor.memory_format = check_memory_format(memory_format)
         if self._reducer is not None:
             self._executor.reducer = self._reducer
             self._reducer.check_same(self._host.master, self._devices[0].torch_device)
@@ -134,6 +150,7 @@ class RoundPipe(nn.Module):
         weakref.finalize(self, self._optimizer_thread.close)
         register_step_queue(self)
         self._plan: Optional[ExecutePlan] = None
+        self._costs: Optional[list[LayerCost]] = None  # measured by the first call on a GPU
         self._activation_bytes: Optional[dict[int, int]] = None  # measured: one microbatch's output per layer
         self._memory_cap = 0
         self._tickets: dict[int, Ticket] = {}  # version -> the task writing it
@@ -146,6 +163,16 @@ class RoundPipe(nn.Module):
         self._window_scalers: dict = {}
 
     # ----------------------------------------------------------------------------- nn.Module surface
+    def __getattr__(self, name: str) -> Any:
+        """Attributes RoundPipe lacks are read from the wrapped model."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if model is None:
+                raise
+            return getattr(model, name)
+
     def _apply(self, fn: Callable, recurse: bool = True) -> "RoundPipe":
         raise RuntimeError("RoundPipe decides where weights live: do not call .to()/.cuda()/.half() on it; build the model in the dtype you want before wrapping it")
 
@@ -163,6 +190,16 @@ class RoundPipe(nn.Module):
         for _, p in self.named_parameters():
             yield p
 
+    def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The master parameters, named (what ``named_parameters()`` gives inside ``OptimizerCtx``)."""
+        with OptimizerCtx():
+            named = list(self.named_parameters(prefix=prefix, remove_duplicate=remove_duplicate))
+        yield from named
+
+    def optim_parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.optim_named_parameters():
+            yield p
+
     @property
     def devices(self) -> list:
         return [d.torch_device for d in self._devices]
@@ -173,14 +210,15 @@ class RoundPipe(nn.Module):
         return self._plan
 
     # ----------------------------------------------------------------------------- calls
-    def forward(self, *args: Any, run_config: Optional[RoundPipeRunConfig] = None, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, run_config: Optional[RoundPipeRunConfig] = None,
+                roundpipe_run_config: Optional[RoundPipeRunConfig] = None, **kwargs: Any) -> Any:
+        """``roundpipe_run_config``: the original library's name for ``run_config``."""
         self._raise_step_errors()
-        cfg = self._resolve(run_config)
+        cfg = self._resolve(run_config or roundpipe_run_config)
         micro = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
         plan = self._forward_plan(cfg)
         if cfg.requires_grad and torch.is_grad_enabled():
-            flat_inputs = list(iter_tensors((args, kwargs)))
-            return _RecordedPipeline.run(self, cfg, plan, micro, flat_inputs)
+            return run_recorded(self, cfg, plan, micro)
         version = self._use_version()
         state = PassState(
             forward_schedule(plan, len(self._devices)), cfg.num_microbatch, [Args(a, k) for a, k in micro], version,
@@ -194,18 +232,19 @@ class RoundPipe(nn.Module):
         input_args: Any = (),
         input_kwargs: Optional[dict] = None,
         label: Any = None,
-        loss_fn: Optional[Callable] = None,
+        loss_fn: Callable = lambda outputs, label: outputs,
         return_outputs: bool = False,
         run_config: Optional[RoundPipeRunConfig] = None,
     ) -> Any:
         """Forward, ``loss_fn(outputs, label)`` and backward over every microbatch.
 
         Returns the sum of the microbatch losses (and the merged outputs if ``return_outputs``).
+        Without ``loss_fn`` the model's output is the loss (the original library's default).
         Gradients accumulate in fp32 on the host until the next ``step()``.
         """
         self._raise_step_errors()
         args, kwargs = _check_inputs(input_args, input_kwargs)
-        if loss_fn is None or not callable(loss_fn):
+        if not callable(loss_fn):
             raise TypeError("forward_backward needs loss_fn: a callable (outputs, label) -> scalar tensor")
         cfg = self._resolve(run_config)
         micro = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
@@ -214,15 +253,21 @@ class RoundPipe(nn.Module):
         version = self._use_version()
         buffer = self._open_window()
         jobs = training_schedule(plan, len(self._devices), cfg.recompute_grain)
+        inputs = [float_tensors(Args(a, k)) for a, k in micro]
         state = PassState(
             jobs, cfg.num_microbatch,
             [Args(a, k) for a, k in micro], version, labels=labels, loss_fn=loss_fn, grad_buffer=buffer,
             preserve_rng=cfg.preserve_rng_state, want_outputs=return_outputs, output_device=cfg.output_device,
             profile=profile, offload=self._offload(jobs, cfg.num_microbatch),
+            input_requires_grad=torch.is_grad_enabled() and any(t.requires_grad for i in inputs for t in i),
+            recompute_follows=True,
         )
         self._run_training_pass(state)
         if profile:
             self._plan_from(state)
+        if state.input_requires_grad:  # e.g. an encoder's packed output: its backward runs now
+            pairs = [(t, g) for i, grads in zip(inputs, state.input_grads) for t, g in zip(i, grads or ()) if t.requires_grad and g is not None]
+            torch.autograd.backward([t for t, _ in pairs], [g.to(t.device) for t, g in pairs])
         losses = [loss.to(cfg.output_device) for loss in state.losses]
         loss = torch.stack(losses).sum()
         if return_outputs:
@@ -246,26 +291,38 @@ class RoundPipe(nn.Module):
             _, earlier = self._window_scalers.get(scaler, (scale, False))
             self._window_scalers[scaler] = (scale, earlier or found_inf)
 
-    def step(self, step_fn: Callable[[], Any], is_async: bool = True) -> None:
-        """Run ``step_fn`` (e.g. ``scaler.step(opt); opt.zero_grad()``) on the optimizer thread with
-        the gradients accumulated since the last step as the master parameters' ``.grad``."""
+    def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
+        """Run ``step_fn(*args, **kwargs)`` (e.g. ``scaler.step(opt); opt.zero_grad()``) on the
+        optimizer thread with the gradients accumulated since the last step as the master
+        parameters' ``.grad``; there ``parameters()`` gives the master parameters."""
         self._raise_step_errors()
         if not callable(step_fn):
             raise TypeError(f"step() needs a callable, got {type(step_fn).__name__}")
+        buffer, scalers = self._close_window()
+        version = self._submit(functools.partial(self._run_step, functools.partial(step_fn, *args, **kwargs), buffer, scalers))
+        self._stepped(version, buffer, is_async)
+
+    def _close_window(self) -> tuple[Optional[GradBuffer], dict]:
+        """The open window's gradient buffer (None: no call since the last step) and scalers."""
         buffer = self._host.grads[self._window] if self._window_open else None
         scalers, self._window_scalers = self._window_scalers, {}
         self._window_open = False
-        version = self._submit(functools.partial(self._run_step, step_fn, buffer, scalers))
+        return buffer, scalers
+
+    def _stepped(self, version: int, buffer: Optional[GradBuffer], is_async: bool) -> None:
+        """Bookkeeping after submitting the step that writes ``version``."""
         previous, self._last_step_version = self._last_step_version, version
         if is_async:
             self._required = max(self._required, previous)
             if buffer is not None:
                 self._window = 1 - self._window
         else:
-            self._wait_version(version)
-            self._required = version
-            if buffer is not None and not buffer.free.is_set():
-                self._window = 1 - self._window
+            try:
+                self._wait_version(version)
+            finally:  # a failed step still wrote its version; the buffer its .grad holds stays out of use
+                self._required = version
+                if buffer is not None and not buffer.free.is_set():
+                    self._window = 1 - self._window
 
     def synchronize(self) -> None:
         """Wait for queued steps and make the compute copy equal to the master copy."""
@@ -274,6 +331,15 @@ class RoundPipe(nn.Module):
         self._wait_version(version)
         self._required = self._last_step_version = version
         self._use_version()
+        self._show_grads()
+
+    def _show_grads(self) -> None:
+        """The wrapped model's ``.grad``: the gradients accumulated since the last step (in the
+        parameter's dtype; the step still uses the fp32 sums), None where there are none."""
+        buffer = self._host.grads[self._window] if self._window_open else None
+        for slot, p in zip(self._host.params.slots, self._host.user_params):
+            written = buffer is not None and buffer.written[slot.index]
+            p.grad = buffer.views[slot.index].to(p.dtype, copy=True) if written else None
 
     def wait_for_steps(self) -> None:
         """Wait for queued optimizer work without raising its errors (GradScaler.update uses it)."""
@@ -281,13 +347,15 @@ class RoundPipe(nn.Module):
             ticket.wait()
 
     def close(self) -> None:
-        """Stop the optimizer thread and free device memory; the object is not usable afterwards."""
+        """Stop the optimizer thread and free device memory; the object is not usable afterwards.
+        Raises the error of a step nobody has seen fail yet."""
         self.wait_for_steps()
         self._optimizer_thread.close()
         self._executor.drop_resident()
         # Let go of the process group: one still referenced when the interpreter exits is torn
         # down after torch's globals, and its threads abort the process (seen with gloo).
         self._reducer = self._executor.reducer = None
+        self._raise_step_errors()
 
     # ----------------------------------------------------------------------------- state dicts
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
@@ -322,10 +390,13 @@ class RoundPipe(nn.Module):
 
     # ----------------------------------------------------------------------------- versions
     def _submit(self, task: Callable[[int], None]) -> int:
-        version = self._written + 1
-        self._written = version
+        version = self._claim_version()
         self._tickets[version] = self._optimizer_thread.submit(functools.partial(task, version))
         return version
+
+    def _claim_version(self) -> int:
+        self._written += 1
+        return self._written
 
     def _wait_version(self, version: int) -> None:
         ticket = self._tickets.get(version)
@@ -337,8 +408,9 @@ class RoundPipe(nn.Module):
         for version, ticket in sorted(self._tickets.items()):
             if ticket.done():
                 del self._tickets[version]
-                if ticket.error is not None:
-                    raise RuntimeError(f"the optimizer step failed on the optimizer thread: {ticket.error!r}") from ticket.error
+                error, ticket.error = ticket.error, None  # reported once, also where engines share a ticket
+                if error is not None:
+                    raise RuntimeError(f"the optimizer step failed on the optimizer thread: {error!r}") from error
 
     def _drain(self) -> None:
         self.wait_for_steps()
@@ -358,7 +430,7 @@ class RoundPipe(nn.Module):
         try:
             with span("bind_grads"):
                 self._bind_master_grads(buffer)
-            with step_context(scalers), span("step_fn"):
+            with step_context(scalers), OptimizerCtx(), span("step_fn"):
                 step_fn()
         finally:
             if buffer is not None:
@@ -400,11 +472,21 @@ class RoundPipe(nn.Module):
             b.held = False
             b.free.set()
 
+    def _release(self, buffer: GradBuffer) -> None:
+        """Master gradients keep their values in their own memory; ``buffer`` is free again."""
+        for p in self._host.master_params:
+            if _same_storage(p.grad, buffer.flat):
+                p.grad = p.grad.clone()
+        buffer.held = False
+        buffer.free.set()
+
     def _open_window(self) -> GradBuffer:
         buffer = self._host.grad_buffer(self._window)
         if not self._window_open:
             while not buffer.free.wait(timeout=0.5):
                 self._raise_step_errors()
+                if not self._tickets:  # no step left that would let it go (one failed holding it)
+                    self._release(buffer)
             buffer.free.clear()
             buffer.reset()
             self._window_open = True
@@ -434,6 +516,11 @@ class RoundPipe(nn.Module):
                 return ExecutePlan.per_layer(len(self._layers)), True
             self._plan = plan_stages(self._static_costs(), len(self._devices))
         return self._plan, False
+
+    def _auto_plan(self, min_stages: Optional[int], memory_cap: Optional[int]) -> ExecutePlan:
+        """``ExecutePlan.auto``: the measured costs when a call has measured them, else the sizes."""
+        cap = memory_cap or (min(d.memory_cap() or 0 for d in self._devices) or None)
+        return plan_stages(self._costs or self._static_costs(), max(1, min_stages or len(self._devices)), cap)
 
     def _forward_plan(self, cfg: ResolvedRunConfig) -> ExecutePlan:
         if cfg.execute_plan is not None:
@@ -471,6 +558,7 @@ class RoundPipe(nn.Module):
             for i, c in enumerate(base)
         ]
         cap = min(d.memory_cap() or 0 for d in self._devices) or None
+        self._costs = costs
         self._plan = self._same_on_all_ranks(plan_stages(costs, len(self._devices), cap))
         self._activation_bytes, self._memory_cap = dict(state.activation_bytes), cap or 0
 
@@ -488,85 +576,6 @@ def _check_inputs(input_args: Any, input_kwargs: Optional[dict]) -> tuple[tuple,
         input_kwargs = {}
     if not isinstance(input_kwargs, dict):
         raise TypeError(f"input_kwargs must be a dict, got {type(input_kwargs).__name__}")
-    if not any(True for _ in iter_tensors((input_args, input_kwargs))):
+    if not any(isinstance(leaf, (Tensor, PackedData)) for leaf in pytree.tree_leaves((input_args, input_kwargs))):
         raise ValueError("forward_backward got no input tensors")
     return tuple(input_args), dict(input_kwargs)
-
-
-class _RecordedPipeline(torch.autograd.Function):
-    """``model(x)`` with grad enabled: the pipeline forward now, its backward when autograd asks."""
-
-    @staticmethod
-    def run(engine: RoundPipe, cfg: ResolvedRunConfig, plan: ExecutePlan, micro: list, flat_inputs: list) -> Any:
-        holder: dict = {}
-        flat_out = _RecordedPipeline.apply(engine, cfg, plan, micro, holder, *flat_inputs)
-        return holder["rebuild"](flat_out)
-
-    @staticmethod
-    def forward(ctx: Any, engine: RoundPipe, cfg: ResolvedRunConfig, plan: ExecutePlan, micro: list, holder: dict, *flat_inputs: Tensor) -> Any:
-        version = engine._use_version()
-        needs_input_grad = any(t.requires_grad for t in flat_inputs)
-        state = PassState(
-            forward_schedule(plan, len(engine._devices), save_for_backward=True, grain=cfg.recompute_grain),
-            cfg.num_microbatch, [Args(a, k) for a, k in micro], version,
-            preserve_rng=cfg.preserve_rng_state, output_device=cfg.output_device, input_requires_grad=needs_input_grad,
-        )
-        engine._executor.run(state)
-        merged = merge_outputs(state.outputs, cfg.merge_output)
-        outputs = float_tensors(merged)
-        per_micro = [float_tensors(o) for o in state.outputs]
-        ctx.engine, ctx.cfg, ctx.plan, ctx.state, ctx.version = engine, cfg, plan, state, version
-        ctx.split_sizes = [[t.shape[0] if t.dim() else None for t in o] for o in per_micro]
-        ctx.num_inputs = len(flat_inputs)
-        ctx.input_devices = [t.device for t in flat_inputs]
-        ctx.input_positions = _float_positions(list(flat_inputs), micro)
-
-        def rebuild(flat: Any) -> Any:
-            flat = list(flat) if isinstance(flat, (tuple, list)) else [flat]
-            it = iter(flat)
-            return map_tensors(lambda t: next(it) if t.is_floating_point() else t, merged)
-
-        holder["rebuild"] = rebuild
-        return tuple(t.detach() for t in outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: Tensor) -> Any:
-        engine: RoundPipe = ctx.engine
-        if engine._required != ctx.version:
-            raise RuntimeError("RoundPipe: backward() must run before the next step()/synchronize() of the same model")
-        grads_per_micro = []
-        for m, sizes in enumerate(ctx.split_sizes):
-            offsets = [sum(s[i] for s in ctx.split_sizes[:m]) if sizes[i] is not None else None for i in range(len(sizes))]
-            grads_per_micro.append(
-                [None if g is None else (g.narrow(0, off, size) if size is not None else g) for g, off, size in zip(grad_outputs, offsets, sizes)]
-            )
-        buffer = engine._open_window()
-        first_device = len(ctx.state.jobs)
-        state = PassState(
-            backward_schedule(ctx.plan, len(engine._devices), ctx.cfg.recompute_grain, first_device),
-            ctx.cfg.num_microbatch, grads_per_micro, ctx.version, grad_buffer=buffer,
-            preserve_rng=ctx.cfg.preserve_rng_state, input_requires_grad=any(ctx.needs_input_grad[5:]),
-        )
-        state.saved, state.rng = ctx.state.saved, ctx.state.rng
-        engine._run_training_pass(state)
-        input_grads: list = [None] * ctx.num_inputs
-        for position, (k, was_split) in ctx.input_positions.items():
-            if not ctx.needs_input_grad[5 + position]:
-                continue
-            pieces = [g[k] if g is not None else None for g in state.input_grads]
-            if all(p is not None for p in pieces):
-                pieces = [p.to(ctx.input_devices[position]) for p in pieces]
-                input_grads[position] = torch.cat(pieces) if was_split else torch.stack(pieces).sum(0)
-        return (None, None, None, None, None, *input_grads)
-
-
-def _float_positions(flat_inputs: list, micro: list) -> dict[int, tuple[int, bool]]:
-    """For each floating input tensor: its index among the first layer's floating inputs, and
-    whether it was split across microbatches (its gradient is concatenated, else summed)."""
-    firsts = list(iter_tensors(Args(*micro[0])))
-    positions, k = {}, 0
-    for i, (whole, first) in enumerate(zip(flat_inputs, firsts)):
-        if whole.is_floating_point():
-            positions[i] = (k, len(micro) > 1 and first.shape != whole.shape)
-            k += 1
-    return positions

@@ -73,17 +73,11 @@ class GradScaler:
     ):
         if not (isinstance(init_scale, (int, float)) and init_scale > 0 and math.isfinite(init_scale)):
             raise ValueError(f"GradScaler init_scale must be a positive finite number, got {init_scale!r}")
-        if not growth_factor > 1.0:
-            raise ValueError(f"GradScaler growth_factor must be > 1, got {growth_factor!r}")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"GradScaler backoff_factor must be in (0, 1), got {backoff_factor!r}")
-        if not (isinstance(growth_interval, int) and growth_interval >= 1):
-            raise ValueError(f"GradScaler growth_interval must be an integer >= 1, got {growth_interval!r}")
+        self.set_growth_factor(growth_factor)
+        self.set_backoff_factor(backoff_factor)
+        self.set_growth_interval(growth_interval)
         self._enabled = bool(enabled)
         self._scale = float(init_scale)
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
-        self._growth_interval = growth_interval
         self._growth_tracker = 0
         self._lock = threading.Lock()
         self._observed_inf: Optional[bool] = None  # engine-side checks since the last update()
@@ -101,6 +95,32 @@ class GradScaler:
 
     def get_scale(self) -> float:
         return self._scale if self._enabled else 1.0
+
+    # Getters and setters as torch.amp.GradScaler's (``up_to_date``: the original library's
+    # flag; update() here runs on the caller's thread, so every value is current).
+    def get_growth_factor(self, up_to_date: bool = False) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        if not new_factor > 1.0:
+            raise ValueError(f"GradScaler growth_factor must be > 1, got {new_factor!r}")
+        self._growth_factor = float(new_factor)
+
+    def get_backoff_factor(self, up_to_date: bool = False) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        if not 0.0 < new_factor < 1.0:
+            raise ValueError(f"GradScaler backoff_factor must be in (0, 1), got {new_factor!r}")
+        self._backoff_factor = float(new_factor)
+
+    def get_growth_interval(self, up_to_date: bool = False) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        if not (isinstance(new_interval, int) and new_interval >= 1):
+            raise ValueError(f"GradScaler growth_interval must be an integer >= 1, got {new_interval!r}")
+        self._growth_interval = new_interval
 
     def scale(self, outputs: Any) -> Any:
         if not self._enabled:
@@ -166,7 +186,8 @@ class GradScaler:
                 self._stepped_inf.append(bool(found_inf))
         return result
 
-    def update(self, new_scale: Optional[float] = None) -> None:
+    def update(self, new_scale: Optional[float] = None, is_async: bool = True) -> None:
+        """``is_async``: the original library's flag; here the new scale is always current."""
         if not self._enabled:
             return
         if new_scale is not None:

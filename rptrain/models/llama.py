@@ -1,18 +1,17 @@
-"""Llama-style decoder as an nn.Sequential, its presets, and size/FLOP estimates.
+"""Llama presets: their hyper-parameters mapped onto the one decoder (rptrain.models.decoder),
+and size/FLOP estimates.
 
-    [TokenEmbedding, DecoderBlock x n_layers, LMHeadLoss]
-
-Feed `(input_ids, targets)`; the model returns the summed token cross entropy.
 Presets are randomly initialised; `load_weights` reads a local checkpoint.
 """
 
 import torch
 from torch import nn
 
+from rptrain.models.decoder import Device, build_decoder
+from rptrain.models.decoder_config import DecoderConfig
 from rptrain.models.llama_config import LlamaConfig
-from rptrain.models.llama_layers import DecoderBlock, Device, TokenEmbedding
-from rptrain.models.llama_loss import LMHeadLoss
 from rptrain.models.registry import register_model
+from rptrain.models.rope import Rope
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=131072,
                rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_seq_len=8192)
@@ -41,12 +40,20 @@ def llama_config(name: str, **overrides) -> LlamaConfig:
     return LlamaConfig(**{**LLAMA_PRESETS[name], **overrides})
 
 
+def decoder_config(cfg: LlamaConfig) -> DecoderConfig:
+    scaled = cfg.rope_scale_factor != 1
+    rope = Rope(theta=cfg.rope_theta, type="llama3" if scaled else "default", factor=cfg.rope_scale_factor,
+                low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                original_max_position_embeddings=cfg.rope_original_max_seq_len)
+    return DecoderConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                         n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.ffn_hidden,
+                         norm_eps=cfg.norm_eps, rope=rope, tie_embeddings=cfg.tie_embeddings, max_seq_len=cfg.max_seq_len,
+                         init_std=cfg.init_std, loss_chunk_tokens=cfg.loss_chunk_tokens)
+
+
 def build_llama(cfg: LlamaConfig, device: Device = None, dtype: torch.dtype | None = None) -> nn.Sequential:
     """device="meta" allocates nothing, so even llama_8b can be built anywhere."""
-    embedding = TokenEmbedding(cfg, device, dtype)
-    blocks = [DecoderBlock(cfg, device, dtype) for _ in range(cfg.n_layers)]
-    head = LMHeadLoss(cfg, embedding.weight if cfg.tie_embeddings else None, device, dtype)
-    return nn.Sequential(embedding, *blocks, head)
+    return build_decoder(decoder_config(cfg), device, dtype)
 
 
 def _register(name: str) -> None:

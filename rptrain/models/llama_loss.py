@@ -8,12 +8,7 @@ to rebuild logits: it only scales the stored gradients.
 """
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.autograd.function import once_differentiable
-
-from rptrain.models.llama_config import LlamaConfig
-from rptrain.models.llama_layers import Batch, Device, RMSNorm
 
 IGNORE_INDEX = -100
 
@@ -28,10 +23,11 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     hidden: (N, D), weight: (V, D), targets: (N,). Logits and the loss are computed
     in float32 (float64 when the inputs are float64); matmuls run in the input dtype.
+    `softcap` (Gemma-2's final_logit_softcapping): logits = softcap * tanh(logits / softcap).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens: int, need_grad: bool):
+    def forward(ctx, hidden, weight, targets, chunk_tokens: int, need_grad: bool, softcap: float | None = None):
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
         want_h = need_grad and ctx.needs_input_grad[0]
         want_w = need_grad and ctx.needs_input_grad[1]
@@ -44,6 +40,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             valid = t != IGNORE_INDEX
             safe_t = t.masked_fill(~valid, 0)  # any in-range id; masked out below
             logits = (h @ weight.t()).to(acc_dtype)
+            if softcap is not None:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
             lse = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(1, safe_t[:, None]).squeeze(1)
             loss += torch.where(valid, lse - target_logit, 0.0).sum()
@@ -51,6 +50,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                 # d loss / d logits = softmax - onehot(target), zero on ignored rows.
                 g = logits.sub_(lse[:, None]).exp_()
                 g[torch.arange(g.size(0), device=g.device), safe_t] -= 1.0
+                if softcap is not None:  # d(c * tanh(z / c)) / dz = 1 - tanh^2
+                    g = g.mul_(1 - capped.square())
                 g = g.mul_(valid[:, None]).to(hidden.dtype)
                 if want_h:
                     grad_h[start : start + chunk_tokens] = g @ weight
@@ -71,47 +72,4 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_h = grad_h * grad_loss.to(grad_h.dtype)
         if grad_w is not None:
             grad_w = (grad_w * grad_loss).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None
-
-
-class LMHeadLoss(nn.Module):
-    """(hidden, targets) -> summed token cross entropy (0-dim float32), or logits if targets is None.
-
-    The sum, not the mean, so microbatches add up exactly; the trainer divides by
-    the global `count_tokens`. With tie_embeddings, pass the TokenEmbedding's
-    Parameter as `tied_weight`: both layers then hold the very same object.
-    """
-
-    def __init__(
-        self,
-        cfg: LlamaConfig,
-        tied_weight: nn.Parameter | None = None,
-        device: Device = None,
-        dtype: torch.dtype | None = None,
-    ):
-        super().__init__()
-        self.chunk_tokens = cfg.loss_chunk_tokens
-        self.init_std = cfg.init_std
-        self.tied = tied_weight is not None
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
-        if self.tied:
-            self.weight = tied_weight
-        else:
-            self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim, device=device, dtype=dtype))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        self.norm.reset_parameters()
-        if not self.tied:  # a tied weight belongs to the embedding, which initialises it
-            nn.init.normal_(self.weight, std=self.init_std)
-
-    def forward(self, batch: Batch) -> torch.Tensor:
-        h, targets = batch
-        h = self.norm(h)
-        if targets is None:
-            return F.linear(h, self.weight).float()
-        # Function.forward cannot see the grad mode, so tell it whether to make grads.
-        need_grad = torch.is_grad_enabled() and (h.requires_grad or self.weight.requires_grad)
-        return LinearCrossEntropy.apply(
-            h.reshape(-1, h.size(-1)), self.weight, targets.reshape(-1), self.chunk_tokens, need_grad
-        )
+        return grad_h, grad_w, None, None, None, None

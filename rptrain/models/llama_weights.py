@@ -1,46 +1,28 @@
-"""Load a local Llama checkpoint into the Sequential decoder.
+"""Load a local checkpoint into a decoder Sequential (a preset or `model=hf`).
 
-Accepts our own state-dict names ("0.weight", "3.wq.weight", ...) and Hugging
-Face Llama names ("model.layers.2.self_attn.q_proj.weight", ...). HF stores q/k
-projections permuted for the rotate_half rotary layout, which is the layout
-`apply_rotary` uses, so their tensors are copied without un-permuting. (Meta's
+Accepts our own state-dict names ("0.embed_tokens.weight", "3.self_attn.q_proj.weight", ...) and
+Hugging Face names ("model.layers.2.self_attn.q_proj.weight", ...): they differ only by the
+prefix (rptrain.models.hf_names). HF stores q/k projections permuted for the rotate_half rotary
+layout, which is the layout `apply_rotary` uses, so their tensors are copied as they are. (Meta's
 original consolidated.*.pth files use interleaved pairs and are not supported.)
 """
 
-import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
-_HF_BLOCK = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "wq.weight",
-    "self_attn.k_proj.weight": "wk.weight",
-    "self_attn.v_proj.weight": "wv.weight",
-    "self_attn.o_proj.weight": "wo.weight",
-    "post_attention_layernorm.weight": "mlp_norm.weight",
-    "mlp.gate_proj.weight": "w1.weight",
-    "mlp.up_proj.weight": "w3.weight",
-    "mlp.down_proj.weight": "w2.weight",
-}
+from rptrain.models.hf_names import seq_name
 
 
 def _from_hf_name(name: str, n_layers: int) -> str | None:
     """Our name for an HF tensor; None for tensors to drop; unknown names pass through."""
-    head = n_layers + 1
-    if name == "model.embed_tokens.weight":
-        return "0.weight"
-    if name == "model.norm.weight":
-        return f"{head}.norm.weight"
-    if name == "lm_head.weight":
-        return f"{head}.weight"
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _HF_BLOCK:
-        return f"{int(m.group(1)) + 1}.{_HF_BLOCK[m.group(2)]}"
-    if m and m.group(2) == "self_attn.rotary_emb.inv_freq":  # derived table in old HF files
+    if name.endswith("rotary_emb.inv_freq"):  # a derived table in old HF files
         return None
-    return name
+    try:
+        return seq_name(name, n_layers)
+    except ValueError:
+        return name
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -69,7 +51,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _listing(names: list[str], limit: int = 5) -> str:
+def listing(names: list[str], limit: int = 5) -> str:
     more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
 
@@ -98,11 +80,11 @@ def load_weights(model: nn.Sequential, path: str | Path) -> None:
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {path} does not match the model: "
-            f"missing {len(missing)} [{_listing(missing)}], unexpected {len(unexpected)} [{_listing(unexpected)}]"
+            f"missing {len(missing)} [{listing(missing)}], unexpected {len(unexpected)} [{listing(unexpected)}]"
         )
     wrong = [f"{n} {tuple(state[n].shape)} vs {tuple(t.shape)}" for n, t in expected.items() if state[n].shape != t.shape]
     if wrong:
-        raise ValueError(f"checkpoint {path} has wrong shapes (file vs model): {_listing(wrong)}")
+        raise ValueError(f"checkpoint {path} has wrong shapes (file vs model): {listing(wrong)}")
     if any(t.is_meta for t in expected.values()):
         raise ValueError("model is on the meta device; materialise it first, e.g. model.to_empty(device='cpu')")
     model.load_state_dict(state)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -57,6 +57,12 @@ def epoch_line(epoch: int, epochs: int, rec: dict, metric: str) -> str:
     return " | ".join(parts)
 
 
+def epoch_rate_line(epoch: int, epochs: int, rec: dict) -> str:
+    """The whole epoch's throughput: its training samples over its wall time, evaluation included."""
+    return (f"Epoch {epoch:02d}/{epochs} took {rec['epoch_wall_time']:.2f} s with its evaluation: "
+            f"{rec['epoch_samples_per_s']:,.0f} samples/s")
+
+
 def step_line(rec: dict, total: int, metric: str, unit: str) -> str:
     rate = rec.get(f"{unit}_per_s") or 0.0
     return (
@@ -80,6 +86,7 @@ class ProgressBar:
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
             console=console, transient=True, disable=not self.enabled,
+            refresh_per_second=4,  # rendering holds the GIL the step's issuing thread needs
         )
         self._task: Optional[int] = None
 
@@ -96,16 +103,23 @@ class ProgressBar:
             self._progress.remove_task(self._task)
         self._task = self._progress.add_task(description, total=total, completed=done, stats="")
 
-    def advance(self, stats: str, logged: bool = False) -> None:
-        """One step done; `logged`: a log line for it goes out anyway."""
-        if self._task is not None:
-            self._progress.update(self._task, advance=1, stats=stats)
+    def advance(self, stats: Optional[Callable[[], str]] = None, logged: bool = False) -> None:
+        """One step done; `logged`: a log line for it goes out anyway. Off a terminal, stats() (a read
+        of the step's numbers, so a wait for the GPU) is called only for a heartbeat line."""
+        if self.enabled and self._task is not None:
+            self._progress.update(self._task, advance=1)
         if self.enabled or self._plain is None:
             return
         self._plain[1] += 1
         now = time.monotonic()
-        if not logged and (self._last_line is None or now - self._last_line >= self.heartbeat_s):
+        due = self._last_line is None or now - self._last_line >= self.heartbeat_s
+        if due and not logged:
             description, done, total = self._plain
-            say(self.console, f"{description}: {done}/{total} | {stats}")
-        if logged or self._last_line is None or now - self._last_line >= self.heartbeat_s:
+            say(self.console, f"{description}: {done}/{total}" + (f" | {stats()}" if stats else ""))
+        if due or logged:
             self._last_line = now
+
+    def show(self, stats: str) -> None:
+        """Loss and throughput next to the bar: updated at log steps, the only time they are read."""
+        if self.enabled and self._task is not None:
+            self._progress.update(self._task, stats=stats)

@@ -30,11 +30,13 @@ from rich.console import Console
 from rptrain import OptimizerCtx, RoundPipe
 
 from .checkpoint import LAST, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .console import ProgressBar, epoch_line, log, say, step_line
+from .console import ProgressBar, epoch_line, epoch_rate_line, log, say, step_line
 from .data import TrainData, build_data
 from .dist import Dist, FailedOnRankZero, inject_fault, peer_errors
 from .errors import CheckpointError, one_line
-from .meters import Meter, RunProgress, progress_from, progress_state, rank_share
+from .kernels import cudnn_benchmark
+from .memory_format import choose_memory_format
+from .meters import Meter, RunProgress, epoch_rate, progress_from, progress_state, rank_share
 from .metrics import MetricsLog
 from .model import IMAGE, build_model, fingerprint
 from .plots import plot_curves
@@ -83,14 +85,16 @@ class Trainer:
         with peer_errors("the comparison of the ranks' initial weights", d.world > 1):
             engine = RoundPipe(model, torch_dtype(cfg.precision.optim_dtype), build_run_config(cfg.run_config, len(model)),
                                devices=d.devices, process_group=d.group, cuda_graphs=cfg.engine.cuda_graphs,
-                               optimizer_threads=cfg.engine.optimizer_threads)
+                               optimizer_threads=cfg.engine.optimizer_threads,
+                               memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices))
         engine_ref = weakref.ref(engine)
         del model  # the engine owns the weights now
         # Handed over in a list that _fit empties: a big checkpoint should not stay mapped all run.
         handover = [state]
         del state
         try:
-            summary = self._fit(engine, data, dtype, handover, resume)
+            with cudnn_benchmark(cfg.engine.cudnn_benchmark):
+                summary = self._fit(engine, data, dtype, handover, resume)
         finally:
             self.parts = {}  # the only other references to the engine, optimizer and data: free them for the next job
             engine.close()
@@ -213,8 +217,9 @@ class Trainer:
                     p.samples += result.samples
                     p.tokens += result.count if data.kind != IMAGE else 0
                     logged = p.step % t.log_interval == 0 or p.step == self.total_steps
-                    bar.advance(self._bar_stats(window), logged)
-                    if logged:
+                    bar.advance(lambda: self._bar_stats(window), logged)  # off a terminal, a heartbeat line reads them
+                    if logged:  # the only reads of the step's numbers
+                        bar.show(self._bar_stats(window))
                         self._log_train(p, window, epoch, lr_of(p.step - 1), scale, bar.enabled)
                         window = Meter()
                     # One process: a signal during the step stops after it. Several: after the step all agreed on.
@@ -303,8 +308,11 @@ class Trainer:
         }
         if p.last_eval_step == p.step:
             record.update({f"test_{k}": v for k, v in p.last_eval.items()})
+        record.update(epoch_rate(p.epoch_meter, m.samples))
         self.metrics.add("epoch", **record, time=p.train_seconds)
         say(self.console, epoch_line(epoch + 1, self.num_epochs, record, metric))
+        if record["epoch_samples_per_s"] is not None:
+            say(self.console, epoch_rate_line(epoch + 1, self.num_epochs, record))
         self._write_reports()
 
     def _write_reports(self) -> None:

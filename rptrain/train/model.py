@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from rptrain.models import load_weights
+from rptrain.models import HFModelError, load_weights
 
 from .errors import ConfigError, one_line
 
@@ -24,8 +24,8 @@ DATA_FOR = {IMAGE: ("cifar100", "cifar10", "synthetic"), LM: ("text", "synthetic
 
 
 def model_kind(model_cfg: DictConfig) -> str:
-    """'lm' for the Llama decoders (they take (ids, targets) and return the loss), else 'image'."""
-    return LM if "vocab_size" in model_cfg else IMAGE
+    """'lm' for the decoders (they take (ids, targets) and return the loss), else 'image'."""
+    return LM if "vocab_size" in model_cfg or model_cfg.get("name") == "hf" else IMAGE
 
 
 def data_kind(data_cfg: DictConfig) -> str:
@@ -42,7 +42,13 @@ def build_model(cfg: DictConfig, dtype: torch.dtype, device: Any = None, vocab_s
         model = instantiate(model_cfg, dtype=dtype, device=device, _convert_="all")
     except Exception as err:  # the builders raise ValueError for inconsistent shapes; Hydra wraps it
         cause = err.__cause__ or err
+        if isinstance(cause, HFModelError):  # names the file and field itself
+            raise ConfigError(one_line(cause)) from err
         raise ConfigError(f"model={cfg.model.name}: {one_line(cause)}: fix the model.* values") from err
+    limit, seq_len = getattr(model[0], "max_seq_len", None), cfg.data.get("seq_len")
+    if cfg.model.get("max_seq_len", 0) is None and limit is not None and seq_len is not None and seq_len > limit:
+        raise ConfigError(f"data.seq_len={seq_len} is longer than {cfg.model.path}'s {limit} positions: "
+                          f"lower data.seq_len, or set model.max_seq_len to train longer anyway")
     if weights is not None and device != "meta":
         try:
             load_weights(model, weights)

@@ -85,6 +85,19 @@ class LlamaModelConfig:
     weights: Optional[str] = None  # a local checkpoint loaded with rptrain.models.load_weights
 
 
+@dataclass
+class HFModelConfig:
+    """model=hf: a Hugging Face folder; the architecture comes from its config.json alone."""
+
+    _target_: str = "rptrain.models.build_model"
+    name: str = "hf"
+    path: str = MISSING  # folder with config.json and *.safetensors (model.safetensors.index.json when sharded)
+    max_seq_len: Optional[int] = None  # None: config.json's max_position_embeddings (x factor for dynamic rope)
+    loss_chunk_tokens: int = 4096
+    attention: str = "sdpa"  # sdpa | flex (FlexAttention block masks on CUDA for packed rows and sliding windows)
+    weights: Optional[str] = None  # another checkpoint of this model to load after the folder's weights
+
+
 # ----------------------------------------------------------------------------- data
 @dataclass
 class CifarDataConfig:
@@ -241,10 +254,12 @@ class DistConfig:
 # ----------------------------------------------------------------------------- engine
 @dataclass
 class EngineConfig:
-    """RoundPipe's remaining constructor arguments."""
+    """RoundPipe's remaining constructor arguments, and cuDNN's algorithm search."""
 
     cuda_graphs: bool = True
     optimizer_threads: Optional[int] = None  # None: the engine's default
+    channels_last: Optional[bool] = None  # None: on for convolution models on CUDA (train/memory_format.py)
+    cudnn_benchmark: bool = True  # torch.backends.cudnn.benchmark while the run trains (train/kernels.py)
 
 
 # ----------------------------------------------------------------------------- logger
@@ -307,6 +322,7 @@ def register_configs() -> None:
     cs.store(name="rptrain_schema", node=RPTrainConfig)
     cs.store(group="schema/model", name="resnet", node=ResNetConfig)
     cs.store(group="schema/model", name="llama", node=LlamaModelConfig)
+    cs.store(group="schema/model", name="hf", node=HFModelConfig)
     cs.store(group="schema/data", name="cifar", node=CifarDataConfig)
     cs.store(group="schema/data", name="synthetic", node=SyntheticImagesConfig)
     cs.store(group="schema/data", name="text", node=TextDataConfig)

@@ -5,6 +5,9 @@ and divided by the batch size, so uneven microbatch splits still give the batch 
 Language models (rptrain.models Llama): the Sequential's first layer takes one argument, the
 tuple (ids, targets), and the last returns the summed token cross entropy; dividing by the
 batch's token count gives the mean per token.
+Nothing here reads a number back from the GPU during training: a step's loss and correct count
+stay tensors (the count is taken on the device, inside the loss function, so the logits never
+leave it) and meters.Meter reads them at log steps. Evaluation reads once per pass.
 Several ranks: the loop passes `total`, the count summed over the ranks, and the loss is
 sum x world / total: the engine's average of the ranks' gradients is then exactly the gradient
 of the mean over the global batch, even when ranks hold different token counts.
@@ -17,6 +20,7 @@ from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from rptrain import GradScaler, RoundPipe, RoundPipeRunConfig
 from rptrain.models import count_tokens
@@ -26,9 +30,12 @@ from .model import IMAGE
 
 @dataclass
 class StepResult:
-    loss: float  # mean loss of the batch (unscaled)
+    """A step's numbers, not yet read back: per step the loop only keeps references to them."""
+
+    loss: Tensor  # what forward_backward returned (0-d): x loss_factor = the batch's mean loss
+    loss_factor: float  # undoes the loss scale (and the rank share of several ranks)
     count: int  # what the loss is a mean over: samples or tokens
-    correct: int  # correctly classified samples (image models)
+    correct: list[Tensor]  # correctly classified samples per microbatch (image models), 0-d, on the device
     samples: int
 
 
@@ -53,9 +60,13 @@ class Task:
         share = total / self.world
         return share, share / count  # 1.0 exactly when every rank holds the same count
 
-    def run_config(self, batch: int) -> Optional[RoundPipeRunConfig]:
-        """A per-call override for a batch smaller than num_microbatch (e.g. the tutorial's last batch)."""
-        return RoundPipeRunConfig(num_microbatch=batch) if batch < self.num_microbatch else None
+    def run_config(self, batch: int, output_device: Optional[torch.device] = None) -> Optional[RoundPipeRunConfig]:
+        """A per-call override for a batch smaller than num_microbatch (e.g. the tutorial's last
+        batch), and where the outputs should land (None: the run config's choice)."""
+        small = batch < self.num_microbatch
+        if not small and output_device is None:
+            return None
+        return RoundPipeRunConfig(num_microbatch=batch if small else None, output_device=output_device)
 
     def train_step(self, engine: RoundPipe, batch: tuple, scaler: GradScaler, total: Optional[int] = None) -> StepResult:
         raise NotImplementedError
@@ -74,25 +85,25 @@ class ImageTask(Task):
         images, labels = batch
         n = len(labels)
         divisor, to_mean = self.divisor(n, total)
-        scale = scaler.get_scale()  # update() may change it before we read the loss back
-        loss, logits = engine.forward_backward(
-            input_args=(images.to(self.dtype),),
-            label=labels,
-            loss_fn=lambda out, y: scaler.scale(F.cross_entropy(out.float(), y, reduction="sum") / divisor),
-            return_outputs=True,
-            run_config=self.run_config(n),
-        )
-        correct = int((logits.argmax(1) == labels.to(logits.device)).sum())
-        return StepResult(loss.item() / scale * to_mean, n, correct, n)
+        scale = scaler.get_scale()  # update() may change it before the loss is read
+        corrects: list[Tensor] = []  # one per microbatch, counted where the logits are
+
+        def loss_fn(out: Tensor, y: Tensor) -> Tensor:
+            corrects.append((out.argmax(1) == y).sum())
+            return scaler.scale(F.cross_entropy(out.float(), y, reduction="sum") / divisor)
+
+        loss = engine.forward_backward(input_args=(images.to(self.dtype),), label=labels, loss_fn=loss_fn, run_config=self.run_config(n))
+        return StepResult(loss.detach(), to_mean / scale, n, corrects, n)
 
     def evaluate(self, engine: RoundPipe, batches: Iterable[tuple]) -> dict[str, float]:
-        loss_sum, correct, total = 0.0, 0, 0
+        loss_sums, corrects, total = [], [], 0
         for images, labels in batches:
-            logits = engine(images.to(self.dtype), run_config=self.run_config(len(labels)))
-            labels = labels.to(logits.device)
-            loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").item()
-            correct += int((logits.argmax(1) == labels).sum())
+            # The logits land where the labels are (the GPU for GPU-augmented data): nothing to read back.
+            logits = engine(images.to(self.dtype), run_config=self.run_config(len(labels), labels.device))
+            loss_sums.append(F.cross_entropy(logits.float(), labels, reduction="sum").double())
+            corrects.append((logits.argmax(1) == labels).sum())
             total += len(labels)
+        loss_sum, correct = (float(device_sum(v)) if v else 0.0 for v in (loss_sums, corrects))
         return {"loss": loss_sum / max(total, 1), "acc": correct / max(total, 1)}
 
 
@@ -113,15 +124,24 @@ class LanguageTask(Task):
             loss_fn=lambda out, _: scaler.scale(out / divisor),
             run_config=self.run_config(len(ids)),
         )
-        return StepResult(loss.item() / scale * to_mean, tokens, 0, len(ids))
+        return StepResult(loss.detach(), to_mean / scale, tokens, [], len(ids))
 
     def evaluate(self, engine: RoundPipe, batches: Iterable[tuple]) -> dict[str, float]:
-        loss_sum, total = 0.0, 0
+        loss_sums, total = [], 0
         for ids, targets in batches:
-            loss_sum += engine((ids, targets), run_config=self.run_config(len(ids))).float().sum().item()
+            loss_sums.append(engine((ids, targets), run_config=self.run_config(len(ids))).double().sum())
             total += count_tokens(targets)
-        loss = loss_sum / max(total, 1)
+        loss = (float(device_sum(loss_sums)) if loss_sums else 0.0) / max(total, 1)
         return {"loss": loss, "ppl": perplexity(loss)}
+
+
+def device_sum(values: list[Tensor]) -> Tensor:
+    """Sum of 0-d tensors, on the first one's device, without reading any of them back (with
+    several GPUs the microbatches' counts may sit on different ones)."""
+    first = values[0]
+    if len(values) == 1:
+        return first
+    return torch.stack([v.to(first.device, non_blocking=True) for v in values]).sum()
 
 
 def perplexity(loss: float) -> float:

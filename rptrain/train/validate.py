@@ -65,7 +65,8 @@ def _known_keys(node: DictConfig, cls: type, prefix: str) -> None:
 
 def check_known_keys(cfg: DictConfig) -> None:
     _known_keys(cfg, schema.RPTrainConfig, "")
-    _known_keys(cfg.model, schema.LlamaModelConfig if model_kind(cfg.model) == LM else schema.ResNetConfig, "model.")
+    model_schema = schema.HFModelConfig if cfg.model.get("name") == "hf" else schema.LlamaModelConfig if model_kind(cfg.model) == LM else schema.ResNetConfig
+    _known_keys(cfg.model, model_schema, "model.")
     _known_keys(cfg.data, DATA_SCHEMAS[cfg.data.name], "data.")
 
 
@@ -137,7 +138,8 @@ def _missing_values(cfg: DictConfig) -> None:
     for key in sorted(OmegaConf.missing_keys(cfg)):
         if key.startswith("hydra."):
             continue
-        example = {"data.path": "data.path=/path/to/corpus.txt (a text file or a folder of .txt/.md files)"}.get(key, f"{key}=VALUE")
+        example = {"data.path": "data.path=/path/to/corpus.txt (a text file or a folder of .txt/.md files)",
+                   "model.path": "model.path=/path/to/hf_model (a folder with config.json and *.safetensors)"}.get(key, f"{key}=VALUE")
         raise ConfigError(f"{key} is required for this config: add {example}")
 
 
@@ -175,11 +177,11 @@ def _validate_images(cfg: DictConfig) -> None:
 def _validate_lm(cfg: DictConfig) -> None:
     d, m = cfg.data, cfg.model
     _positive("data.seq_len", d.seq_len, allow_none=False)
-    if d.seq_len > m.max_seq_len:
+    if m.max_seq_len is not None and d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={d.seq_len} is longer than model.max_seq_len={m.max_seq_len}: raise model.max_seq_len or lower data.seq_len")
     if d.name == "synthetic_tokens":
         _positive("data.num_train", d.num_train, allow_none=False)
-        if m.vocab_size is not None and m.vocab_size < d.vocab_size:
+        if m.get("vocab_size") is not None and m.vocab_size < d.vocab_size:
             raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than data.vocab_size={d.vocab_size}: raise it or set model.vocab_size=null")
     elif not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")

@@ -1,0 +1,132 @@
+"""Issue 22 in one invocation: the CLI's main job against the bare engine and plain PyTorch.
+
+Each measurement runs in its own process (a fresh CUDA context; nothing one caches can slow the
+next), one after another (on the CPU, CI's size, the resnet.py runs share one process: --no-isolate):
+- cli: ``rptrain model=resnet34 data=synthetic data.num_train=25600 trainer.epochs=2``: the
+  steady-state epoch throughput is the second epoch's samples/s over its wall time, evaluation
+  included (metrics.jsonl's epoch record); its step time is the median of that epoch's log windows.
+- engine: ``resnet.py --impl rptrain`` (the tutorial's semantics), inputs channels-last as the
+  CLI runs them on CUDA, and in the standard layout.
+- plain PyTorch, AMP fp16 + fused Adam on the GPU: standard layout, channels-last (weights and
+  inputs), channels-last inputs only (what the engine does), and torch.compile of the
+  channels-last model (skipped with --no-compile).
+Prints one JSON line per run, then the ratios: the CLI's epoch throughput over the best plain
+setting's (goal: >= 1.2), and the engine's step over the CLI's (goal: >= 1, the engine at least
+as fast as the CLI's step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import emit, parser
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+TINY_MODEL = ["model=resnet18", "model.widths=[8,16,32,64]", "model.stem_channels=8", "precision=fp32",
+              "data.num_classes=10", "trainer.batch_size=16"]
+
+
+def child(argv: list[str], timeout: float, env: dict) -> tuple[list[dict], str]:
+    """Run ``argv``; its JSON lines and, when it failed, why."""
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout, env=env, cwd=BENCH)
+    except subprocess.TimeoutExpired:
+        return [], f"timed out after {timeout:.0f} s"
+    print(f"[{time.perf_counter() - start:.0f} s] {' '.join(argv[1:])}", file=sys.stderr, flush=True)
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    error = "" if proc.returncode == 0 else f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}"
+    return records, error
+
+
+def run_cli(args, env: dict) -> dict:
+    """The CLI's main job in its own process; its second epoch from metrics.jsonl."""
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = [sys.executable, "-m", "rptrain.cli.main", f"--config-path={ROOT / 'conf'}", "model=resnet34", "data=synthetic",
+                f"data.num_train={args.num_train}", f"data.num_test={args.num_test}", "trainer.epochs=2", "trainer.progress=false",
+                f"trainer.log_interval={args.log_interval}", f"hydra.run.dir={tmp}", *(TINY_MODEL if args.tiny else []), *args.cli]
+        _, error = child(argv, args.timeout, env)
+        path = Path(tmp) / "metrics.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    if len(epochs) < 2:
+        return dict(bench="cli_resnet", impl="cli", error=error or "no second epoch in metrics.jsonl")
+    last = epochs[-1]
+    windows = [r for r in records if r["kind"] == "train" and r["epoch"] == last["epoch"]]
+    return dict(bench="cli_resnet", impl="cli", args=" ".join(argv[4:]), epoch=last["epoch"],
+                epoch_samples_per_s=round(last["epoch_samples_per_s"], 1), epoch_wall_s=round(last["epoch_wall_time"], 3),
+                train_samples_per_s=round(last["samples_per_s"], 1),
+                step_ms=round(1e3 * statistics.median(r["step_time"] for r in windows), 3),
+                data_ms=round(1e3 * statistics.median(r["data_time"] for r in windows), 3), test_acc=last.get("test_acc"))
+
+
+def run_resnet(args, env: dict, impl: str, formats: list[str], compiled: list[str] = (), warmup: int = 0) -> list[dict]:
+    """bench/resnet.py's runs of ``impl`` in these layouts (and compiled in ``compiled``), in one process."""
+    argv = [sys.executable, str(BENCH / "resnet.py"), "--device", args.device, "--impl", impl, "--steps", str(args.steps),
+            "--warmup", str(args.warmup + warmup), "--memory-format", *formats, "--compile-formats", *compiled,
+            *(["--tiny"] if args.tiny else [])]
+    records, error = child(argv, args.timeout, env)
+    found = [dict(bench="cli_resnet", impl=impl, memory_format=r["memory_format"], compiled=r.get("compiled", False),
+                  step_ms=r["step_ms"], images_per_s=r["images_per_s"])
+             for r in records if r.get("bench") == "resnet34" and r.get("impl") == impl]
+    return found or [dict(bench="cli_resnet", impl=impl, formats=" ".join(formats), error=error or "no result")]
+
+
+def run_all(args, env: dict, impl: str, formats: list[str], compiled: list[str] = (), warmup: int = 0) -> list[dict]:
+    """With --isolate one process per layout (and per compiled layout), else all in one."""
+    if not args.isolate:
+        return run_resnet(args, env, impl, formats, compiled, warmup)
+    runs = [run_resnet(args, env, impl, [f]) for f in formats]
+    runs += [run_resnet(args, env, impl, [], [f], warmup) for f in compiled]
+    return [r for found in runs for r in found]
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--num-train", type=int, default=25600)
+    p.add_argument("--num-test", type=int, default=2000)
+    p.add_argument("--log-interval", type=int, default=25)
+    p.add_argument("--steps", type=int, default=60, help="timed steps of each resnet.py run")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="also torch.compile plain channels-last")
+    p.add_argument("--timeout", type=float, default=240, help="seconds each child process may take")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="each resnet.py configuration in its own process (default: on CUDA)")
+    p.add_argument("--cli", nargs="*", default=[], help="extra CLI overrides, e.g. engine.channels_last=false")
+    args = p.parse_args()
+    if args.tiny:
+        args.num_train, args.num_test, args.log_interval, args.steps, args.warmup = 64, 32, 2, 2, 1
+    if args.isolate is None:
+        args.isolate = args.device == "cuda"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cli = run_cli(args, env)
+    emit(**cli)
+    engines = run_all(args, env, "rptrain", ["inputs", "contiguous"])
+    # torch.compile traces and compiles during its first steps: 5 more warm-up steps for it.
+    plains = run_all(args, env, "plain", ["contiguous", "channels_last", "inputs"], ["channels_last"] if args.compile else [], warmup=5)
+    for r in engines + plains:
+        emit(**r)
+    plains = [r for r in plains if "error" not in r]
+    if "error" in cli or not plains:
+        return
+    best = max(plains, key=lambda r: r["images_per_s"])
+    emit(bench="cli_resnet", what="cli_over_best_plain", ratio=round(cli["epoch_samples_per_s"] / best["images_per_s"], 3),
+         best_plain=f"{best['memory_format']}{' compiled' if best['compiled'] else ''}", goal=1.2)
+    # The CLI runs the engine with channels-last inputs on CUDA (engine.channels_last auto), in the standard layout on the CPU.
+    same = "inputs" if args.device == "cuda" else "contiguous"
+    engine = next((r for r in engines if "error" not in r and r["memory_format"] == same), None)
+    if engine is not None:
+        emit(bench="cli_resnet", what="engine_over_cli_step", ratio=round(cli["step_ms"] / engine["step_ms"], 3),
+             engine_memory_format=same, goal=1.0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""``wrap_model``: pipeline the heavy parts of a model that is not one ``nn.Sequential``.
+
+The model keeps its own ``forward`` (the light glue: masks, rotary tables, a final norm) and runs
+it on the host; its heavy children become ``RoundPipe`` engines in place, found top down:
+
+- an ``nn.Sequential`` child: one engine, a pipeline layer per element;
+- an ``nn.ModuleList`` child (a transformer's decoder stack): an engine per element; all but the
+  last return per-microbatch ``PackedData`` that the next one takes as it is, so the stack's
+  microbatches never merge on the host between layers;
+- any other child whose own parameters reach ``lower_threshold`` bytes (an embedding, an LM head):
+  one engine around it; otherwise its children are searched the same way.
+
+The engines share one optimizer thread, and ``step`` runs the step function once with every
+engine's gradients bound (``OptimizerCtx`` and ``parameters()`` give all master parameters, the
+glue's own parameters included).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Container, Iterable, Iterator, Optional
+
+from torch import nn
+
+from .config import RoundPipeRunConfig
+from .roundpipe import OptimizerCtx, RoundPipe, _in_optimizer_ctx
+
+LOWER_THRESHOLD = 16 * 1024  # bytes of a module's own parameters that make it worth an engine
+
+
+def wrap_model(model: nn.Module, model_run_config: Optional[RoundPipeRunConfig] = None, lower_threshold: int = LOWER_THRESHOLD,
+               skip_modules: Container[nn.Module] = (), **roundpipe_kwargs: Any) -> nn.Module:
+    """A ``RoundPipe`` for an ``nn.Sequential``, else a ``WrappedModel`` (see the module doc).
+    ``roundpipe_kwargs`` go to every ``RoundPipe``; ``use_sequential_preset`` is accepted and ignored."""
+    roundpipe_kwargs.pop("use_sequential_preset", None)
+    config = model_run_config or RoundPipeRunConfig()
+    make = functools.partial(RoundPipe, model_run_config=config, **roundpipe_kwargs)
+    if isinstance(model, nn.Sequential):
+        return make(model)
+    engines: list[tuple[str, RoundPipe]] = []
+    _wrap_children(model, "", make, config, lower_threshold, skip_modules, engines)
+    return WrappedModel(model, engines)
+
+
+wrap_model_to_roundpipe = wrap_model  # the original library's name
+
+
+def _own_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+
+
+def _wrap_children(module: nn.Module, prefix: str, make: Callable, config: RoundPipeRunConfig, threshold: int,
+                   skip: Container[nn.Module], engines: list) -> None:
+    for name, child in list(module.named_children()):
+        path = f"{prefix}{name}"
+        if child in skip or not any(True for _ in child.parameters()):
+            continue
+        if isinstance(child, nn.Sequential):
+            engine = make(child)
+            engines.append((f"{path}.", engine))
+        elif isinstance(child, nn.ModuleList):
+            last = len(child) - 1
+            for i, element in enumerate(child):
+                packed = RoundPipeRunConfig(merge_output=False) if i < last else None
+                engine = make(nn.Sequential(element), model_run_config=config.override(packed))
+                engine._single = True
+                engines.append((f"{path}.{i}.", engine))
+                child[i] = engine
+            continue
+        elif _own_bytes(child) >= threshold:
+            engine = make(nn.Sequential(child))
+            engine._single = True
+            engines.append((f"{path}.", engine))
+        else:
+            _wrap_children(child, f"{path}.", make, config, threshold, skip, engines)
+            continue
+        setattr(module, name, engine)
+
+
+def _original_name(prefix: str, engine: RoundPipe, name: str) -> str:
+    """Engine names back to the model's: an engine made around one module drops its ``0.``."""
+    return prefix + (name.split(".", 1)[1] if getattr(engine, "_single", False) else name)
+
+
+class WrappedModel(nn.Module):
+    """A model with ``RoundPipe`` engines in place of its heavy children (``wrap_model``)."""
+
+    def __init__(self, model: nn.Module, engines: list[tuple[str, RoundPipe]]):
+        super().__init__()
+        self.model = model
+        self._engines = engines
+        shared = engines[0][1]._optimizer_thread if engines else None
+        for _, engine in engines[1:]:
+            engine._optimizer_thread = shared
+        owner: dict[int, str] = {}
+        for prefix, engine in engines:
+            for name, p in engine.model.named_parameters():
+                if owner.setdefault(id(p), prefix) != prefix:
+                    raise ValueError(f"wrap_model: {prefix}{name} is tied to a parameter of {owner[id(p)]}: engines cannot share "
+                                     "weights; untie them or build one nn.Sequential holding both users")
+        for name, p in _glue_parameters(model, ""):
+            if id(p) in owner:
+                raise ValueError(f"wrap_model: {name} is tied to a parameter of {owner[id(p)]}: the host glue cannot share an "
+                                 "engine's weights; untie them or pass the engine's module in skip_modules")
+        self._glue = list({id(p): (n, p) for n, p in reversed(list(_glue_parameters(model, "")))}.values())[::-1]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["model"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._raise_errors()
+        return self.model(*args, **kwargs)
+
+    def forward_backward(self, input_args: Any = (), input_kwargs: Optional[dict] = None, label: Any = None,
+                         loss_fn: Callable = lambda outputs, label: outputs, return_outputs: bool = False) -> Any:
+        """``loss_fn(model(...), label).backward()`` over the whole batch (the engines split it)."""
+        outputs = self(*input_args, **(input_kwargs or {}))
+        loss = loss_fn(outputs, label)
+        loss.backward()
+        return (loss.detach(), outputs) if return_outputs else loss.detach()
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's names; inside ``OptimizerCtx`` (and step functions) the master parameters."""
+        master = _in_optimizer_ctx()
+        for engine_prefix, engine in self._engines:
+            for name, p in (engine.optim_named_parameters() if master else engine.model.named_parameters()):
+                yield prefix + _original_name(engine_prefix, engine, name), p
+        for name, p in self._glue:
+            yield prefix + name, p
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return (p for _, p in self.named_parameters())
+
+    def optim_parameters(self) -> Iterator[nn.Parameter]:
+        with OptimizerCtx():
+            return iter(list(self.parameters()))
+
+    def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
+        """``step_fn`` once, on the shared optimizer thread, with every engine's gradients bound.
+        With trainable glue parameters it waits (the glue runs on the host, in place)."""
+        self._raise_errors()
+        is_async = is_async and not any(p.requires_grad for _, p in self._glue)
+        engines = [e for _, e in self._engines]
+        closed = [e._close_window() for e in engines]
+        scalers: dict = {}
+        for _, window_scalers in closed:
+            for scaler, (scale, found_inf) in window_scalers.items():
+                scalers[scaler] = (scale, found_inf or scalers.get(scaler, (scale, False))[1])
+        versions = [e._claim_version() for e in engines]
+        task = functools.partial(step_fn, *args, **kwargs)
+        for engine, (buffer, _), version in reversed(list(zip(engines, closed, versions))):
+            task = functools.partial(engine._run_step, task, buffer, scalers, version)
+        ticket = engines[0]._optimizer_thread.submit(task)
+        for engine, version in zip(engines, versions):
+            engine._tickets[version] = ticket
+        _all_then_raise(functools.partial(e._stepped, v, b, is_async) for e, (b, _), v in zip(engines, closed, versions))
+
+    def synchronize(self) -> None:
+        for _, engine in self._engines:
+            engine.synchronize()
+
+    def close(self) -> None:
+        _all_then_raise(engine.close for _, engine in self._engines)
+
+    def _raise_errors(self) -> None:
+        for _, engine in self._engines:
+            engine._raise_step_errors()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        """Master weights and persistent buffers under the model's names."""
+        out = {}
+        for engine_prefix, engine in self._engines:
+            out.update({_original_name(engine_prefix, engine, k): v for k, v in engine.state_dict().items()})
+        out.update({name: p.detach() for name, p in self._glue})
+        out.update(_glue_buffers(self.model, ""))
+        return out
+
+
+def _glue_buffers(module: nn.Module, prefix: str) -> Iterator[tuple[str, Any]]:
+    for name, b in module._buffers.items():
+        if b is not None and name not in module._non_persistent_buffers_set:
+            yield prefix + name, b.detach()
+    for name, child in module._modules.items():
+        if child is not None and not isinstance(child, RoundPipe):
+            yield from _glue_buffers(child, f"{prefix}{name}.")
+
+
+def _glue_parameters(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter]]:
+    for name, p in module._parameters.items():
+        if p is not None:
+            yield prefix + name, p
+    for name, child in module._modules.items():
+        if child is not None and not isinstance(child, RoundPipe):
+            yield from _glue_parameters(child, f"{prefix}{name}.")
+
+
+def _all_then_raise(calls: Iterable[Callable[[], Any]]) -> None:
+    """Run every call (each engine's bookkeeping), then raise the first error."""
+    errors = []
+    for call in calls:
+        try:
+            call()
+        except BaseException as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]

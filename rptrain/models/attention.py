@@ -1,0 +1,121 @@
+"""Causal self-attention with the options decoders need: packed sequences, sliding windows,
+logit soft-capping, grouped-query heads.
+
+Packing: `segments` (B, T) gives every token the id of the example it belongs to; a token
+attends only to earlier tokens of its own example (a contiguous run of equal ids), and rotary
+positions restart at each run's start (`positions`). Without segments, windows or soft-capping
+SDPA's is_causal kernel runs; otherwise SDPA with a boolean mask, or the explicit computation
+when scores must be soft-capped (SDPA cannot). Everything here runs on the CPU as on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# SDPA learnt enable_gqa in torch 2.5; pyproject allows 2.4.
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _starts(segments: torch.Tensor) -> torch.Tensor:
+    """True at each example's first token: wherever the id changes, so an id that reappears
+    later is a new example, for the mask and the positions alike."""
+    change = torch.ones_like(segments, dtype=torch.bool)
+    change[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return change
+
+
+def runs(segments: torch.Tensor) -> torch.Tensor:
+    """(B, T) ids -> (B, T) run numbers, one per contiguous example."""
+    return _starts(segments).cumsum(1)
+
+
+def positions(segments: torch.Tensor) -> torch.Tensor:
+    """Position of each token within its run: 0 at each example's first token."""
+    change = _starts(segments)
+    index = torch.arange(segments.size(1), device=segments.device).expand_as(segments)
+    start = torch.where(change, index, torch.zeros_like(index)).cummax(1).values
+    return index - start
+
+
+def attention_mask(T: int, device, segments: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """Boolean (B or 1, 1, T, T): True where query i may read key j."""
+    i = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    allowed = j <= i
+    if window is not None:
+        allowed = allowed & (i - j < window)  # transformers: key within the last `window` tokens
+    if segments is None:
+        return allowed[None, None]
+    r = runs(segments)
+    return (allowed[None] & (r[:, :, None] == r[:, None, :]))[:, None]
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def flex_attention(q, k, v, scale=None, softcap=None, window=None, segments=None, compiled: bool = True) -> torch.Tensor:
+    """The same attention through FlexAttention: a block mask skips the blocks no query may read
+    (other examples, outside the window), which SDPA's dense mask computes and discards. Compiled
+    on CUDA (eager FlexAttention is a slow reference: forward only)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    B, T = q.size(0), q.size(2)
+    r = None if segments is None else runs(segments)
+
+    def mask_mod(b, h, qi, ki):
+        ok = ki <= qi
+        if window is not None:
+            ok = ok & (qi - ki < window)
+        if r is not None:
+            ok = ok & (r[b, qi] == r[b, ki])
+        return ok
+
+    block_mask = create_block_mask(mask_mod, None if r is None else B, None, T, T, device=q.device)
+    score_mod = None if softcap is None else (lambda s, b, h, qi, ki: torch.tanh(s / softcap) * softcap)
+    if compiled and "flex" not in _COMPILED:
+        _COMPILED["flex"] = torch.compile(flex, dynamic=False)
+    fn = _COMPILED["flex"] if compiled else flex
+    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
+
+
+def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    n_rep = q.size(1) // k.size(1)
+    if n_rep == 1:
+        return k, v
+    # Query head i reads kv head i // n_rep, the same grouping enable_gqa uses.
+    return k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    segments: torch.Tensor | None = None,
+    flex: bool = False,
+) -> torch.Tensor:
+    """q: (B, H, T, hd); k, v: (B, H_kv, T, hd) with H a multiple of H_kv. scale None: 1/sqrt(hd).
+    flex: FlexAttention on CUDA for masked attention (packed rows, windows); SDPA elsewhere."""
+    T = q.size(2)
+    if window is not None and window >= T:
+        window = None  # a window longer than the sequence masks nothing
+    if flex and q.is_cuda and (window is not None or segments is not None):
+        return flex_attention(q, k, v, scale, softcap, window, segments)
+    if softcap is not None:
+        k, v = _repeat_kv(q, k, v)
+        scores = (q @ k.transpose(-1, -2)) * (q.size(-1) ** -0.5 if scale is None else scale)
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~attention_mask(T, q.device, segments, window), float("-inf"))
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    mask = None if window is None and segments is None else attention_mask(T, q.device, segments, window)
+    kw = dict(scale=scale, is_causal=mask is None, attn_mask=mask)
+    # enable_gqa saves copying the kv heads, but on CUDA only the flash and cuDNN kernels take it,
+    # and they need half precision and no mask; otherwise SDPA would fall back to the math kernel,
+    # which builds the whole T x T score matrix (seen on torch 2.11).
+    if q.size(1) != k.size(1) and _SDPA_HAS_GQA and mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+    k, v = _repeat_kv(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, **kw)

@@ -1,0 +1,230 @@
+"""The one decoder: every family (Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3, the presets) as an
+nn.Sequential configured by a `DecoderConfig`.
+
+    [TokenEmbedding, DecoderBlock x n_layers, LMHeadLoss]
+
+Feed `(input_ids, targets)` or, for packed sequences, `(input_ids, targets, segment_ids)`; the
+model returns the summed token cross entropy (logits when targets is None). Activations travel
+between elements as the same tuple with the hidden states in place of the ids, so the last
+layer can make the loss without a side channel. Parameter names follow `hf_names`: each layer's
+modules carry transformers' names (self_attn.q_proj, mlp.gate_proj, input_layernorm, ...).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import skip_init
+
+from rptrain.models.attention import causal_attention, positions
+from rptrain.models.decoder_config import DecoderConfig
+from rptrain.models.llama_loss import LinearCrossEntropy
+from rptrain.models.rope import apply_rotary, rotary_cos_sin
+
+Device = torch.device | str | None
+Batch = tuple  # (hidden or ids, targets or None[, segment_ids])
+
+
+def _linear(n_in: int, n_out: int, bias: bool, device: Device, dtype) -> nn.Linear:
+    # skip_init: nn.Linear's own init would be overwritten by reset_parameters (or by loaded
+    # weights), and at billions of parameters drawing every weight twice costs minutes.
+    # skip_init needs a real device: None would leave the weights on "meta".
+    return skip_init(nn.Linear, n_in, n_out, bias=bias, device=torch.get_default_device() if device is None else device, dtype=dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, offset: bool = False, device: Device = None, dtype=None):
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.weight, 0.0 if self.offset else 1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Mean of squares in float32: fp16 overflows and bf16 is too coarse for it.
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma multiplies in float32, then casts
+            return (normed * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * normed.type_as(x)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int, device: Device = None, dtype=None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.rope, self.window = cfg.layer_rope(layer), cfg.window(layer)
+        self.scale, self.softcap, self.flex = cfg.attn_scale, cfg.attn_softcap, cfg.attention == "flex"
+        q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.splits = (q_out, kv_out, kv_out)
+        if cfg.fused_qkv:
+            self.qkv_proj = _linear(cfg.hidden_size, q_out + 2 * kv_out, cfg.qkv_bias, device, dtype)
+        else:
+            self.q_proj = _linear(cfg.hidden_size, q_out, cfg.qkv_bias, device, dtype)
+            self.k_proj = _linear(cfg.hidden_size, kv_out, cfg.qkv_bias, device, dtype)
+            self.v_proj = _linear(cfg.hidden_size, kv_out, cfg.qkv_bias, device, dtype)
+        self.o_proj = _linear(q_out, cfg.hidden_size, cfg.o_bias, device, dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset, device, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset, device, dtype)
+
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        pos = None if segments is None else positions(segments)
+        cos, sin = rotary_cos_sin(self.rope, self.head_dim, pos, T, x.device, x.dtype)
+        y = causal_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v,
+                             self.scale, self.softcap, self.window, segments, self.flex)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """Gated: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: DecoderConfig, device: Device = None, dtype=None):
+        super().__init__()
+        D, F_ = cfg.hidden_size, cfg.intermediate_size
+        self.act = F.silu if cfg.activation == "silu" else lambda x: F.gelu(x, approximate="tanh")
+        if cfg.fused_gate_up:
+            self.gate_up_proj = _linear(D, 2 * F_, cfg.mlp_bias, device, dtype)  # gate rows first, then up
+        else:
+            self.gate_proj = _linear(D, F_, cfg.mlp_bias, device, dtype)
+            self.up_proj = _linear(D, F_, cfg.mlp_bias, device, dtype)
+        self.down_proj = _linear(F_, D, cfg.mlp_bias, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)
+
+
+class TokenEmbedding(nn.Module):
+    """(input_ids, targets[, segment_ids]) -> (hidden, targets[, segment_ids]). Bare ids: no targets."""
+
+    def __init__(self, cfg: DecoderConfig, device: Device = None, dtype=None):
+        super().__init__()
+        self.max_seq_len, self.init_std, self.scale, self.padding_idx = cfg.max_seq_len, cfg.init_std, cfg.embed_scale, cfg.padding_idx
+        self.embed_tokens = skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size,
+                                      device=torch.get_default_device() if device is None else device, dtype=dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.embed_tokens.weight, std=self.init_std)
+
+    def forward(self, batch: Batch | torch.Tensor) -> Batch:
+        input_ids, *rest = (batch, None) if isinstance(batch, torch.Tensor) else batch
+        if input_ids.size(-1) > self.max_seq_len:
+            raise ValueError(f"sequence length {input_ids.size(-1)} exceeds max_seq_len {self.max_seq_len}")
+        h = F.embedding(input_ids, self.embed_tokens.weight, self.padding_idx)
+        if self.scale is not None:  # a float32 scalar rounded to the compute dtype, as transformers does
+            h = h * torch.tensor(self.scale, dtype=torch.float32).to(h.dtype)
+        return (h, *rest)
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)); sandwich_norms also norms each output."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int, device: Device = None, dtype=None):
+        super().__init__()
+        self.init_std = cfg.init_std
+        # Projections that write into the residual stream get a smaller init so the stream's
+        # variance does not grow with depth (GPT-2).
+        self.out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset, device, dtype)  # noqa: E731
+        self.input_layernorm = norm()
+        self.self_attn = SelfAttention(cfg, layer, device, dtype)
+        self.post_attention_layernorm = norm()
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.mlp = MLP(cfg, device, dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        outputs = []
+        for name, p in self.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                nn.init.constant_(p, 0.0 if "norm" not in name or self.input_layernorm.offset else 1.0)
+            elif name.startswith(("self_attn.o_proj", "mlp.down_proj")):
+                outputs.append(p)
+            else:
+                nn.init.normal_(p, std=self.init_std)
+        for p in outputs:  # drawn last: the order (and so the seeded weights) of the first presets
+            nn.init.normal_(p, std=self.out_std)
+
+    def forward(self, batch: Batch) -> Batch:
+        h, targets, *rest = batch
+        segments = rest[0] if rest else None
+        attn = self.self_attn(self.input_layernorm(h), segments)
+        if hasattr(self, "pre_feedforward_layernorm"):
+            h = h + self.post_attention_layernorm(attn)
+            h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        else:
+            h = h + attn
+            h = h + self.mlp(self.post_attention_layernorm(h))
+        return (h, targets, *rest)
+
+
+class LMHead(nn.Module):
+    """Holds the output matrix as `lm_head.weight`: its own, or the embedding's Parameter when tied."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+
+class LMHeadLoss(nn.Module):
+    """(hidden, targets[, segments]) -> summed token cross entropy (0-dim float32), or logits if targets is None.
+
+    The sum, not the mean, so microbatches add up exactly; the trainer divides by the global
+    `count_tokens`. Full logits never exist: the head, the (soft-capped) logits and the loss are
+    fused and chunked (LinearCrossEntropy).
+    """
+
+    def __init__(self, cfg: DecoderConfig, tied_weight: nn.Parameter | None = None, device: Device = None, dtype=None):
+        super().__init__()
+        self.chunk_tokens, self.init_std, self.softcap = cfg.loss_chunk_tokens, cfg.init_std, cfg.final_softcap
+        self.tied = tied_weight is not None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset, device, dtype)
+        weight = tied_weight if self.tied else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype))
+        self.lm_head = LMHead(weight)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.norm.reset_parameters()
+        if not self.tied:  # a tied weight belongs to the embedding, which initialises it
+            nn.init.normal_(self.lm_head.weight, std=self.init_std)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        h, targets, *_ = batch
+        h, weight = self.norm(h), self.lm_head.weight
+        if targets is None:
+            logits = F.linear(h, weight).float()
+            return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+        # Function.forward cannot see the grad mode, so tell it whether to make grads.
+        need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+        return LinearCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1),
+                                        self.chunk_tokens, need_grad, self.softcap)
+
+
+def build_decoder(cfg: DecoderConfig, device: Device = None, dtype: torch.dtype | None = None) -> nn.Sequential:
+    """device="meta" allocates nothing, so even an 8B model can be built anywhere."""
+    embedding = TokenEmbedding(cfg, device, dtype)
+    blocks = [DecoderBlock(cfg, i, device, dtype) for i in range(cfg.n_layers)]
+    head = LMHeadLoss(cfg, embedding.embed_tokens.weight if cfg.tie_embeddings else None, device, dtype)
+    return nn.Sequential(embedding, *blocks, head)

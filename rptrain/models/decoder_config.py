@@ -1,0 +1,67 @@
+"""Every shape and switch of the one decoder implementation (rptrain.models.decoder).
+
+The Llama presets fill it from `LlamaConfig`; `model=hf` fills it from a checkpoint's config.json
+(rptrain.models.hf_config). Each family is a combination of these switches, not a subclass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rptrain.models.rope import Rope
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@dataclass
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float = 1e-5
+    norm_offset: bool = False  # Gemma: RMSNorm scales by (1 + weight), computed in float32
+    activation: str = "silu"  # of the gated MLP: silu (SwiGLU) | gelu_tanh (GeGLU)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3, Gemma-3: RMSNorm over each head of q and k before rotary
+    fused_qkv: bool = False  # Phi-3: one qkv_proj, one gate_up_proj
+    fused_gate_up: bool = False
+    sandwich_norms: bool = False  # Gemma-2/3: norms after attention and MLP too
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    rope: Rope = field(default_factory=Rope)
+    local_rope: Rope | None = None  # the sliding-window layers' own rotary settings (Gemma-3)
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()  # per layer: attends within sliding_window; () = none
+    tie_embeddings: bool = False
+    padding_idx: int | None = None  # transformers' pad_token_id: that embedding row gets no gradient
+    max_seq_len: int = 2048
+    attention: str = "sdpa"  # sdpa | flex: FlexAttention block masks on CUDA for packed rows and windows
+    init_std: float = 0.02
+    loss_chunk_tokens: int = 4096  # tokens per logits chunk in the fused LM-head loss
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r}: use one of {', '.join(ACTIVATIONS)}")
+        if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
+            raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.n_layers} layers")
+        if self.attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention {self.attention!r}: use sdpa or flex")
+        if self.loss_chunk_tokens < 1:
+            raise ValueError("loss_chunk_tokens must be positive")
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else None
+
+    def layer_rope(self, layer: int) -> Rope:
+        return self.local_rope if self.local_rope is not None and self.window(layer) is not None else self.rope

@@ -1,0 +1,125 @@
+"""`model=hf`: a Hugging Face folder (config.json + *.safetensors) as the decoder Sequential.
+
+The model is built on the meta device from config.json alone (hf_config), then its storage is
+allocated once and every tensor of the checkpoint is read from the memory-mapped shards and
+converted into place one at a time: loading never holds a second copy of the weights.
+Tensor names map through hf_names; a tied head reuses the embedding (transformers ties the same way).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rptrain.models.decoder import Device, build_decoder
+from rptrain.models.hf_config import HFModelError, decoder_config, read_config_json
+from rptrain.models.hf_names import hf_name
+from rptrain.models.llama_weights import listing
+from rptrain.models.registry import register_model
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the shard holding it (model.safetensors.index.json, else every shard's header)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as err:
+            raise HFModelError(f"{index}: not a safetensors index ({err!r})") from None
+        missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+        if missing:
+            raise HFModelError(f"{index} names shards that are not in the folder: {listing(missing)}")
+        return {name: path / file for name, file in weight_map.items()}
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        bins = sorted(p.name for p in path.glob("*.bin"))
+        hint = f" (it has {listing(bins)}: save it with save_pretrained(..., safe_serialization=True))" if bins else ""
+        raise HFModelError(f"model.path={path}: no *.safetensors weights{hint}")
+    files = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            files.update((name, shard) for name in f.keys())
+    return files
+
+
+def _by_file(names, files: dict[str, Path]) -> dict[Path, list[str]]:
+    """Tensor names grouped by shard, so each shard is opened once."""
+    out: dict[Path, list[str]] = {}
+    for name in names:
+        out.setdefault(files[name], []).append(name)
+    return out
+
+
+def _plan(model: nn.Sequential, files: dict[str, Path], path: Path) -> dict[str, str]:
+    """Our parameter name for every checkpoint tensor to load; raise if names or shapes do not match."""
+    from safetensors import safe_open
+
+    n_layers = len(model) - 2
+    params = dict(model.named_parameters())  # a tied head is not listed: it is the embedding
+    wanted = {hf_name(name, n_layers): name for name in params}
+    tied = model[-1].tied
+    plan, unexpected = {}, []
+    for name in files:
+        if name in wanted:
+            plan[name] = wanted[name]
+        elif name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+            continue  # a derived table of old files; a tied head's copy (the embedding wins, as in transformers)
+        else:
+            unexpected.append(name)
+    missing = sorted(set(wanted) - set(plan))
+    if missing or unexpected:
+        raise HFModelError(f"model.path={path}: the weights do not match config.json: missing {len(missing)} "
+                           f"[{listing(missing)}], unexpected {len(unexpected)} [{listing(unexpected)}]")
+    by_file = _by_file(plan, files)
+    wrong = []
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            wrong += [f"{n} {tuple(f.get_slice(n).get_shape())} vs {tuple(params[plan[n]].shape)}" for n in names
+                      if tuple(f.get_slice(n).get_shape()) != tuple(params[plan[n]].shape)]
+    if wrong:
+        raise HFModelError(f"model.path={path}: tensor shapes differ from config.json (file vs model): {listing(wrong)}")
+    return plan
+
+
+def load_hf_weights(model: nn.Sequential, files: dict[str, Path], plan: dict[str, str]) -> None:
+    """Copy each tensor from its memory-mapped shard into the allocated model, converting its dtype."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    by_file = _by_file(plan, files)
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                for name in names:
+                    params[plan[name]].copy_(f.get_tensor(name))
+
+
+@register_model("hf")
+def build_hf(path: str, device: Device = None, dtype: torch.dtype | None = None, max_seq_len: int | None = None,
+             loss_chunk_tokens: int = 4096, attention: str = "sdpa", vocab_size: int | None = None) -> nn.Sequential:
+    """The decoder of the folder `path`, with its weights (device="meta": checked, nothing loaded).
+
+    max_seq_len None: config.json's max_position_embeddings. vocab_size (passed by the trainer) is
+    the data's vocabulary, which the model's embedding must cover.
+    """
+    if attention not in ("sdpa", "flex"):
+        raise HFModelError(f"model.attention={attention}: use sdpa or flex")
+    folder = Path(path).expanduser()
+    cfg = decoder_config(read_config_json(folder), f"{folder / 'config.json'}", max_seq_len, loss_chunk_tokens, attention)
+    if vocab_size is not None and vocab_size > cfg.vocab_size:
+        raise HFModelError(f"model.path={path}: the data has {vocab_size} token ids (its tokenizer or data.vocab_size) but "
+                           f"the model embeds {cfg.vocab_size}: use the folder's own tokenizer")
+    model = build_decoder(cfg, "meta", dtype)
+    files = weight_files(folder)
+    plan = _plan(model, files, folder)
+    if device is not None and torch.device(device).type == "meta":
+        return model
+    model = model.to_empty(device=torch.get_default_device() if device is None else device)
+    if cfg.tie_embeddings:  # one Parameter in both places, whatever to_empty did
+        model[-1].lm_head.weight = model[0].embed_tokens.weight
+    load_hf_weights(model, files, plan)
+    return model

@@ -1,0 +1,477 @@
+"""The original RoundPipe library's documented API on rptrain (issue 19), each against plain PyTorch.
+
+Like tests/test_engine_equivalence.py: the engine takes every GPU when there is one (else the
+CPU) and the reference runs on the same device. Tolerance: fp32 rtol 1e-5 / atol 1e-6 (microbatch
+sums and kernel choices differ only in rounding).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import register_pytree_node
+
+from reference import DEVICE, Reference, assert_state_close
+from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from rptrain.optim import Adam
+from test_engine_equivalence import make_engine, mlp, vector_batches
+
+CE = nn.CrossEntropyLoss()
+TOL = dict(rtol=1e-5, atol=1e-6)
+PLAN_7 = ExecutePlan.from_cuts(7, [2, 5], [1, 3, 5])
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a.cpu(), b.detach().cpu(), **TOL)
+
+
+@pytest.mark.parametrize("plan", [ExecutePlan.single_stage(7), PLAN_7], ids=["single", "multi"])
+def test_plain_backward_accumulates_like_pytorch(plan):
+    """``criterion(model(x), y).backward()`` with inputs that need no grad, two calls before each
+    step; ``synchronize()`` shows the accumulated gradients as the wrapped model's ``.grad``."""
+    engine, opt = make_engine(mlp())
+    ref = Reference(mlp())
+    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+    batches = vector_batches(count=4)
+    for first, second in zip(batches[::2], batches[1::2]):
+        for x, y in (first, second):
+            loss = CE(engine(x, run_config=cfg), y)
+            loss.backward()
+            expected = CE(ref.compute(x.to(ref.device)), y.to(ref.device))
+            expected.backward()
+            assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+        engine.synchronize()
+        for (name, p), q in zip(engine.model.named_parameters(), ref.compute.parameters()):
+            assert p.grad is not None, name
+            close(p.grad, q.grad)
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        ref.step()
+    engine.synchronize()
+    assert all(p.grad is None for p in engine.model.parameters())  # the step took them
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+class Pair:
+    """A user's type, registered as a pytree node, passed between layers."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+        self.a, self.b = a, b
+
+
+register_pytree_node(Pair, lambda p: ([p.a, p.b], None), lambda children, _: Pair(*children))
+
+
+class Unregistered:
+    def __init__(self, a: torch.Tensor):
+        self.a = a
+
+
+class ToPair(nn.Module):
+    def __init__(self, wrap=Pair):
+        super().__init__()
+        self.lin, self.wrap = nn.Linear(8, 8), wrap
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.wrap(h, torch.tanh(h)) if self.wrap is Pair else self.wrap(h)
+
+
+class FromPair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, p):
+        return self.lin(p.a * p.b if isinstance(p, Pair) else p.a)
+
+
+def pair_model(wrap=Pair) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), ToPair(wrap), FromPair())
+
+
+def test_registered_pytree_type_between_stages_carries_gradients():
+    engine, opt = make_engine(pair_model())
+    ref = Reference(pair_model())
+    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=ExecutePlan.per_layer(3))
+    for x, y in vector_batches(count=3):
+        loss = engine.forward_backward((x,), label=y, loss_fn=CE, run_config=cfg)
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        assert loss.item() == pytest.approx(ref.forward_backward(x, y, 2, CE), rel=1e-5)
+        ref.step()
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+    assert not torch.equal(engine.state_dict()["0.weight"], pair_model()[0].weight)  # the first layer trained
+
+
+def test_unregistered_type_between_stages_raises_naming_it():
+    engine, _ = make_engine(pair_model(Unregistered))
+    x, y = vector_batches(count=1)[0]
+    cfg = RoundPipeRunConfig(num_microbatch=1, execute_plan=ExecutePlan.per_layer(3))
+    with pytest.raises(TypeError, match="Unregistered.*register_pytree_node"):
+        engine.forward_backward((x,), label=y, loss_fn=CE, run_config=cfg)
+
+
+def test_parameters_inside_the_step_function_are_the_master_ones():
+    """``clip_grad_norm_(model.parameters(), c)`` in a step function clips what the optimizer steps."""
+    engine, opt = make_engine(mlp())
+    ref = Reference(mlp())
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(engine.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+
+    for x, y in vector_batches(count=3):
+        engine.forward_backward((x,), label=y, loss_fn=CE, run_config=RoundPipeRunConfig(num_microbatch=2))
+        engine.step(step, is_async=False)
+        ref.forward_backward(x, y, 2, CE)
+        ref.step(before=lambda o: torch.nn.utils.clip_grad_norm_(ref.master.parameters(), 0.05))
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+    assert list(engine.optim_parameters()) == [p for g in opt.param_groups for p in g["params"]]
+
+
+class Scaled(nn.Module):
+    """Takes (x, scale): scale holds values for the whole batch, whatever its length."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, scale):
+        return self.lin(x) * scale.mean()
+
+
+class WithExtras(nn.Module):
+    """Returns logits, a 0-dim per-microbatch statistic and a constant tag."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, h):
+        out = self.lin(torch.relu(h))
+        return out, out.pow(2).mean(), "tag"
+
+
+def extras_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Scaled(), WithExtras())
+
+
+def weighted_ce(out, label):
+    logits = out[0] if isinstance(out, tuple) else out
+    y, class_weight = label
+    return nn.functional.cross_entropy(logits, y, weight=class_weight)
+
+
+def library_split(args, kwargs, n):
+    """The original library's contract: (args_list, kwargs_list)."""
+    x, scale = args
+    return [(c, scale) for c in x.chunk(n)], [dict(kwargs) for _ in range(n)]
+
+
+@pytest.mark.parametrize("split", ["spec", "function"])
+def test_chunk_specs_and_split_functions_train_like_pytorch(split):
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+    split_input = ((TensorChunkSpec(0), _Replicate), None) if split == "spec" else library_split
+    cfg = RoundPipeRunConfig(num_microbatch=2, split_input=split_input, split_label=(TensorChunkSpec(0), _Replicate),
+                             execute_plan=ExecutePlan.per_layer(2))
+    engine, opt = make_engine(extras_model())
+    ref = Reference(extras_model())
+    scale = torch.tensor([0.5, 1.0, 1.5, 2.0])  # batch-sized on purpose: only the spec keeps it whole
+    class_weight = torch.tensor([1.0, 2.0, 0.5, 1.0])  # 4 classes: the spec keeps it whole
+    for x, y in vector_batches(count=2, batch=4):
+        engine.forward_backward((x, scale), label=(y, class_weight), loss_fn=weighted_ce, run_config=cfg)
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        for xm, ym in zip(x.chunk(2), y.chunk(2)):
+            out = ref.compute[1](ref.compute[0](xm.to(ref.device), scale.to(ref.device)))
+            weighted_ce(out, (ym.to(ref.device), class_weight.to(ref.device))).backward()
+        ref.step()
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+def test_automatic_and_spec_merges():
+    """0-dim outputs are averaged over microbatches, equal non-tensors come back once,
+    a _CustomReducer and TensorChunkSpec merge as specified."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer, _Replicate
+
+    engine, _ = make_engine(extras_model())
+    model = extras_model()
+    x, scale = vector_batches(count=1, batch=6)[0][0], torch.tensor(0.5)
+    pieces = [model[1](model[0](xm, scale)) for xm in x.chunk(3)]
+    with torch.no_grad():
+        logits, stat, tag = engine(x, scale, run_config=RoundPipeRunConfig(num_microbatch=3))
+        close(logits, torch.cat([p[0] for p in pieces]))
+        close(stat, torch.stack([p[1] for p in pieces]).mean())
+        assert tag == "tag"
+        spec = (TensorChunkSpec(1), _CustomReducer(torch.tensor(0.0), lambda a, b: a + b), _Replicate)
+        logits, total, _ = engine(x, scale, run_config=RoundPipeRunConfig(num_microbatch=3, merge_output=spec))
+        close(logits, torch.cat([p[0] for p in pieces], dim=1))
+        close(total, sum(p[1] for p in pieces))
+
+
+def encoder_decoder() -> tuple[nn.Sequential, nn.Sequential]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16)), nn.Sequential(nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("style", ["forward_backward", "backward"])
+def test_unmerged_output_feeds_a_second_model(style):
+    """An encoder's ``merge_output=False`` output (per-microbatch ``PackedData``) is a decoder's
+    input as it is; the decoder's backward reaches the encoder. Both train like one PyTorch model."""
+    enc_model, dec_model = encoder_decoder()
+    encoder, enc_opt = make_engine(enc_model)
+    decoder, dec_opt = make_engine(dec_model)
+    ref = Reference(nn.Sequential(*enc_model, *dec_model))
+    packed = RoundPipeRunConfig(num_microbatch=3, merge_output=False, execute_plan=ExecutePlan.per_layer(3))
+    cfg = RoundPipeRunConfig(num_microbatch=3)
+    for x, y in vector_batches(count=3, batch=7):
+        hidden = encoder(x, run_config=packed)
+        assert type(hidden).__name__ == "PackedData" and len(hidden.synchronize()) == 3
+        if style == "forward_backward":
+            loss = decoder.forward_backward((hidden,), label=y, loss_fn=CE, run_config=cfg)
+        else:
+            loss = CE(decoder(hidden, run_config=cfg), y)
+            loss.backward()
+        for engine, opt in ((encoder, enc_opt), (decoder, dec_opt)):
+            engine.step(lambda opt=opt: (opt.step(), opt.zero_grad()), is_async=False)
+        expected = ref.forward_backward(x, y, 3, CE) if style == "forward_backward" else None
+        if expected is None:
+            expected = CE(ref.compute(x.to(ref.device)), y.to(ref.device))
+            expected.backward()
+            expected = expected.item()
+        ref.step()
+        assert loss.item() == pytest.approx(expected, rel=1e-5)
+    encoder.synchronize()
+    decoder.synchronize()
+    state = {**encoder.state_dict(), **{f"{int(k[0]) + 3}{k[1:]}": v for k, v in decoder.state_dict().items()}}
+    assert_state_close(state, ref.state())
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, h):
+        return h + torch.tanh(self.lin(h))
+
+
+class Net(nn.Module):
+    """Not a Sequential: a Sequential stem, a ModuleList stack, glue (a norm, a scale), a head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Sequential(nn.Linear(8, 32), nn.GELU())
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.norm = nn.LayerNorm(32)
+        self.scale = nn.Parameter(torch.ones(32))
+        self.head = nn.Linear(32, 4)
+        self.label = "net"
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h) * self.scale)
+
+
+def test_wrap_model_pipelines_children_and_trains_like_pytorch():
+    from rptrain import wrap_model_to_roundpipe
+
+    wrapped = wrap_model_to_roundpipe(Net(), model_run_config=RoundPipeRunConfig(num_microbatch=2), lower_threshold=512)
+    kinds = {name: type(m).__name__ for name, m in wrapped.model.named_children()}
+    assert kinds == {"stem": "RoundPipe", "blocks": "ModuleList", "norm": "LayerNorm", "head": "RoundPipe"}
+    assert all(type(b).__name__ == "RoundPipe" for b in wrapped.model.blocks)
+    assert wrapped.label == "net"  # attribute reads reach the model
+    with OptimizerCtx():
+        opt = Adam(wrapped.parameters(), lr=1e-2)
+    ref = Reference(Net())
+    for step, (x, y) in enumerate(vector_batches(count=3, batch=6)):
+        if step == 0:
+            loss = wrapped.forward_backward((x,), label=y, loss_fn=CE)
+        else:
+            loss = CE(wrapped(x), y)
+            loss.backward()
+        wrapped.step(lambda: (opt.step(), opt.zero_grad()))
+        assert loss.item() == pytest.approx(ref.forward_backward(x, y, 1, CE), rel=1e-5)
+        ref.step()
+    wrapped.synchronize()
+    assert_state_close(wrapped.state_dict(), ref.state())
+    wrapped.close()
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).float()
+
+
+def test_wrap_model_trains_a_transformers_causal_lm_like_pytorch():
+    from rptrain import wrap_model
+
+    model = tiny_llama()
+    ref = copy.deepcopy(model).to(DEVICE)
+    # SGD: Adam turns rounding differences in near-zero gradients (embedding rows) into lr-sized steps.
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    wrapped = wrap_model(model, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    assert type(wrapped.model.model.embed_tokens).__name__ == "RoundPipe"
+    assert all(type(layer).__name__ == "RoundPipe" for layer in wrapped.model.model.layers)
+    assert wrapped.config.vocab_size == 128
+    with OptimizerCtx():
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.5, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        ids = torch.randint(0, 128, (4, 7), generator=g)
+        loss = wrapped(input_ids=ids, labels=ids).loss
+        loss.backward()
+        wrapped.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        expected = ref(input_ids=ids.to(DEVICE), labels=ids.to(DEVICE)).loss
+        expected.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    wrapped.synchronize()
+    assert_state_close(wrapped.state_dict(), {k: v.cpu() for k, v in ref.state_dict().items()})
+
+
+def test_wrap_model_refuses_weights_tied_across_engines():
+    from rptrain import wrap_model
+
+    net = Net()
+    net.stem[0].weight = nn.Parameter(torch.randn(32, 8))
+    net.extra = nn.Sequential(nn.Linear(8, 32))
+    net.extra[0].weight = net.stem[0].weight
+    with pytest.raises(ValueError, match=r"extra.0.weight is tied to a parameter of stem"):
+        wrap_model(net, lower_threshold=512)
+
+
+class RandomMask(nn.Module):
+    """Draws a mask in its forward; its recompute must reuse it (RNG replay is off below)."""
+
+    recomputed = 0
+
+    def forward(self, h):
+        from rptrain import doing_recompute, get_recompute_data, save_for_recompute
+
+        if doing_recompute():
+            (mask,) = get_recompute_data()
+            RandomMask.recomputed += 1
+        else:
+            mask = torch.rand_like(h) > 0.5
+            save_for_recompute(mask)
+        return h * mask
+
+
+def masked_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), RandomMask(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("style", ["forward_backward", "backward"])
+def test_recompute_reuses_saved_data(style):
+    engine, opt = make_engine(masked_model())
+    ref = Reference(masked_model())  # on the engine's device: its generator draws the same masks
+    cfg = RoundPipeRunConfig(num_microbatch=1, preserve_rng_state=False, execute_plan=ExecutePlan.from_cuts(3, [2], [2]))
+    RandomMask.recomputed = 0
+    for x, y in vector_batches(count=3):
+        torch.manual_seed(7)
+        if style == "forward_backward":
+            engine.forward_backward((x,), label=y, loss_fn=CE, run_config=cfg)
+        else:
+            CE(engine(x, run_config=cfg), y).backward()
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        torch.manual_seed(7)
+        ref.forward_backward(x, y, 1, CE)
+        ref.step()
+    engine.synchronize()
+    assert RandomMask.recomputed == 3
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+def test_execute_plan_auto_and_the_library_name():
+    from rptrain import ModelExecutePlan
+
+    assert ModelExecutePlan is ExecutePlan
+    first, _ = make_engine(mlp())
+    second, _ = make_engine(mlp())
+    plan = ModelExecutePlan.auto("fused", first)
+    assert isinstance(plan, ExecutePlan) and plan.num_layers == 7
+    assert len(ModelExecutePlan.auto("train", first, second, min_stages=3)) == 2
+    with pytest.raises(ValueError, match="run_type"):
+        ExecutePlan.auto("backward", first)
+    # The plan runs: training with it matches PyTorch.
+    engine, opt = make_engine(mlp())
+    ref = Reference(mlp())
+    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=ExecutePlan.auto("fused", engine, min_stages=3))
+    for x, y in vector_batches(count=2):
+        engine.forward_backward((x,), label=y, loss_fn=CE, run_config=cfg)
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        ref.forward_backward(x, y, 2, CE)
+        ref.step()
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+def test_grad_scaler_getters_and_setters_match_torch():
+    from rptrain import GradScaler
+
+    ours, theirs = GradScaler(init_scale=256.0), torch.amp.GradScaler("cpu", init_scale=256.0)
+    for scaler in (ours, theirs):
+        scaler.set_growth_factor(4.0)
+        scaler.set_backoff_factor(0.25)
+        scaler.set_growth_interval(2)
+    for getter in ("get_growth_factor", "get_backoff_factor", "get_growth_interval"):
+        assert getattr(ours, getter)() == getattr(theirs, getter)()
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 2), None]
+    models[1] = copy.deepcopy(models[0])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    for i in range(6):
+        for model, opt, scaler in zip(models, opts, (ours, theirs)):
+            scaler.scale(model(torch.ones(3, 4)).pow(2).mean()).backward()
+            if i == 3:
+                model.weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert ours.get_scale() == theirs.get_scale()
+    with pytest.raises(ValueError, match="backoff_factor"):
+        ours.set_backoff_factor(2.0)
+
+
+OPTIMIZERS = {
+    "SGD": dict(lr=0.1, momentum=0.9, nesterov=True), "RMSprop": dict(lr=1e-2), "Adagrad": dict(lr=0.1),
+    "Adadelta": dict(lr=1.0), "Adamax": dict(lr=1e-2), "NAdam": dict(lr=1e-2), "RAdam": dict(lr=1e-2),
+    "ASGD": dict(lr=0.1), "Rprop": dict(lr=1e-2), "AdamW": dict(lr=1e-2, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_every_torch_optimizer_steps_the_master_weights(name):
+    cls, kwargs = getattr(torch.optim, name), OPTIMIZERS[name]
+    engine = RoundPipe(mlp(), devices=["cpu"])  # the subject is the host step: compute where the reference does
+    with OptimizerCtx():
+        opt = cls(engine.parameters(), **kwargs)
+    master = mlp()
+    ref_opt = cls(master.parameters(), **kwargs)
+    for x, y in vector_batches(count=3):
+        engine.forward_backward((x,), label=y, loss_fn=CE, run_config=RoundPipeRunConfig(num_microbatch=1))
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        CE(master(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    engine.synchronize()
+    state = engine.state_dict()
+    for key, p in master.named_parameters():
+        torch.testing.assert_close(state[key], p.detach(), **TOL, msg=lambda m: f"{name} {key}: {m}")
