@@ -15,6 +15,7 @@ import pytest
 import torch
 from cifar_fixture import write_fake_cifar
 from test_cli_helpers import TINY, error_lines, explain, rptrain
+from test_cli_sweeps import SMALL
 
 from rptrain.cli.main import main
 from rptrain.train.checkpoint import save_checkpoint
@@ -210,3 +211,19 @@ def test_rejected_command_end_to_end(tmp_path):
         "check the spelling; `rptrain --cfg job` prints every key"
     ], explain(proc)
     assert not (tmp_path / "outputs").exists()
+
+
+def test_preflight_reads_optunas_search_space(cli, monkeypatch):
+    """Both ends of an interval and every choice are composed and checked before anything starts."""
+    code, lines = cli("-m", *SMALL, "hydra/sweeper=optuna", "trainer.batch_size=choice(16,3)", "run_config.num_microbatch=4",
+                      "optim.optimizer.lr=tag(log,interval(1e-4,1e-2))")
+    assert code == 2 and len(lines) == 1 and "trainer.batch_size=3 is smaller than run_config.num_microbatch=4" in lines[0], lines
+    code, lines = cli("-m", *SMALL, "optim.optimizer.lr=interval(1e-4,1e-2)")
+    assert code == 2 and lines == ["rptrain: error: optim.optimizer.lr=interval(1e-4,1e-2): interval() is sampled by a sweeper "
+                                   "such as Optuna: add hydra/sweeper=optuna, or list the values (a,b,c) or use range()"], lines
+    code, lines = cli(*SMALL, "trainer.objective=test_ppl")
+    assert code == 2 and "trainer.objective=test_ppl is not a final metric of resnet18: choose one of test_loss, test_acc" in lines[0]
+    real = __import__("importlib.util").util.find_spec
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    code, lines = cli(*SMALL, "logger=[jsonl,tensorboard]")
+    assert code == 2 and "logger=tensorboard: the tensorboard package is not installed" in lines[0], lines

@@ -44,9 +44,21 @@ def test_defaults_are_the_tutorials_setup(make):
     assert cfg.trainer.epochs == 20 and cfg.trainer.batch_size == 128 and cfg.trainer.max_steps is None
     assert cfg.optim.optimizer._target_ == "rptrain.optim.Adam" and cfg.optim.optimizer.lr == 1e-3
     assert cfg.optim.schedule.decay.value == "constant" and cfg.optim.schedule.warmup_steps == 0
-    assert cfg.precision.compute_dtype.value == "float16" and cfg.precision.optim_dtype.value == "float32"
-    assert cfg.precision.grad_scaler.enabled and cfg.precision.grad_scaler.init_scale == 2.0**16
     validate_config(cfg)
+    tutorial = make("precision=fp16").precision
+    assert tutorial.compute_dtype.value == "float16" and tutorial.optim_dtype.value == "float32"
+    assert tutorial.grad_scaler.enabled and tutorial.grad_scaler.init_scale == 2.0**16
+
+
+def test_precision_auto_is_the_tutorials_fp16_on_cuda_and_fp32_on_a_cpu(make, monkeypatch):
+    """precision=auto (the default) picks by device when the config is read; otherwise it is precision=fp16."""
+    cfg = make()
+    assert OmegaConf.to_container(make("precision=fp16").precision.grad_scaler) == {
+        **OmegaConf.to_container(cfg.precision.grad_scaler, resolve=True), "enabled": True}
+    for cuda, dtype in ((False, "float32"), (True, "float16")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        assert cfg.precision.compute_dtype.value == dtype and cfg.precision.grad_scaler.enabled == cuda
+        assert build_scaler(cfg.precision).is_enabled() == cuda
 
 
 def test_resnet34_from_the_config_is_the_tutorial_network(make):
@@ -79,8 +91,10 @@ def test_every_option_composes_and_validates(make, data, precision, tmp_path):
     cfg = make(model, f"data={data}", f"precision={precision}", f"optim={optim}", *extra)
     validate_config(cfg)
     scaler = build_scaler(cfg.precision)
-    assert isinstance(scaler, rptrain.GradScaler) and scaler.is_enabled() == (precision == "fp16")
-    assert torch_dtype(cfg.precision.compute_dtype) == {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    cuda = torch.cuda.is_available()
+    assert isinstance(scaler, rptrain.GradScaler) and scaler.is_enabled() == (precision == "fp16" or (precision == "auto" and cuda))
+    auto = torch.float16 if cuda else torch.float32
+    assert torch_dtype(cfg.precision.compute_dtype) == {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "auto": auto}[precision]
 
 
 def _yaml_keys(node) -> set[str]:
@@ -115,11 +129,15 @@ def _schema_keys(cls) -> set[str]:
 def test_every_knob_is_visible_in_the_yaml(path, cls):
     raw = OmegaConf.to_container(OmegaConf.load(CONF / path))
     group = (CONF / path).parent
-    for entry in raw.pop("defaults", []):  # a shared file (model/lora/default.yaml) counts as this file's
-        if isinstance(entry, dict):
+    keys: set = set()
+    for entry in raw.pop("defaults", []):
+        if isinstance(entry, dict):  # a shared file (model/lora/default.yaml) counts as this file's
             (sub, option), = entry.items()
             raw[sub] = OmegaConf.to_container(OmegaConf.load(group / sub / f"{option}.yaml"))
-    assert _yaml_keys(raw) == _schema_keys(cls), path
+        elif isinstance(entry, str) and "/" not in entry and (group / f"{entry}.yaml").is_file():
+            keys |= _yaml_keys(OmegaConf.to_container(OmegaConf.load(group / f"{entry}.yaml")))  # the option it builds on (precision/auto: fp16)
+    keys |= _yaml_keys(raw)
+    assert keys - {"defaults"} == _schema_keys(cls), path
 
 
 def test_run_config_group_has_every_engine_field_and_maps_onto_it(make):

@@ -39,14 +39,23 @@ def test_rows_table_and_files(tmp_path):
     assert "run_config.num_microbatch=2" in text and "failed" in text and "1.5000" in text
 
 
-def test_callback_collects_jobs_and_writes_at_the_end(tmp_path, capsys):
-    from types import SimpleNamespace
-
+def test_callback_finds_the_jobs_in_the_sweep_folder_and_fails_the_sweep_for_a_failed_job(tmp_path, capsys):
+    """The jobs are found on disk (a launcher such as submitit runs them in other processes); a failed
+    job makes the sweep exit 1 after the summary, with one line naming the job and its reason."""
+    import pytest
     from omegaconf import OmegaConf
 
-    d = _job(tmp_path, 0, ["a=1"], {"final": {"test_loss": 1.0}, "steps": 1, "samples_per_s": 1.0})
-    callback = SweepSummary()
-    ret = SimpleNamespace(hydra_cfg=OmegaConf.create({"hydra": {"runtime": {"output_dir": str(d)}}}))
-    callback.on_job_end(OmegaConf.create(), ret)
-    callback.on_multirun_end(OmegaConf.create())
-    assert (tmp_path / "sweep_summary.json").is_file() and "sweep summary" in capsys.readouterr().out
+    _job(tmp_path, 0, ["a=1"], {"final": {"test_loss": 1.0}, "steps": 1, "samples_per_s": 1.0})
+    (tmp_path / ".submitit").mkdir()  # not a job: no .hydra/
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    SweepSummary().on_multirun_end(config)
+    assert len(json.loads((tmp_path / "sweep_summary.json").read_text())) == 1 and "sweep summary" in capsys.readouterr().out
+    _job(tmp_path, 10, ["a=3"])
+    _job(tmp_path, 2, ["a=2"], {"final": {"test_loss": 2.0}, "steps": 1, "samples_per_s": 1.0})
+    with pytest.raises(SystemExit) as exit_info:
+        SweepSummary().on_multirun_end(config)
+    assert exit_info.value.code == 1
+    rows = json.loads((tmp_path / "sweep_summary.json").read_text())
+    assert [r["job"] for r in rows] == ["0", "2", "10"] and rows[2]["status"] == "failed" and rows[2]["error"] == "boom"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1 of 3 sweep jobs did not complete (job 10 failed: boom)" in err[0]

@@ -18,15 +18,16 @@ from pathlib import Path
 from typing import NoReturn
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from rptrain.train import checkpoint, dist, rundir
+from rptrain.train import auto_precision, checkpoint, dist, rundir
 from rptrain.train.console import config_tree, make_console, say
 from rptrain.train.errors import USER_ERRORS, one_line
+from rptrain.train.loggers import Loggers
 from rptrain.train.loop import Trainer
 from rptrain.train.signals import Interrupted, stop_on_signals
-from rptrain.train.status import write_json_atomic, write_status
+from rptrain.train.status import read_status, write_json_atomic, write_status
 
 log = logging.getLogger("rptrain")
 
@@ -77,6 +78,10 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
     console.print(config_tree(cfg, label=f"rptrain  {run_dir}"))
     for note in notes:
         say(console, note)
+    log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))  # the tree above, for rptrain.log
+    if hydra_cfg.runtime.choices.get("precision") == "auto":
+        say(console, auto_precision.describe())
+    loggers = Loggers()  # rank 0's experiment trackers, opened below (a failure to open is the run's)
     hint = resume_command(sys.argv[1:])
     # Under torchrun the launcher forwards a signal to every rank, and SLURM may deliver it too.
     duplicate_s = 10.0 if dist.world_size() > 1 else 0.0
@@ -90,7 +95,9 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
     try:
         with stop_on_signals(announce=main, duplicate_s=duplicate_s, on_abort=stopped_now) as stop:
             group = dist.setup(cfg.dist)
-            summary = Trainer(cfg, run_dir, overrides, console, hint, group).fit(stop)
+            loggers = Loggers(cfg, run_dir) if main else loggers
+            summary = Trainer(cfg, run_dir, overrides, console, hint, group, loggers.log).fit(stop)
+            loggers.finish(summary, "completed")
     except Interrupted as stopped:
         status("interrupted", step=stopped.step, signal=stopped.request.name, checkpoint=stopped.checkpoint, resume=hint)
         if main:
@@ -119,6 +126,8 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
         if dist.world_size() > 1 and not isinstance(err, SystemExit):  # one line before the traceback, naming the rank
             print(f"rptrain: error: rank {dist.rank()}: {one_line(repr(err))[:300]}", file=sys.stderr, flush=True)
         raise
+    finally:  # a run that did not complete: the trackers close with the state status.json holds
+        loggers.finish(None, read_status(run_dir).get("state", "failed"))
     if not main:
         return summary
     write_json_atomic(run_dir / "summary.json", summary)

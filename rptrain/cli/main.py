@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
-from typing import Optional
+from typing import Optional, Union
 
 import hydra
 from hydra.core.global_hydra import GlobalHydra
@@ -30,14 +30,15 @@ from rptrain.train.schema import register_configs
 
 from .errors import describe
 from .job import fail, run_job
+from .job_result import JobFailed, run_and_report
 from .preflight import CONFIG_NAME, CONFIG_PATH, parse_args, preflight
 
 register_configs()
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name=CONFIG_NAME, version_base="1.3")
-def _app(cfg: DictConfig) -> dict:
-    return run_job(cfg)
+def _app(cfg: DictConfig) -> Union[float, JobFailed]:
+    return run_and_report(run_job, cfg)  # trainer.objective for a sweeper; a failed sweep job lets the others run
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -19,24 +19,26 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.hydra import Hydra
 from hydra._internal.utils import create_automatic_config_search_path, get_args_parser
 from hydra.core.config_search_path import SearchPathQuery
 from hydra.core.global_hydra import GlobalHydra
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from rptrain.train import dist
 from rptrain.train.checkpoint import load_checkpoint
 from rptrain.train.errors import ConfigError
+from rptrain.train.loggers import check_loggers
 from rptrain.train.model import LM, build_model, fingerprint, model_kind
 from rptrain.train.precision import torch_dtype
 from rptrain.train.resume import check_resume_state, resolve_resume
 from rptrain.train.rundir import Place, plan
 from rptrain.train.run_config import build_run_config
 from rptrain.train.validate import check_inputs, check_writable, validate_config
+
+from .job_result import check_objective
+from .sweep_space import check_sweeper, sweep_jobs
 
 CONFIG_PATH = "pkg://rptrain.conf"
 CONFIG_NAME = "config"
@@ -58,12 +60,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def job_overrides(args: argparse.Namespace) -> list[list[str]]:
-    """One override list per job: the cartesian product of a -m sweep, or the command line as is."""
+def job_overrides(args: argparse.Namespace, hydra: Hydra) -> list[list[str]]:
+    """One override list per job: the combinations of a -m sweep (Optuna's intervals: both ends), or the command line as is."""
     if not args.multirun:
         return [list(args.overrides)]
-    parsed = OverridesParser.create().parse_overrides(args.overrides)
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    return sweep_jobs(args.overrides, hydra.config_loader)
 
 
 def _hydra(args: argparse.Namespace) -> Hydra:
@@ -87,10 +88,14 @@ def preflight(argv: list[str]) -> Optional[Place]:
     place = None
     try:
         hydra = _hydra(args)
-        for overrides in job_overrides(args):
+        for overrides in job_overrides(args, hydra):
             cfg = hydra.compose_config(args.config_name or CONFIG_NAME, overrides, run_mode=RunMode.RUN, with_log_configuration=False)
             job_cfg = _without_hydra(cfg)  # what the job itself will see
             validate_config(job_cfg)
+            check_objective(job_cfg)
+            check_loggers(job_cfg)
+            if args.multirun:
+                check_sweeper(cfg.hydra, args.overrides)
             if running:
                 place = check_job(job_cfg, overrides, cfg.hydra, multirun=args.multirun)
     finally:

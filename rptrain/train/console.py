@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -77,10 +78,15 @@ def step_line(rec: dict, total: int, metric: str, unit: str) -> str:
 
 
 class ProgressBar:
-    """A per-epoch bar with loss and throughput; inert when `enabled` is False."""
+    """A per-epoch bar with loss and throughput. Without it (off a terminal) the same stats go out as
+    a plain line after the first step and then every `heartbeat_s` seconds in which no log line went
+    out, so a SLURM log shows the run is alive long before the first log_interval step."""
 
-    def __init__(self, console: Console, enabled: Optional[bool]) -> None:
+    def __init__(self, console: Console, enabled: Optional[bool], heartbeat_s: float = 30.0) -> None:
         self.enabled = console.is_terminal if enabled is None else enabled
+        self.console, self.heartbeat_s = console, heartbeat_s
+        self._plain: Optional[list] = None  # [description, done, total] of the epoch, for the plain lines
+        self._last_line: Optional[float] = None
         self._progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
@@ -97,13 +103,26 @@ class ProgressBar:
         self._progress.__exit__(*exc)
 
     def start_epoch(self, description: str, total: int, done: int) -> None:
+        self._plain = [description, done, total]
         if self._task is not None:
             self._progress.remove_task(self._task)
         self._task = self._progress.add_task(description, total=total, completed=done, stats="")
 
-    def advance(self) -> None:
+    def advance(self, stats: Optional[Callable[[], str]] = None, logged: bool = False) -> None:
+        """One step done; `logged`: a log line for it goes out anyway. Off a terminal, stats() (a read
+        of the step's numbers, so a wait for the GPU) is called only for a heartbeat line."""
         if self.enabled and self._task is not None:
             self._progress.update(self._task, advance=1)
+        if self.enabled or self._plain is None:
+            return
+        self._plain[1] += 1
+        now = time.monotonic()
+        due = self._last_line is None or now - self._last_line >= self.heartbeat_s
+        if due and not logged:
+            description, done, total = self._plain
+            say(self.console, f"{description}: {done}/{total}" + (f" | {stats()}" if stats else ""))
+        if due or logged:
+            self._last_line = now
 
     def show(self, stats: str) -> None:
         """Loss and throughput next to the bar: updated at log steps, the only time they are read."""

@@ -20,7 +20,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from hydra.utils import instantiate
@@ -53,9 +53,11 @@ from .validate import check_vocab, num_microbatch, validate_config
 
 class Trainer:
     def __init__(
-        self, cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, resume_hint: str, dist: Optional[Dist] = None
+        self, cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, resume_hint: str, dist: Optional[Dist] = None,
+        on_record: Optional[Callable[[dict], None]] = None,  # each metrics record, for the experiment trackers (loggers.py)
     ) -> None:
         self.cfg, self.run_dir, self.overrides = cfg, Path(run_dir), list(overrides)
+        self.on_record = on_record
         self.console, self.resume_hint = console, resume_hint
         self.dist = dist or Dist()
         self.checkpoint_path = self.run_dir / "checkpoints" / LAST
@@ -145,7 +147,7 @@ class Trainer:
         if state is not None:
             progress = rank_share(self._restore(state, resume, engine, optimizer, scheduler, scaler, data), self.dist.main)
             self._ckpt_step = progress.step  # the checkpoint it resumed from is the last one there is
-        self.metrics = MetricsLog(self.run_dir if self.dist.main else None, state["history"] if state else None)
+        self.metrics = MetricsLog(self.run_dir if self.dist.main else None, state["history"] if state else None, self.on_record)
         del state
         self.task = make_task(data.kind, num_microbatch(cfg), dtype, self.dist.world)
         self.sampler = make_sampler(cfg, data)  # every rank: evaluations (and their synchronizations) happen at the same steps
@@ -245,8 +247,9 @@ class Trainer:
                     p.train_seconds += t2 - t0
                     p.samples += result.samples
                     p.tokens += result.count if data.kind != IMAGE else 0
-                    bar.advance()
-                    if p.step % t.log_interval == 0 or p.step == self.total_steps:  # the only reads of the step's numbers
+                    logged = p.step % t.log_interval == 0 or p.step == self.total_steps
+                    bar.advance(lambda: self._bar_stats(window), logged)  # off a terminal, a heartbeat line reads them
+                    if logged:  # the only reads of the step's numbers
                         if window.steps > window_skipped:  # skipped steps alone have no loss to log
                             bar.show(self._bar_stats(window))
                             self._log_train(p, window, epoch, lr_of(p.step - 1), scale, bar.enabled)
@@ -303,8 +306,9 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- logging
     def _bar_stats(self, window: Meter) -> str:
-        rate = window.samples / max(window.seconds(), 1e-9)
-        return f"loss {window.mean_loss():.4f}  {rate:,.0f} samples/s"
+        lm = self.task.metric == "ppl"  # a language model's throughput is in tokens
+        rate = (window.count if lm else window.samples) / max(window.seconds(), 1e-9)
+        return f"loss {window.mean_loss():.4f}  {rate:,.0f} {'tokens' if lm else 'samples'}/s"
 
     def _global(self, m: Meter) -> Meter:
         """A meter's sums over all ranks (counts added, times averaged): what the run as a whole did."""

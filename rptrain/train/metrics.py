@@ -9,7 +9,7 @@ import csv
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 # CSV column order; records only carry the keys that apply to them.
 COLUMNS = (
@@ -29,8 +29,10 @@ def _clean(value: Any) -> Any:
 class MetricsLog:
     """run_dir None (the other ranks of a torchrun job): the records are kept, nothing is written."""
 
-    def __init__(self, run_dir: Optional[Path], history: Optional[Iterable[dict]] = None) -> None:
+    def __init__(self, run_dir: Optional[Path], history: Optional[Iterable[dict]] = None,
+                 on_add: Optional[Callable[[dict], None]] = None) -> None:
         self.records: list[dict] = [dict(r) for r in history or ()]
+        self.on_add = on_add  # the experiment trackers (loggers.py): each new record, not the history
         self._file = None
         if run_dir is None:
             return
@@ -46,6 +48,8 @@ class MetricsLog:
         self.records.append(record)
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
+        if self.on_add is not None:
+            self.on_add(record)
         return record
 
     def of_kind(self, kind: str) -> list[dict]:

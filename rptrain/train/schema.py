@@ -327,6 +327,7 @@ class TrainerConfig:
     sample_prompts: Any = None  # None | a list of prompts | a text file, one prompt a line: generated at every evaluation
     sample_max_tokens: int = 64
     sample_temperature: float = 0.0  # 0: greedy
+    objective: str = "test_loss"  # what the job returns to a sweeper (hydra/sweeper=optuna): a final metric
 
 
 # ----------------------------------------------------------------------------- dist
@@ -349,6 +350,43 @@ class EngineConfig:
     cudnn_benchmark: bool = True  # torch.backends.cudnn.benchmark while the run trains (train/kernels.py)
 
 
+# ----------------------------------------------------------------------------- logger
+@dataclass
+class JsonlLoggerConfig:
+    """metrics.jsonl/.csv: always written; an option so that logger=[jsonl, ...] reads naturally."""
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    log_dir: str = "tensorboard"  # relative: under the run directory
+
+
+@dataclass
+class WandbLoggerConfig:
+    project: str = "rptrain"
+    entity: Optional[str] = None
+    name: Optional[str] = None  # None: the run directory's name
+    tags: list[str] = field(default_factory=list)
+    mode: str = "offline"  # offline | online | disabled
+
+
+@dataclass
+class MlflowLoggerConfig:
+    tracking_uri: Optional[str] = None  # None: a file store under the run directory (mlruns/)
+    experiment_name: str = "rptrain"
+    run_name: Optional[str] = None  # None: the run directory's name
+
+
+@dataclass
+class LoggerConfig:
+    """logger=[jsonl, tensorboard, wandb, mlflow]: each chosen option fills its field (train/loggers.py)."""
+
+    jsonl: Optional[JsonlLoggerConfig] = None
+    tensorboard: Optional[TensorBoardLoggerConfig] = None
+    wandb: Optional[WandbLoggerConfig] = None
+    mlflow: Optional[MlflowLoggerConfig] = None
+
+
 @dataclass
 class RPTrainConfig:
     model: Any = MISSING
@@ -359,11 +397,15 @@ class RPTrainConfig:
     trainer: TrainerConfig = MISSING
     dist: DistConfig = MISSING
     engine: EngineConfig = MISSING
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_root: str = "outputs"
 
 
 def register_configs() -> None:
     """Idempotent: the ConfigStore replaces nodes stored under the same name."""
+    from .auto_precision import register_resolver
+
+    register_resolver()  # precision=auto's ${rptrain.auto_precision:...}
     cs = ConfigStore.instance()
     cs.store(name="rptrain_schema", node=RPTrainConfig)
     cs.store(group="schema/model", name="resnet", node=ResNetConfig)
