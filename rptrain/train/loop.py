@@ -195,6 +195,11 @@ class Trainer:
         # ranks, so every rank decides the same).
         guard = not scaler.is_enabled()
         skip = guard and t.on_nonfinite.value == "skip"
+        # on_nonfinite=skip (its logged means leave the step out) and several ranks (they must agree) read
+        # the loss here, one wait for the device a step. The default, stop, with one process lets the step
+        # function look at it on the optimizer thread instead, so the loop never waits for the device.
+        check_here = guard and (skip or self.dist.world > 1)
+        nonfinite_steps: list[int] = []  # filled by finite_step on the optimizer thread
 
         def skip_fn() -> None:  # a step without the update; the schedule advances, as GradScaler's skips do
             optimizer.zero_grad()
@@ -209,6 +214,14 @@ class Trainer:
             scaler.step(optimizer)
             optimizer.zero_grad()
             scheduler.step()
+
+        def finite_step(loss: torch.Tensor, step: int) -> Callable[[], None]:
+            def run() -> None:  # on the optimizer thread: the update never sees a non-finite loss
+                if not bool(torch.isfinite(loss).all()):
+                    nonfinite_steps.append(step)
+                    return skip_fn()
+                step_fn()
+            return run
 
         window, window_skipped = Meter(), 0
         epoch, batch_index = data.train.position()
@@ -233,10 +246,13 @@ class Trainer:
                     scale = scaler.get_scale()
                     with peer_errors("gradient averaging", d.world > 1):
                         result = self.task.train_step(engine, batch, scaler, total)
-                    # Without a GradScaler the loss is read every step (one wait for the device) to keep a NaN out of the weights.
-                    nonfinite = guard and self._nonfinite(result.loss, p.step + 1, stop_on_it=not skip)
-                    engine.step(skip_fn if nonfinite else step_fn, is_async=t.async_step)
+                    nonfinite = check_here and self._nonfinite(result.loss, p.step + 1, stop_on_it=not skip)
+                    checked_there = guard and not check_here
+                    engine.step(skip_fn if nonfinite else finite_step(result.loss, p.step + 1) if checked_there else step_fn,
+                                is_async=t.async_step)
                     scaler.update()
+                    if nonfinite_steps:  # a step already skipped its update on the optimizer thread: stop now
+                        raise NonFiniteLoss(self._nonfinite_message(nonfinite_steps[0]))
                     if nonfinite:  # left out of the logged means
                         say(self.console, f"step {p.step + 1}: the loss is not finite: this step's update is skipped (trainer.on_nonfinite=skip)")
                         result, window_skipped = StepResult(result.loss.new_zeros(()), 0.0, 0, [], result.samples), window_skipped + 1
@@ -258,6 +274,10 @@ class Trainer:
                     self._after_step(p, epoch, data.train.next_batch >= len(data.train), stop, bool(stop) if d.world == 1 else stopping)
                 batches.close()
                 epoch, batch_index = data.train.position()
+        if guard and not check_here:  # the last steps' checks ran on the optimizer thread: wait for them
+            engine.synchronize()
+            if nonfinite_steps:
+                raise NonFiniteLoss(self._nonfinite_message(nonfinite_steps[0]))
         if p.last_eval_step != p.step and (data.eval is not None or self.sampler):
             self._evaluate(p, epoch)
         if self._ckpt_step != p.step:  # not the file's existence: every rank must decide the same
