@@ -63,7 +63,8 @@ def run_job(cfg: DictConfig) -> dict:
 
 
 def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
-    overrides = list(HydraConfig.get().overrides.task)
+    hydra_cfg = HydraConfig.get()
+    overrides = list(hydra_cfg.overrides.task)
     console = make_console() if main else Console(quiet=True)  # the other ranks keep quiet
 
     def status(state: str, **details: object) -> None:  # rank 0's run directory only
