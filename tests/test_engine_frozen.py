@@ -13,7 +13,7 @@ from torch import nn
 
 from reference import assert_state_close
 from rptrain import ExecutePlan
-from test_engine_equivalence import mlp, train_both, vector_batches
+from test_engine_equivalence import train_both, vector_batches
 
 
 class Cast(nn.Module):

@@ -37,7 +37,7 @@ from .memory_format import check_memory_format
 from .plan import ExecutePlan, LayerCost, plan_stages
 from .recorded import run_recorded
 from .scaler import register_step_queue, step_context
-from .schedule import JobKind, backward_schedule, forward_schedule, training_schedule
+from .schedule import JobKind, forward_schedule, training_schedule
 from .trace import span
 from .worker import TaskThread, Ticket
 
