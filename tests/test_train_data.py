@@ -9,6 +9,7 @@ from rptrain.train import schema
 from rptrain.train.data import augment_device, build_data
 from rptrain.train.errors import ConfigError
 from rptrain.train.model import build_model
+from rptrain.train.validate import validate_config
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +34,11 @@ def test_synthetic_images_come_augmented_in_the_compute_dtype(make, dtype):
 def test_cuda_augmentation_needs_cuda(make):
     cfg = make("data=synthetic", "data.augment_device=cuda")
     if torch.cuda.is_available():
+        validate_config(cfg)
         assert augment_device(cfg.data).type == "cuda"
-    else:
+    else:  # refused by the config check, before a run directory exists
         with pytest.raises(ConfigError, match="data.augment_device=cuda"):
-            augment_device(cfg.data)
+            validate_config(cfg)
     auto = augment_device(make("data=synthetic").data)
     assert auto.type == ("cuda" if torch.cuda.is_available() else "cpu")
 
