@@ -75,3 +75,20 @@ def assert_state_close(actual: dict, expected: dict, rtol: float = 1e-5, atol: f
         a, e = actual[name], expected[name]
         assert a.dtype == e.dtype or a.is_floating_point(), name
         torch.testing.assert_close(a.to(e.dtype), e, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def engine_gradients(model: nn.Module, batch: Any, run_config: Any) -> list[torch.Tensor]:
+    """The master gradients of one engine call on ``batch`` (the model returns its loss), in
+    parameter order: the engine side of a gradient comparison against plain autograd."""
+    from rptrain import OptimizerCtx, RoundPipe
+
+    engine = RoundPipe(model)
+    with OptimizerCtx():
+        masters = list(engine.parameters())
+        opt = torch.optim.SGD(masters, lr=0.0)
+    grads: list[torch.Tensor] = []
+    engine.forward_backward(input_args=(batch,), loss_fn=lambda out, _: out, run_config=run_config)
+    engine.step(lambda: (grads.extend(p.grad.clone() for p in masters), opt.zero_grad()), is_async=False)
+    engine.close()
+    return grads
+

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 import transformers  # the reference (dev extra)
 
-from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from reference import engine_gradients
+from rptrain import ExecutePlan, RoundPipeRunConfig
 from rptrain.models import IGNORE_INDEX, HFModelError, build_model
 from rptrain.models.hf_config import decoder_config
 from rptrain.models.hf_names import hf_name
@@ -120,14 +121,7 @@ def test_through_the_engine(saved, name, plan):
     model((ids, targets)).backward()
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    engine = RoundPipe(model)
-    with OptimizerCtx():
-        masters = list(engine.parameters())
-        opt = torch.optim.SGD(masters, lr=0.0)
-    grads = []
-    engine.forward_backward(input_args=((ids, targets),), loss_fn=lambda out, _: out,
-                            run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
-    engine.step(lambda: (grads.extend(p.grad.clone() for p in masters), opt.zero_grad()), is_async=False)
+    grads = engine_gradients(model, (ids, targets), RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
     assert len(grads) == len(expected)
     for g, e in zip(grads, expected):
         assert rel(g, e) < 1e-5

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from reference import engine_gradients
+from rptrain import ExecutePlan, RoundPipeRunConfig
 from rptrain.models import IGNORE_INDEX
 from rptrain.models.attention import causal_attention, flex_attention, positions
 from rptrain.models.decoder import build_decoder
@@ -96,14 +97,7 @@ def test_packed_through_the_engine():
     exs = examples(seed=1)
     _, expected = unpacked_loss_and_grads(m, exs)
     m.zero_grad()
-    engine = RoundPipe(m)
-    with OptimizerCtx():
-        masters = list(engine.parameters())
-        opt = torch.optim.SGD(masters, lr=0.0)
-    grads = []
-    engine.forward_backward(input_args=(packed(exs),), loss_fn=lambda out, _: out,
-                            run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=ExecutePlan.from_cuts(4, [2], [1, 2])))
-    engine.step(lambda: (grads.extend(p.grad.clone() for p in masters), opt.zero_grad()), is_async=False)
+    grads = engine_gradients(m, packed(exs), RoundPipeRunConfig(num_microbatch=3, execute_plan=ExecutePlan.from_cuts(4, [2], [1, 2])))
     assert len(grads) == len(expected)
     for g, e in zip(grads, expected):
         assert rel(g, e) < 1e-5
