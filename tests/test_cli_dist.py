@@ -36,10 +36,12 @@ LM = [
 K, N = 3, 6
 
 
-def torchrun(args: list[str], cwd: Path, nproc: int = 2, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+def torchrun(args: list[str], cwd: Path, nproc: int = 2, env: dict | None = None, timeout: float = 180,
+             target: tuple[str, ...] = ("-m", "rptrain.cli.main")) -> subprocess.CompletedProcess:
+    """`target`: what each rank runs (the CLI, or tests/faulty_rank.py with its fault)."""
     scratch = cwd / "scratch"  # TMPDIR: where the other ranks keep Hydra's run directory, removed on exit
     scratch.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "rptrain.cli.main", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *target, *args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env={**TEST_ENV, "TMPDIR": str(scratch), **(env or {})})
 
@@ -106,9 +108,14 @@ def _peer_error_lines(stderr: str, rank: int) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith(f"rptrain: error: rank {rank}: a peer rank failed or timed out")]
 
 
+def faulty(mode: str, step: int) -> tuple[str, ...]:
+    """The last rank dies or hangs just before `step` (tests/faulty_rank.py)."""
+    return (str(ROOT / "tests" / "faulty_rank.py"), mode, str(step))
+
+
 def test_a_dead_rank_ends_the_run_with_one_clear_line(tmp_path):
     start = time.monotonic()
-    proc = torchrun([*LM, "trainer.max_steps=6", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, env={"RPTRAIN_TEST_DIE_AT_STEP": "3"}, timeout=120)
+    proc = torchrun([*LM, "trainer.max_steps=6", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120, target=faulty("die", 3))
     assert proc.returncode != 0
     assert time.monotonic() - start < 90, "the surviving rank hung"
     [line] = _peer_error_lines(proc.stderr, 0)
@@ -121,7 +128,7 @@ def test_a_hung_rank_times_out_after_dist_timeout_s(tmp_path):
     """No launcher help: the hung rank stays alive, so only the process group's timeout can end the wait."""
     start = time.monotonic()
     proc = torchrun([*LM, "trainer.max_steps=6", "dist.timeout_s=3", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path,
-                    env={"RPTRAIN_TEST_HANG_AT_STEP": "3"}, timeout=120)
+                    timeout=120, target=faulty("hang", 3))
     assert proc.returncode != 0
     assert time.monotonic() - start < 90
     [line] = _peer_error_lines(proc.stderr, 0)

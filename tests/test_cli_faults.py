@@ -19,6 +19,7 @@ from test_train_checkpoint import full_disk
 
 from rptrain.cli.main import main
 from rptrain.train import checkpoint as ckpt
+from rptrain.train.tasks import ImageTask
 
 RUN = [*TINY, "trainer.max_steps=6", "trainer.checkpoint_interval=2"]
 
@@ -46,17 +47,19 @@ def intact(run, step: int) -> None:
 
 @pytest.fixture
 def nan_at_step_3(monkeypatch):
-    """The training loss of the third step is NaN (and so are its gradients); evaluation is untouched."""
-    real, calls = torch.nn.functional.cross_entropy, [0]
+    """The training loss of the third step is NaN (and so are its gradients), in every microbatch
+    of it however many the device's default makes; evaluation is untouched."""
+    real_step, real_loss, steps = ImageTask.train_step, torch.nn.functional.cross_entropy, [0]
+
+    def train_step(self, *args, **kwargs):
+        steps[0] += 1
+        return real_step(self, *args, **kwargs)
 
     def cross_entropy(*args, **kwargs):
-        loss = real(*args, **kwargs)
-        if torch.is_grad_enabled():
-            calls[0] += 1
-            if calls[0] == 3:
-                return loss * float("nan")
-        return loss
+        loss = real_loss(*args, **kwargs)
+        return loss * float("nan") if torch.is_grad_enabled() and steps[0] == 3 else loss
 
+    monkeypatch.setattr(ImageTask, "train_step", train_step)
     monkeypatch.setattr(torch.nn.functional, "cross_entropy", cross_entropy)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
 
@@ -100,16 +103,25 @@ def test_full_disk_during_a_run(tmp_path, monkeypatch, capsys):
 
 
 # A second signal, delivered from inside the optimizer step or a checkpoint write (the first one
-# arrives just before): the process stops there, without a traceback.
+# arrives just before and is handled first): the process stops there, without a traceback.
 SECOND_SIGNAL = """
-import os, signal, sys
+import os, signal, sys, threading
 import torch
 from rptrain.optim import Adam
-from rptrain.train import checkpoint
+from rptrain.train import checkpoint, signals as stop_signals
 
-where = sys.argv[1]
+where, first_handled = sys.argv[1], threading.Event()
+real_set = stop_signals.StopRequest.set
+def set_and_tell(self, signum):
+    real_set(self, signum)
+    first_handled.set()
+stop_signals.StopRequest.set = set_and_tell
+
 def signals():
+    # The second signal only once the first has been handled: sent from the optimizer thread (on CUDA)
+    # both would be pending together, and Python handles pending signals lowest number first.
     os.kill(os.getpid(), signal.SIGTERM)
+    assert first_handled.wait(60), "SIGTERM was not handled"
     os.kill(os.getpid(), signal.SIGINT)
 
 if where == "optimizer":

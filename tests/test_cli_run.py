@@ -8,6 +8,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 from cifar_fixture import write_fake_cifar
 from test_cli_helpers import RECIPE_ENV, ROOT, TEST_ENV, TINY, explain, read_jsonl, rptrain, without_groups
 from test_seed_tutorial import EPOCH_LINE
@@ -93,7 +94,9 @@ def test_cifar_format_dataset_both_pipelines_in_one_sweep(tmp_path):
         lrs = [r["lr"] for r in train]
         assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])  # linear warmup over 2 steps, then cosine over the other 2
         assert all(r["loss_scale"] >= 1 for r in train) and train[0]["loss_scale"] <= 65536
-    assert "per-sample torchvision transforms" in proc.stdout and "augmented on cpu" in proc.stdout
+    # data.augment_device=auto: the tensor pipeline augments on the GPU when there is one
+    augments_on = "cuda" if torch.cuda.is_available() else "cpu"
+    assert "per-sample torchvision transforms" in proc.stdout and f"augmented on {augments_on}" in proc.stdout
 
 
 def test_sweep_recipe_runs_every_job_in_one_process_and_releases_engines(tmp_path):

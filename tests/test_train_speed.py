@@ -15,12 +15,12 @@ from rich.console import Console
 from rptrain import GradScaler, RoundPipe, RoundPipeRunConfig
 from rptrain.models import build_model
 from rptrain.train import schema
-from rptrain.train import loop, meters
+from rptrain.train import meters, setup
 from rptrain.train.loop import Trainer
 from rptrain.train.memory_format import choose_memory_format
 from rptrain.train.signals import StopRequest
 from rptrain.train.tasks import ImageTask, StepResult
-from test_cli_helpers import TINY
+from test_cli_helpers import TINY, read_jsonl
 
 # The loop and its data pipeline; the engine waits for its own devices at the end of each call, by design.
 PACKAGE = Path(__import__("rptrain").__file__).parent
@@ -96,7 +96,7 @@ def run(tmp_path_factory):
     patch.setattr(torch.cuda, "synchronize", counting(torch.cuda, "synchronize"))  # (GPU runs) an explicit wait counts too
     patch.setattr(ImageTask, "train_step", train_step)
     formats, benchmark = [], set()
-    patch.setattr(loop, "RoundPipe", lambda *a, **kw: formats.append(kw["memory_format"]) or RoundPipe(*a, **kw))
+    patch.setattr(setup, "RoundPipe", lambda *a, **kw: formats.append(kw["memory_format"]) or RoundPipe(*a, **kw))
     try:
         trainer = Trainer(cfg, run_dir, [], Console(quiet=True), "")
         summary = trainer.fit(StopRequest())
@@ -105,7 +105,7 @@ def run(tmp_path_factory):
     assert formats == [torch.channels_last]
     # engine.cudnn_benchmark (default true) holds while the run trains, and the process's setting after it.
     assert benchmark == {True} and torch.backends.cudnn.benchmark is False
-    return trainer.metrics.records, reads, steps, summary
+    return read_jsonl(run_dir / "metrics.jsonl"), reads, steps, summary
 
 
 def test_no_read_between_log_steps(run):

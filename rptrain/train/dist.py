@@ -14,7 +14,6 @@ import contextlib
 import datetime
 import os
 import re
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -222,15 +221,3 @@ def _gist(err: BaseException) -> str:
     text = one_line(next((line for line in str(err).splitlines() if line.strip()), "") or type(err).__name__)
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
     return text.split(". ")[0][:200]
-
-
-def inject_fault(d: Dist, step: int, stop: Any) -> None:
-    """TESTS ONLY (tests/test_cli_dist.py): the last rank dies (RPTRAIN_TEST_DIE_AT_STEP=S) or hangs
-    until signalled (RPTRAIN_TEST_HANG_AT_STEP=S) just before step S."""
-    if d.world == 1 or d.rank != d.world - 1:
-        return
-    if str(step) == os.environ.get("RPTRAIN_TEST_DIE_AT_STEP"):
-        os._exit(3)  # a crashed node: no cleanup, no goodbye
-    if str(step) == os.environ.get("RPTRAIN_TEST_HANG_AT_STEP"):
-        while not stop:
-            time.sleep(0.05)

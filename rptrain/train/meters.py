@@ -10,9 +10,10 @@ for a resumed run to report the same metrics (the epoch's running sums included)
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -147,3 +148,15 @@ def rank_share(p: RunProgress, main: bool) -> RunProgress:
     m = p.epoch_meter.settle()
     meter = Meter(0.0, 0, 0, 0, m.steps, m.data_time, m.step_time, _started=m._started)
     return RunProgress(p.step, meter, dict(p.last_eval), p.last_eval_step, p.train_seconds, 0, 0)
+
+
+def global_progress(p: RunProgress, d: Any) -> RunProgress:
+    """The run's progress summed over the ranks of `d` (a dist.Dist): what a checkpoint stores and
+    the summary reports (see rank_share)."""
+    if d.world == 1:
+        return p
+    sums = d.sum([*p.epoch_meter.sums(), p.samples, p.tokens], "the summing of progress counters")
+    total = copy.copy(p)
+    total.epoch_meter = Meter.from_sums(sums[:6], p.epoch_meter.steps, d.world)
+    total.samples, total.tokens = int(round(sums[6])), int(round(sums[7]))
+    return total

@@ -1,0 +1,110 @@
+"""A run's checkpoints: which one it resumes from, restoring it, and writing the next one.
+
+The file format (atomic, verified) is checkpoint.py's; this is what a run puts in it and takes out.
+Under torchrun rank 0 chooses the checkpoint for everyone and alone writes; every rank takes part in
+the synchronisation before a write, so all of them compute with the same weights afterwards.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from rptrain import GradScaler, RoundPipe
+
+from .checkpoint import LAST, rng_state, save_rotating, set_rng_state
+from .console import log, say
+from .data import TrainData
+from .dist import Dist, FailedOnRankZero
+from .errors import CheckpointError, one_line
+from .meters import RunProgress, global_progress, progress_from, progress_state
+from .metrics import MetricsLog
+from .resume import loader_state_for, resolve_resume
+
+
+def choose_resume(cfg: DictConfig, run_dir: Path, overrides: list[str], d: Dist, console: Console) -> Optional[Path]:
+    """Rank 0 picks the checkpoint and every rank loads that file (trainer.resume=auto on each
+    rank could see a newer file appear, or another filesystem)."""
+    found, error = None, None
+    if d.main:
+        try:
+            choice = resolve_resume(cfg.trainer.resume, Path(cfg.output_root), run_dir, overrides)
+            found = choice.path
+            if choice.note():
+                say(console, choice.note())
+        except CheckpointError as err:
+            if d.world == 1:
+                raise
+            error = err
+    path, message = d.broadcast((str(found) if found else None, str(error) if error else None), "the choice of a checkpoint to resume from")
+    if error is not None:
+        raise error
+    if message is not None:
+        raise FailedOnRankZero(message)
+    if cfg.trainer.resume == "auto" and path is None:
+        say(console, f"trainer.resume=auto: no checkpoint of a run with these overrides under {cfg.output_root}: starting fresh")
+    return Path(path) if path else None
+
+
+def restore(state: dict, path: Path, engine: RoundPipe, optimizer: Any, scheduler: Any, scaler: GradScaler,
+            data: TrainData, console: Console) -> RunProgress:
+    """Put a loaded checkpoint's states into the run's parts; a checkpoint of another config is one line."""
+    try:
+        engine.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if scaler.is_enabled() and state["scaler"]:  # fp16 -> bf16/fp32 (or back) keeps no scale
+            scaler.load_state_dict(state["scaler"])
+        data.train.load_state_dict(loader_state_for(state["loader"], data.train.batch_size, data.train.world_size))
+        progress = progress_from(state["progress"])
+    except (KeyError, ValueError, TypeError, RuntimeError) as err:
+        raise CheckpointError(f"checkpoint {path} does not fit this run ({one_line(err)[:300]}): resume with the config it was written with") from err
+    set_rng_state(state["rng"])
+    say(console, f"resumed from {path} at step {progress.step}")
+    return progress
+
+
+class RunCheckpoints:
+    """Writes checkpoints/step-N.pt (+ last.pt) and remembers the step of the newest one."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, overrides: list[str], fingerprint: dict, d: Dist,
+                 param_names: set[str], last_step: int = -1) -> None:
+        self.cfg, self.overrides, self.fingerprint, self.dist = cfg, overrides, fingerprint, d
+        self.path = Path(run_dir) / "checkpoints" / LAST
+        self.param_names = param_names  # compared across ranks (BatchNorm buffers differ per rank)
+        self.last_step = last_step  # a resumed run: the checkpoint it resumed from is the newest there is
+
+    def kept(self) -> str:
+        """What a failure leaves behind, for its message."""
+        if self.last_step < 0:
+            return "no checkpoint was written yet"
+        return f"the last checkpoint (step {self.last_step}, {self.path}) is kept"
+
+    def save(self, p: RunProgress, engine: RoundPipe, optimizer: Any, scheduler: Any, scaler: GradScaler,
+             data: TrainData, metrics: MetricsLog) -> None:
+        engine.synchronize()  # the master weights after this step, and no step in flight (every rank: same weights)
+        self.last_step = p.step
+        total = global_progress(p, self.dist)
+        model_state = engine.state_dict()
+        d = self.dist
+        if d.world > 1:  # cheap next to writing the file, and the one place a divergence would do harm
+            d.check_same({k: v for k, v in model_state.items() if k in self.param_names}, "weights")
+            log.info(f"step {p.step}: the {d.world} ranks hold identical weights")
+        if not d.main:
+            return
+        save_rotating(self.path.parent, {
+            "fingerprint": self.fingerprint,
+            "model": model_state,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),  # our lambda is a closure: saved as None, rebuilt from the config
+            "scaler": scaler.state_dict(),
+            "loader": data.train.state_dict(),
+            "rng": rng_state(),
+            "progress": progress_state(total),
+            "history": metrics.records,
+            "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
+            "overrides": self.overrides,
+        }, p.step, self.cfg.trainer.keep_checkpoints)
+        metrics.write_csv()
