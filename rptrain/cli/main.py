@@ -3,6 +3,7 @@
     rptrain model=resnet34 data=cifar100            one run under outputs/DATE/TIME/
     rptrain -m run_config.num_microbatch=1,2,4      a sweep, every job in this process
     rptrain --cfg job                               the composed config, resolved
+    rptrain --explain model=resnet18 ...            the engine's plan and actions for one batch, no training
 
 Every job is composed and checked first (preflight.py), so a bad command line costs one
 line on stderr and exit code 2 instead of Hydra's multi-line report and a stray run directory.
@@ -26,12 +27,13 @@ from omegaconf.errors import OmegaConfBaseException
 from rptrain.data import DataError
 from rptrain.train import dist, rundir
 from rptrain.train.errors import USER_ERRORS
+from rptrain.train.explain import explain_config
 from rptrain.train.schema import register_configs
 
 from .errors import describe
 from .job import fail, run_job
 from .job_result import JobFailed, run_and_report
-from .preflight import CONFIG_NAME, CONFIG_PATH, parse_args, preflight
+from .preflight import CONFIG_NAME, CONFIG_PATH, compose_job, parse_args, preflight
 
 register_configs()
 
@@ -43,8 +45,13 @@ def _app(cfg: DictConfig) -> Union[float, JobFailed]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    explain = "--explain" in argv  # ours, not Hydra's: taken out before Hydra parses the rest
+    argv = [a for a in argv if a != "--explain"]
     try:
         rank = dist.rank()
+        if explain:
+            print(explain_config(compose_job(argv)), flush=True)
+            return
         place = preflight(argv)
         claimed = rundir.claim(place) if place is not None else None  # a directory of its own, before Hydra makes one
     except rundir.AlreadyCompleted as done:

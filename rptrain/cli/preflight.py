@@ -103,6 +103,19 @@ def preflight(argv: list[str]) -> Optional[Place]:
     return place
 
 
+def compose_job(argv: list[str]) -> DictConfig:
+    """One run's config as its job would see it, composed without running it (rptrain --explain)."""
+    args = parse_args(argv)
+    if args.multirun or args.cfg is not None or args.help or args.hydra_help or args.info or args.shell_completion:
+        raise ConfigError("--explain takes one run's overrides: leave out -m, --cfg, --help, --info and --shell-completion")
+    try:
+        cfg = _hydra(args).compose_config(args.config_name or CONFIG_NAME, list(args.overrides), run_mode=RunMode.RUN,
+                                          with_log_configuration=False)
+    finally:
+        GlobalHydra.instance().clear()
+    return _without_hydra(cfg)
+
+
 def _without_hydra(cfg: DictConfig) -> DictConfig:
     job_cfg = copy.copy(cfg)
     with open_dict(job_cfg):

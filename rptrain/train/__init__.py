@@ -8,9 +8,14 @@
   run_config.py  run_config group -> rptrain.RoundPipeRunConfig
   schedule.py    warmup + constant/cosine LR schedule
   tasks.py       one training step and one evaluation, for classifiers and language models
-  loop.py        Trainer: the loop, evaluation, checkpoints, resume
+  loop.py        Trainer: setup / train (the loop, evaluations) / save / cleanup
+  setup.py       Components: engine, optimizer, schedule, data, task, meters, report, checkpoints, typed
+  step_fn.py     what each engine.step runs (clip, optimizer, schedule) and the watch for non-finite losses
+  report.py      step and epoch lines, metrics files and curves, the summary
   meters.py      running sums and the run's position
   checkpoint.py  atomic, checksummed checkpoint files, keep-last-N; resume.py: which checkpoint trainer.resume means
+  run_checkpoints.py  what a run saves in a checkpoint and restores from one
+  explain.py     rptrain --explain: the engine's plan and actions for one batch of a config, without training
   rundir.py      each run claims its own directory and owns it (lock) while it runs
   metrics.py     metrics.jsonl / metrics.csv; plots.py: curves.png; console.py: tree, bar, lines
   signals.py     SIGTERM/SIGINT -> checkpoint and stop; status.py: status.json

@@ -69,6 +69,10 @@ class Task:
             return None
         return RoundPipeRunConfig(num_microbatch=batch if small else None, output_device=output_device)
 
+    def inputs(self, batch: tuple) -> tuple:
+        """The engine's input arguments for this batch (the model's forward arguments)."""
+        raise NotImplementedError
+
     def train_step(self, engine: RoundPipe, batch: tuple, scaler: GradScaler, total: Optional[int] = None) -> StepResult:
         raise NotImplementedError
 
@@ -82,6 +86,9 @@ class ImageTask(Task):
     def count(self, batch: tuple) -> int:
         return len(batch[1])
 
+    def inputs(self, batch: tuple) -> tuple:
+        return (batch[0].to(self.dtype),)
+
     def train_step(self, engine: RoundPipe, batch: tuple, scaler: GradScaler, total: Optional[int] = None) -> StepResult:
         images, labels = batch
         n = len(labels)
@@ -93,7 +100,7 @@ class ImageTask(Task):
             corrects.append((out.argmax(1) == y).sum())
             return scaler.scale(F.cross_entropy(out.float(), y, reduction="sum") / divisor)
 
-        loss = engine.forward_backward(input_args=(images.to(self.dtype),), label=labels, loss_fn=loss_fn, run_config=self.run_config(n))
+        loss = engine.forward_backward(input_args=self.inputs(batch), label=labels, loss_fn=loss_fn, run_config=self.run_config(n))
         return StepResult(loss.detach(), to_mean / scale, n, corrects, n)
 
     def evaluate(self, engine: RoundPipe, batches: Iterable[tuple]) -> dict[str, float]:
@@ -114,13 +121,16 @@ class LanguageTask(Task):
     def count(self, batch: tuple) -> int:
         return count_tokens(batch[1])
 
+    def inputs(self, batch: tuple) -> tuple:
+        return (tuple(batch),)  # the first layer takes (ids, targets[, segment_ids]) as one argument
+
     def train_step(self, engine: RoundPipe, batch: tuple, scaler: GradScaler, total: Optional[int] = None) -> StepResult:
         ids, targets = batch[:2]  # then segment ids, when the data packs several documents a row
         tokens = count_tokens(targets)
         divisor, to_mean = self.divisor(tokens, total)
         scale = scaler.get_scale()
         loss = engine.forward_backward(
-            input_args=(tuple(batch),),
+            input_args=self.inputs(batch),
             label=None,
             loss_fn=lambda out, _: scaler.scale(out / divisor),
             run_config=self.run_config(len(ids)),

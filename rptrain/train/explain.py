@@ -1,0 +1,81 @@
+"""`rptrain --explain`: what one training call of a config would do, printed before a long run.
+
+It builds the config's data, model and engine as a run would (one process), takes the first
+training batch as the example inputs and prints the engine's plan and the action list of one call
+(`RoundPipe.explain`): stages, residency, transfers and their bytes. Nothing trains, nothing is
+written, no run directory is made.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from rptrain import ExecutePlan, RoundPipe
+from rptrain.engine.schedule import JobKind, training_schedule
+
+from .data import build_data
+from .dist import Dist
+from .model import build_model
+from .precision import torch_dtype
+from .run_config import build_run_config
+from .setup import build_engine
+from .tasks import make_task
+from .validate import check_inputs, check_vocab, num_microbatch, validate_config
+
+
+def explain_config(cfg: DictConfig) -> str:
+    validate_config(cfg)
+    check_inputs(cfg)
+    dtype = torch_dtype(cfg.precision.compute_dtype)
+    torch.manual_seed(cfg.trainer.seed)
+    data = build_data(cfg, dtype)
+    check_vocab(cfg, data.vocab_size)
+    model = build_model(cfg, dtype, vocab_size=data.vocab_size)
+    num_layers = len(model)
+    engine = build_engine(cfg, model, Dist())
+    del model
+    try:
+        batches = data.train.epoch(0, 0)
+        try:
+            batch = next(batches)
+        finally:
+            batches.close()
+        inputs = make_task(data.kind, num_microbatch(cfg), dtype).inputs(batch)
+        head = f"model {cfg.model.name}: {num_layers} layers; one training call on inputs {shapes(inputs)}"
+        if hasattr(engine, "explain"):
+            return f"{head}\n{engine.explain(*inputs)}"
+        return f"{head}\n{_plan_of(engine, cfg, num_layers)}"
+    finally:
+        engine.close()
+
+
+def shapes(value: Any) -> str:
+    """A batch's structure with tensors as dtype[shape]: `(float32[16, 3, 32, 32],)`."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}[{', '.join(map(str, value.shape))}]"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(shapes(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    return repr(value)
+
+
+def _plan_of(engine: RoundPipe, cfg: DictConfig, num_layers: int) -> str:
+    """The plan and the jobs of one training call, for an engine without RoundPipe.explain: the
+    config's plan, else the one the engine chose, else the planner's from the layer sizes."""
+    run_config = build_run_config(cfg.run_config, num_layers)
+    plan = run_config.execute_plan or engine.plan or ExecutePlan.auto("train", engine)
+    devices = [str(d) for d in engine.devices]
+    grain = run_config.recompute_grain or "stage"
+    lines = [
+        f"plan over {len(devices)} device(s) ({', '.join(devices)}), {num_microbatch(cfg)} microbatch(es) a call, recompute_grain={grain}",
+        "  forward stages:  " + " ".join(f"[{a}, {b})" for a, b in plan.forward),
+        "  backward stages: " + " ".join(f"[{a}, {b})" for a, b in plan.backward),
+        "jobs of one training call:",
+    ]
+    for job in training_schedule(plan, len(devices), grain):
+        what = "saves the inputs of layers" if job.kind is JobKind.FORWARD else "recomputes from layers"
+        checkpoints = f", {what} {list(job.checkpoints)}" if job.checkpoints else ""
+        lines.append(f"  {job.index}: {job.kind.value} stage [{job.start}, {job.stop}) on {devices[job.device]}{checkpoints}")
+    return "\n".join(lines)
