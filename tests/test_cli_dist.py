@@ -19,7 +19,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
-from test_cli_helpers import ROOT, TEST_ENV, explain, read_jsonl, rptrain, train_losses
+from test_cli_helpers import ROOT, TEST_ENV, explain, read_jsonl, rptrain_here, train_losses
 
 from rptrain.train import schema
 from rptrain.train.dist import PeerError, peer_errors
@@ -68,7 +68,7 @@ def runs(tmp_path_factory):
     """One process to K and to N (a sweep, checkpointing at K so both synchronize there), and two ranks to K."""
     tmp = tmp_path_factory.mktemp("dist")
     sweep = tmp / "one"
-    proc = rptrain(["-m", *LM, f"trainer.max_steps={K},{N}", f"trainer.checkpoint_interval={K}", f"hydra.sweep.dir={sweep}"], cwd=tmp)
+    proc = rptrain_here(["-m", *LM, f"trainer.max_steps={K},{N}", f"trainer.checkpoint_interval={K}", f"hydra.sweep.dir={sweep}"], cwd=tmp)
     assert proc.returncode == 0, explain(proc)
     two = torchrun([*LM, f"trainer.max_steps={K}", f"trainer.checkpoint_interval={K}", f"output_root={tmp / 'out'}"], cwd=tmp)
     return tmp, sweep / "0", sweep / "1", two
@@ -97,8 +97,8 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(runs):
     assert two.returncode == 0, explain(two)
     [run] = [p.parent for p in (tmp / "out").glob("**/.hydra")]
     resumed = tmp / "resumed"
-    proc = rptrain([*LM, f"trainer.max_steps={N}", f"trainer.checkpoint_interval={K}", f"trainer.resume={run}",
-                    f"hydra.run.dir={resumed}"], cwd=tmp)
+    proc = rptrain_here([*LM, f"trainer.max_steps={N}", f"trainer.checkpoint_interval={K}", f"trainer.resume={run}",
+                         f"hydra.run.dir={resumed}"], cwd=tmp)
     assert proc.returncode == 0, explain(proc)
     assert f"at step {K}" in proc.stdout
     assert_same_training(one_n, resumed, N)

@@ -14,7 +14,7 @@ import socket
 import pytest
 import torch
 from cifar_fixture import write_fake_cifar
-from test_cli_helpers import TINY, error_lines, explain, rptrain
+from test_cli_helpers import TINY, error_lines, explain, rptrain, rptrain_here
 from test_cli_sweeps import SMALL
 
 from rptrain.cli.main import main
@@ -195,7 +195,7 @@ def test_dataset_problem_found_after_the_start_marks_the_run_failed(tmp_path):
     corpus = tmp_path / "tiny.txt"
     corpus.write_text("too short")
     run = tmp_path / "run"
-    proc = rptrain(["model=llama_tiny", "data=text", f"data.path={corpus}", "data.seq_len=64", f"hydra.run.dir={run}"], tmp_path)
+    proc = rptrain_here(["model=llama_tiny", "data=text", f"data.path={corpus}", "data.seq_len=64", f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 2, explain(proc)
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and "data.seq_len" in lines[0] and str(corpus) in lines[0], explain(proc)

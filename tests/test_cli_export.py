@@ -23,7 +23,7 @@ from rptrain.train.errors import CheckpointError
 from rptrain.train.export import export_weights
 from rptrain.train.model import build_model
 from rptrain.train.run_weights import run_checkpoint, run_config
-from test_cli_helpers import error_lines, explain, rptrain
+from test_cli_helpers import error_lines, explain, rptrain_here
 
 MODEL = ["model=llama_tiny", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.tie_embeddings=true"]
 
@@ -34,7 +34,7 @@ def run(tmp_path_factory):
     tok = tokenizer_folder(root / "tok")
     (root / "corpus.txt").write_text(CORPUS * 8)
     run_dir = root / "run"
-    proc = rptrain([*MODEL, "data=text", f"data.path={root / 'corpus.txt'}", f"data.tokenizer={tok}", "data.seq_len=16",
+    proc = rptrain_here([*MODEL, "data=text", f"data.path={root / 'corpus.txt'}", f"data.tokenizer={tok}", "data.seq_len=16",
                     "trainer.batch_size=4", "trainer.max_steps=3", "precision=fp32", "optim.optimizer.lr=1e-2",
                     f"hydra.run.dir={run_dir}"], root)
     assert proc.returncode == 0, explain(proc)

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import transformers  # the reference (dev extra)
 from test_cli_errors import cli, expect_error  # noqa: F401  (cli is a fixture)
-from test_cli_helpers import error_lines, explain, read_jsonl, rptrain
+from test_cli_helpers import error_lines, explain, read_jsonl, rptrain_here
 
 DATA = ["data=synthetic_tokens", "data.vocab_size=64", "data.num_train=16", "data.num_val=8", "data.seq_len=16",
         "trainer.batch_size=4", "trainer.max_steps=2", "trainer.log_interval=1", "precision=fp32"]
@@ -37,7 +37,7 @@ def edited(folder, tmp_path, **changes):
 
 def test_trains_a_hugging_face_folder(folder, tmp_path):
     run = tmp_path / "run"
-    proc = rptrain(["model=hf", f"model.path={folder}", *DATA, f"hydra.run.dir={run}"], tmp_path)
+    proc = rptrain_here(["model=hf", f"model.path={folder}", *DATA, f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, explain(proc)
     train = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"]
     assert len(train) == 2 and all(r["loss"] > 0 for r in train)
@@ -45,7 +45,7 @@ def test_trains_a_hugging_face_folder(folder, tmp_path):
     assert summary["model"] == "hf"
     # a refused config, end to end: one line, exit 2, no run directory
     bad = edited(folder, tmp_path, hidden_act="gelu")
-    proc = rptrain(["model=hf", f"model.path={bad}", *DATA, f"hydra.run.dir={tmp_path / 'bad_run'}"], tmp_path)
+    proc = rptrain_here(["model=hf", f"model.path={bad}", *DATA, f"hydra.run.dir={tmp_path / 'bad_run'}"], tmp_path)
     assert proc.returncode == 2, explain(proc)
     assert error_lines(proc.stderr) == [f"rptrain: error: {bad / 'config.json'}: hidden_act=\"gelu\" (llama): rptrain supports silu for this family"]
     assert not (tmp_path / "bad_run").exists()

@@ -8,7 +8,7 @@ import math
 import random
 
 import pytest
-from test_cli_helpers import explain, read_jsonl, rptrain, train_losses
+from test_cli_helpers import explain, read_jsonl, rptrain_here, train_losses
 
 
 def write_corpus(path, lines: int = 400, seed: int = 0) -> float:
@@ -25,7 +25,7 @@ def test_tiny_llama_learns_a_text_below_its_unigram_entropy(tmp_path):
     corpus = tmp_path / "corpus.txt"
     entropy = write_corpus(corpus)
     run = tmp_path / "run"
-    proc = rptrain(
+    proc = rptrain_here(
         ["model=llama_tiny", "data=text", f"data.path={corpus}", "data.seq_len=64", "trainer.batch_size=16",
          "trainer.max_steps=60", "trainer.log_interval=10", "precision=bf16", "optim.optimizer.lr=3e-3",
          f"hydra.run.dir={run}"],
@@ -49,10 +49,10 @@ def test_language_model_resume_is_exact(tmp_path):
             "data.vocab_size=64", "trainer.batch_size=8", "trainer.log_interval=1", "precision=fp32",
             "trainer.checkpoint_interval=3"]
     sweep = tmp_path / "sweep"
-    proc = rptrain(["-m", *base, "trainer.max_steps=3,6", f"hydra.sweep.dir={sweep}"], tmp_path)
+    proc = rptrain_here(["-m", *base, "trainer.max_steps=3,6", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert proc.returncode == 0, explain(proc)
     resumed = tmp_path / "resumed"
-    proc = rptrain([*base, "trainer.max_steps=6", f"trainer.resume={sweep / '0'}", f"hydra.run.dir={resumed}"], tmp_path)
+    proc = rptrain_here([*base, "trainer.max_steps=6", f"trainer.resume={sweep / '0'}", f"hydra.run.dir={resumed}"], tmp_path)
     assert proc.returncode == 0, explain(proc)
     straight = train_losses(read_jsonl(sweep / "1" / "metrics.jsonl"))
     again = train_losses(read_jsonl(resumed / "metrics.jsonl"))

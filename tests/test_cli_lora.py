@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from hf_fixture import CORPUS, VOCAB, llama_folder
 from rptrain.train import schema
 from rptrain.train.model import build_model
-from test_cli_helpers import explain, read_jsonl, rptrain, train_losses
+from test_cli_helpers import explain, read_jsonl, rptrain_here, train_losses
 
 MODEL = ["model=llama_tiny", "model.dim=32", "model.ffn_hidden=64", "model.n_heads=4", "model.n_kv_heads=2",
          f"model.vocab_size={VOCAB}", "model.lora.rank=4", "model.lora.alpha=8"]
@@ -30,10 +30,10 @@ def runs(tmp_path_factory):
     common = [*MODEL, f"model.weights={base}", "data=text", f"data.path={root / 'corpus.txt'}", f"data.tokenizer={base}",
               "data.seq_len=16", "trainer.batch_size=4", "trainer.log_interval=1", "trainer.checkpoint_interval=3",
               "precision=fp32", "optim.optimizer.lr=1e-2"]
-    proc = rptrain(["-m", *common, "trainer.max_steps=3,6", f"hydra.sweep.dir={root / 'sweep'}"], root)
+    proc = rptrain_here(["-m", *common, "trainer.max_steps=3,6", f"hydra.sweep.dir={root / 'sweep'}"], root)
     assert proc.returncode == 0, explain(proc)
     resumed = root / "resumed"
-    proc = rptrain([*common, "trainer.max_steps=6", f"trainer.resume={root / 'sweep' / '0'}", "model.lora.export=adapter",
+    proc = rptrain_here([*common, "trainer.max_steps=6", f"trainer.resume={root / 'sweep' / '0'}", "model.lora.export=adapter",
                     f"hydra.run.dir={resumed}"], root)
     assert proc.returncode == 0, explain(proc)
     return base, root / "sweep" / "1", resumed, common

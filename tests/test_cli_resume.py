@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_cli_helpers import RECIPE_ENV, ROOT, TEST_ENV, TINY, explain, read_jsonl, rptrain, train_losses, without_groups
+from test_cli_helpers import RECIPE_ENV, ROOT, TEST_ENV, TINY, explain, read_jsonl, rptrain, rptrain_here, train_losses, without_groups
 
 # 96 images of batch 16: 6 steps per epoch, so step 4 is in the middle of the first epoch.
 RESUME = [*TINY, "data.num_train=96", "trainer.checkpoint_interval=4"]
@@ -19,13 +19,13 @@ def test_resumed_run_reproduces_the_straight_run(tmp_path):
     """Stopped at step 4 and resumed to step 10 vs straight to step 10 (fp32, async optimizer
     steps): the same losses. Both runs checkpoint, and so synchronize the engine, at step 4."""
     sweep = tmp_path / "sweep"
-    proc = rptrain(["-m", *RESUME, "trainer.max_steps=4,10", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    proc = rptrain_here(["-m", *RESUME, "trainer.max_steps=4,10", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)
     short, straight = sweep / "0", sweep / "1"
     assert json.loads((short / "summary.json").read_text())["steps"] == 4
 
     resumed = tmp_path / "resumed"
-    proc = rptrain([*RESUME, "trainer.max_steps=10", f"trainer.resume={short}", f"hydra.run.dir={resumed}"], cwd=tmp_path)
+    proc = rptrain_here([*RESUME, "trainer.max_steps=10", f"trainer.resume={short}", f"hydra.run.dir={resumed}"], cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)
     assert f"resumed from {short / 'checkpoints' / 'step-00000004.pt'} at step 4" in proc.stdout
 

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 from cifar_fixture import write_fake_cifar
-from test_cli_helpers import RECIPE_ENV, ROOT, TEST_ENV, TINY, explain, read_jsonl, rptrain, without_groups
+from test_cli_helpers import RECIPE_ENV, ROOT, TEST_ENV, TINY, explain, read_jsonl, rptrain_here, without_groups
 from test_seed_tutorial import EPOCH_LINE
 
 
@@ -18,7 +18,7 @@ def test_run_writes_the_whole_output_layout(tmp_path):
     """Hydra's layout under outputs/ of the working directory, which may be anywhere."""
     work = tmp_path / "somewhere" / "else"
     work.mkdir(parents=True)
-    proc = rptrain([*TINY, "trainer.epochs=2"], cwd=work)
+    proc = rptrain_here([*TINY, "trainer.epochs=2"], cwd=work)
     assert proc.returncode == 0, explain(proc)
     [run] = [p.parent for p in (work / "outputs").glob("*/*/.hydra")]
     assert re.fullmatch(r"\d{4}-\d\d-\d\d", run.parent.name) and re.fullmatch(r"\d\d-\d\d-\d\d", run.name)
@@ -78,7 +78,7 @@ def test_cifar_format_dataset_both_pipelines_in_one_sweep(tmp_path):
     root = write_fake_cifar(tmp_path / "cifar", "cifar100", n_train=64, n_test=32)
     sweep = tmp_path / "sweep"
     args = [a for a in TINY if not a.startswith(("data", "precision"))]
-    proc = rptrain(
+    proc = rptrain_here(
         ["-m", *args, "data=cifar100", f"data.root={root}", "data.download=false", "data.verify_checksums=false",
          "data.pipeline=tensor,torchvision", "trainer.num_workers=0", "trainer.epochs=1", "precision=fp16",
          "optim=adamw", "optim.schedule.warmup_steps=2", f"hydra.sweep.dir={sweep}"],

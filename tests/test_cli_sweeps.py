@@ -7,7 +7,7 @@ import json
 
 import pytest
 import yaml
-from test_cli_helpers import TINY, error_lines, explain, read_jsonl, rptrain
+from test_cli_helpers import TINY, error_lines, explain, read_jsonl, rptrain, rptrain_here
 
 from rptrain.cli.main import main
 
@@ -21,7 +21,7 @@ def _sweep_dir(root):
 
 
 def test_a_failing_job_lets_the_others_run_and_the_sweep_exits_1(tmp_path):
-    proc = rptrain(["-m", *SMALL, "trainer.log_interval=100", "optim.optimizer.lr=1e10,1e-3", "logger=[jsonl,tensorboard]",
+    proc = rptrain_here(["-m", *SMALL, "trainer.log_interval=100", "optim.optimizer.lr=1e10,1e-3", "logger=[jsonl,tensorboard]",
                     f"output_root={tmp_path}"], tmp_path)
     assert proc.returncode == 1, explain(proc)
     sweep, rows = _sweep_dir(tmp_path)
@@ -47,8 +47,8 @@ def test_a_failing_job_lets_the_others_run_and_the_sweep_exits_1(tmp_path):
 
 
 def test_optuna_sweep_returns_the_objective_and_writes_the_summary(tmp_path):
-    proc = rptrain(["-m", *SMALL, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=0",
-                    "optim.optimizer.lr=tag(log,interval(1e-4,1e-2))", "trainer.objective=test_loss", f"output_root={tmp_path}"], tmp_path, timeout=300)
+    proc = rptrain_here(["-m", *SMALL, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=0",
+                    "optim.optimizer.lr=tag(log,interval(1e-4,1e-2))", "trainer.objective=test_loss", f"output_root={tmp_path}"], tmp_path)
     assert proc.returncode == 0, explain(proc)
     sweep, rows = _sweep_dir(tmp_path)
     assert [r["status"] for r in rows] == ["completed", "completed"]

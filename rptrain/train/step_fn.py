@@ -21,11 +21,6 @@ from rptrain import GradScaler, RoundPipe
 from .dist import Dist
 from .errors import NonFiniteLoss
 
-# The schedule advances on a skipped step too (as in torch's AMP recipes), which torch would warn
-# about on every GradScaler skip.
-warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
-
-
 class StepFunctions:
     def __init__(self, optimizer: Any, scheduler: Any, scaler: GradScaler, clip: Optional[float], on_nonfinite: str,
                  d: Dist, kept: Callable[[], str]) -> None:
@@ -36,6 +31,9 @@ class StepFunctions:
         self.skip = self.guard and on_nonfinite == "skip"
         self.check_here = self.guard and (self.skip or d.world > 1)
         self.failed: list[int] = []  # steps whose loss the optimizer thread found non-finite
+        # The schedule advances on a skipped step too (as in torch's AMP recipes), which torch would
+        # warn about on every GradScaler skip. Set per run: a caller may have reset the filters since.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
 
     def lr(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0-based), computed: no race with the optimizer thread."""
