@@ -15,24 +15,17 @@ from omegaconf import DictConfig
 from rptrain import ExecutePlan, RoundPipe
 from rptrain.engine.schedule import JobKind, training_schedule
 
-from .data import build_data
 from .dist import Dist
-from .model import build_model
-from .precision import torch_dtype
 from .run_config import build_run_config
-from .setup import build_engine
+from .setup import build_data_and_model, build_engine
 from .tasks import make_task
-from .validate import check_inputs, check_vocab, num_microbatch, validate_config
+from .validate import check_inputs, num_microbatch, validate_config
 
 
 def explain_config(cfg: DictConfig) -> str:
     validate_config(cfg)
-    check_inputs(cfg)
-    dtype = torch_dtype(cfg.precision.compute_dtype)
-    torch.manual_seed(cfg.trainer.seed)
-    data = build_data(cfg, dtype)
-    check_vocab(cfg, data.vocab_size)
-    model = build_model(cfg, dtype, vocab_size=data.vocab_size)
+    check_inputs(cfg)  # a missing data set is one line, as before a run
+    dtype, data, model = build_data_and_model(cfg)
     num_layers = len(model)
     engine = build_engine(cfg, model, Dist())
     del model

@@ -73,14 +73,20 @@ def build_engine(cfg: DictConfig, model: torch.nn.Sequential, d: Dist) -> RoundP
                          memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices))
 
 
-def build_components(cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, d: Dist,
-                     on_record: Any = None) -> Components:
+def build_data_and_model(cfg: DictConfig) -> tuple[torch.dtype, TrainData, torch.nn.Sequential]:
+    """The compute dtype, the data, and the model seeded by trainer.seed (built after the data,
+    which fixes a language model's null vocab_size)."""
     validate_config(cfg)
     dtype = torch_dtype(cfg.precision.compute_dtype)
     torch.manual_seed(cfg.trainer.seed)
     data = build_data(cfg, dtype)
     check_vocab(cfg, data.vocab_size)
-    model = build_model(cfg, dtype, vocab_size=data.vocab_size)
+    return dtype, data, build_model(cfg, dtype, vocab_size=data.vocab_size)
+
+
+def build_components(cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, d: Dist,
+                     on_record: Any = None) -> Components:
+    dtype, data, model = build_data_and_model(cfg)
     prints = fingerprint(cfg.model.name, model)
     resume = choose_resume(cfg, run_dir, overrides, d, console)
     state = load_checkpoint(resume, prints) if resume else None
