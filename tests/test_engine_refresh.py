@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from reference import Reference, assert_state_close
-from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.engine import refresh
 from rptrain.engine.device import CpuDevice
 from rptrain.engine.host import HostState
@@ -69,12 +69,11 @@ def test_staged_copy_is_the_master_cast_and_host_gets_its_share():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="resident weights need a GPU")
 @pytest.mark.parametrize("share", [0.0, 0.4, 1.0])
-def test_resident_gpu_weights_are_the_master_cast_after_every_step(monkeypatch, share):
+def test_resident_gpu_weights_are_the_master_cast_after_every_step(share):
     """fp16 model, async steps: the GPU's copy of each version equals the fp32 master cast, and
     training matches plain PyTorch one step stale."""
-    monkeypatch.setattr(refresh, "GPU_SHARE", share)
     model = mixed_model()
-    engine = RoundPipe(copy.deepcopy(model))
+    engine = RoundPipe(copy.deepcopy(model), tuning=Tuning(refresh_gpu_share=share))
     assert engine._executor.resident
     with OptimizerCtx():
         opt = Adam(engine.parameters(), lr=1e-2)

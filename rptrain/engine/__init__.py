@@ -4,8 +4,9 @@ from .plan import ExecutePlan, LayerCost, plan_stages
 from .roundpipe import OptimizerCtx, RoundPipe
 from .recompute import doing_recompute, get_recompute_data, save_for_recompute
 from .scaler import GradScaler
+from .tuning import Tuning
 from .wrap import WrappedModel, wrap_model, wrap_model_to_roundpipe
 
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "ExecutePlan", "LayerCost", "plan_stages",
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "Tuning", "ExecutePlan", "LayerCost", "plan_stages",
            "WrappedModel", "wrap_model", "wrap_model_to_roundpipe",
            "save_for_recompute", "doing_recompute", "get_recompute_data"]

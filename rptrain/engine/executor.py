@@ -21,7 +21,7 @@ from torch import Tensor
 from . import recompute, refresh
 from .batching import iter_tensors, map_tensors, opaque_type
 from .device import Device
-from .graphs import StageGraphs, signature, worth_recording
+from .graphs import StageGraphs, signature
 from .host import GradBuffer, HostState
 from .layout import FlatLayout, Range, Slot
 from .memory_format import convert_inputs
@@ -29,6 +29,7 @@ from .replica import Shell
 from .scaler import recording_scalers
 from .schedule import Job, JobKind
 from .trace import span
+from .tuning import Tuning
 
 
 class Args(NamedTuple):
@@ -118,14 +119,18 @@ class PassState:
     saved_bytes: dict = field(default_factory=dict)  # layer -> bytes of one microbatch's graph
     activation_bytes: dict = field(default_factory=dict)  # layer -> bytes of one microbatch's output
     error: Optional[BaseException] = None
+    # Made by the executor for the call.
+    graphs: Optional[StageGraphs] = field(default=None, init=False)  # the fused job's recorded graphs, when replayed
+    graph_modes: tuple = field(default=(), init=False)  # train/eval modes of the fused stage's modules
+    chain: "Mailbox" = field(init=False)  # results passed from job to job
+    prefetched: dict = field(default_factory=dict, init=False)  # job index -> its weights, uploaded early
+    buffer_events: list = field(default_factory=list, init=False)  # written-back buffers' download events
+    next_on_device: dict = field(default_factory=dict, init=False)  # job index -> the next job on its device
+    reduce_order: dict = field(default_factory=dict, init=False)  # job index -> its turn among reducing jobs
+    lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def __post_init__(self) -> None:
-        self.graphs: Optional[StageGraphs] = None
-        self.graph_modes: tuple = ()
         self.chain = Mailbox(self)
-        self.prefetched: dict[int, Any] = {}
-        self.buffer_events: list[Any] = []
-        self.lock = threading.Lock()
         n = self.num_microbatch
         self.losses, self.outputs, self.input_grads = [None] * n, [None] * n, [None] * n
 
@@ -168,8 +173,9 @@ class _Resident:
 
 
 class Executor:
-    def __init__(self, layers: Sequence[torch.nn.Module], host: HostState, devices: Sequence[Device]):
+    def __init__(self, layers: Sequence[torch.nn.Module], host: HostState, devices: Sequence[Device], tuning: Tuning):
         self.layers = layers
+        self.tuning = tuning
         self.host = host
         self.devices = devices
         self._shells: dict[tuple[int, int], Shell] = {}
@@ -190,7 +196,7 @@ class Executor:
         by_device: dict[int, list[Job]] = {}
         for job in state.jobs:
             by_device.setdefault(job.device, []).append(job)
-        state.next_on_device = {}
+        state.next_on_device.clear()
         state.reduce_order = {j.index: k for k, j in enumerate(j for j in state.jobs if j.kind is not JobKind.FORWARD)}
         if self.reducer is not None:
             self.reducer.begin()
@@ -309,6 +315,7 @@ class Executor:
         if resident.live_version != version:
             with device.stream("compute"):
                 device.wait("compute", staged.event)
+                device.check_ready("compute", (t for _, t in staged.pieces))
                 for (_, live), (_, t) in zip(resident.live, staged.pieces):
                     live.copy_(t)
                     device.keep_alive(t, "compute")
@@ -324,7 +331,7 @@ class Executor:
         """Version ``version`` on every GPU, cast partly there from the master (refresh.py); the
         host compute copy gets only the host's share. Returns once the master may change again."""
         if self._refresh_plan is None:
-            self._refresh_plan = refresh.split(self.host.params, self.host.master.dtype)
+            self._refresh_plan = refresh.split(self.host.params, self.host.master.dtype, self.tuning.refresh_gpu_share, self.tuning.refresh_chunk)
         staged = refresh.stage_version(self.host, self.devices, version, self._refresh_plan)
         with self._resident_lock:  # held only to publish: a running call looks up its own version here
             for index, (pieces, event) in staged.items():
@@ -384,7 +391,7 @@ class Executor:
         if following is not None and device.is_cuda and not self.resident:
             state.prefetched[following.index] = self._stage_weights(device, following, state.version)
         graphed = (job.kind is JobKind.FUSED and self.cuda_graphs and self.resident and device.is_cuda and not state.profile
-                   and worth_recording(sum(r.numel for r in self.host.params.ranges(job.start, job.stop))))
+                   and sum(r.numel for r in self.host.params.ranges(job.start, job.stop)) <= self.tuning.max_graph_params)
         buffers = self._buffers(device, job, scratch=job.kind is JobKind.BACKWARD, state=state, static=graphed)
         shells = [self._shell(device, i) for i in range(job.start, job.stop)]
         buffer_versions = None if graphed else _buffer_versions(shells)
@@ -392,6 +399,7 @@ class Executor:
             device.wait("compute", weights.event)
             device.wait("compute", frozen.event)
             device.wait("compute", buffers.event)
+            device.check_ready("compute", (t for _, t in weights.pieces + frozen.pieces + buffers.pieces))
             grads = None if job.kind is JobKind.FORWARD else self._grads(device, job, static=graphed)
             if grads is not None and self.reducer is None:  # a reducer needs each stage's gradients in one call
                 state.early_grads[job.index] = _EarlyGrads(self, device, job, grads, state, shells)
@@ -403,7 +411,7 @@ class Executor:
             start_mark = device.timer() if state.profile else None
             run = {JobKind.FORWARD: self._forward, JobKind.FUSED: self._fused, JobKind.BACKWARD: self._backward}[job.kind]
             if job.kind is JobKind.FUSED:  # one fused job per call, so no other thread touches this
-                state.graphs = self._graphs.setdefault(device.index, StageGraphs(device.torch_device)) if graphed else None
+                state.graphs = self._graphs.setdefault(device.index, device.graphs(self.tuning)) if graphed else None
                 # Train/eval modes select the graph: read from the user's layers, as the shells mirror them.
                 state.graph_modes = tuple(m.training for layer in self.layers[job.start : job.stop] for m in layer.modules()) if graphed else ()
             try:
@@ -537,7 +545,7 @@ class Executor:
         """Copy to pinned host memory on the download stream (the caller records its event)."""
 
         def pinned(t: Tensor) -> Tensor:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=device.pins_memory)
             return host.copy_(t, non_blocking=True)
 
         return _download(device, value, pinned)
@@ -574,7 +582,7 @@ class Executor:
                             if fresh:
                                 device.copy_to_host(dst, src)
                             else:
-                                staged = torch.empty(hi - lo, dtype=torch.float32, pin_memory=device.is_cuda)
+                                staged = torch.empty(hi - lo, dtype=torch.float32, pin_memory=device.pins_memory)
                                 device.copy_to_host(staged, src)
                                 state.deferred_adds.append((dst, staged))
 

@@ -18,7 +18,6 @@ one, so the next iteration's backward overlaps the optimizer step.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import weakref
 from collections import namedtuple
@@ -39,6 +38,7 @@ from .recorded import run_recorded
 from .scaler import register_step_queue, step_context
 from .schedule import JobKind, forward_schedule, training_schedule
 from .trace import span
+from .tuning import Tuning
 from .worker import TaskThread, Ticket
 
 _optimizer_ctx = threading.local()
@@ -78,10 +78,11 @@ class RoundPipe(nn.Module):
         name: Optional[str] = None,
         pin_model: str = "alloc",
         memory_format: Optional[torch.memory_format] = None,
+        tuning: Optional[Tuning] = None,
     ):
         """``devices``: None (every GPU, else the CPU) or a list like ``["cuda:0", "cuda:1"]``.
         ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
-        resident on the GPU and the stage has at most ``graphs.MAX_GRAPH_PARAMS`` parameters
+        resident on the GPU and the stage has at most ``tuning.max_graph_params`` parameters
         (layers that cannot be captured fall back to eager, with a warning).
         ``process_group``: a torch.distributed group to train data-parallel over: every rank
         runs this engine on its own data and gradients are averaged before each step (NCCL for
@@ -94,11 +95,16 @@ class RoundPipe(nn.Module):
         are always pinned with PyTorch's allocator on GPU engines (its "alloc").
         ``memory_format``: ``torch.channels_last`` converts 4-D inputs to channels-last on the
         device, so convolutions run NHWC kernels (faster on recent GPUs); weights, gradients and
-        state dicts keep the standard layout (memory_format.py). None: inputs as given."""
+        state dicts keep the standard layout (memory_format.py). None: inputs as given.
+        ``tuning``: the engine's measured thresholds (tuning.py); None: the defaults."""
         super().__init__()
         if pin_model not in ("alloc", "register", "off"):
             raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
         self.name = name
+        self._single = False  # wrap.py made this engine around one module: its names drop the "0."
+        if tuning is not None and not isinstance(tuning, Tuning):
+            raise TypeError(f"tuning must be a rptrain.engine.tuning.Tuning, got {type(tuning).__name__}")
+        self._tuning = tuning or Tuning()
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"RoundPipe needs an nn.Sequential (one element per pipeline layer), got {type(model).__name__}")
         if len(model) == 0:
@@ -130,9 +136,11 @@ class RoundPipe(nn.Module):
             cap = min(d.memory_cap() or 0 for d in self._devices)
             # Two versions of the trainable weights (upload slot and live copy), one of the frozen.
             weights = sum((2 if p.requires_grad else 1) * p.numel() * p.element_size() for p in model.parameters())
-            resident = self._same_on_all_ranks(weights <= 0.2 * cap)
-        self._host = HostState(self._layers, optim_dtype, pin_memory=self._cuda, pin_master=resident)
-        self._executor = Executor(self._layers, self._host, self._devices)
+            resident = self._same_on_all_ranks(weights <= self._tuning.resident_share * cap)
+        pins = self._devices[0].pins_memory
+        self._host = HostState(self._layers, optim_dtype, pin_memory=pins, pin_master=resident and pins,
+                               pin_frozen_share=self._tuning.pin_frozen_share)
+        self._executor = Executor(self._layers, self._host, self._devices, self._tuning)
         self._executor.resident = resident
         # Not with frozen weights: on the H200 (2026-12-03) a LoRA model replayed as graphs trained wrongly
         # from its second call (loss off by 1.4e-3 to 7e-3 relative against PEFT, sync or async steps) while
@@ -143,10 +151,7 @@ class RoundPipe(nn.Module):
         if self._reducer is not None:
             self._executor.reducer = self._reducer
             self._reducer.check_same(self._host.master, self._devices[0].torch_device)
-        # Without a GPU the optimizer and the compute share the cores, and a second thread of
-        # OpenMP work makes every small op pay a thread wake-up (3x slower on 2 cores): there
-        # the step runs inline when submitted. The staleness rules are the same either way.
-        inline = not self._cuda and os.environ.get("RPTRAIN_CPU_OPTIMIZER_THREAD") != "1"
+        inline = not self._cuda and not self._tuning.cpu_optimizer_thread  # tuning.py says why
         if optimizer_threads is not None and (not isinstance(optimizer_threads, int) or optimizer_threads < 1):
             raise ValueError(f"optimizer_threads must be a positive int, got {optimizer_threads!r}")
         if optimizer_threads is None and self._cuda:
@@ -476,7 +481,7 @@ class RoundPipe(nn.Module):
     def _bind_master_grads(self, buffer: Optional[GradBuffer]) -> None:
         """Master ``.grad`` := views of ``buffer`` for every slot that got a gradient this window."""
         layout = self._host.params
-        held = [b for b in self._host.grads if b is not buffer and getattr(b, "held", False)]
+        held = [b for b in self._host.grads if b is not buffer and b.held]
         for slot, p in zip(layout.slots, self._host.master_params):
             if not slot.requires_grad:
                 continue
@@ -549,11 +554,15 @@ class RoundPipe(nn.Module):
         return self._plan or ExecutePlan.per_layer(len(self._layers))
 
     def _offload(self, jobs: list, num_microbatch: int) -> bool:
-        """Move saved activations to the host when keeping them would take over a quarter of the GPU."""
-        if not self._cuda or self._activation_bytes is None:
+        """Move saved activations to the host when keeping them would take over ``tuning.offload_share`` of the GPU."""
+        if not self._cuda:
+            return False
+        if self._tuning.offload_activations is not None:
+            return self._tuning.offload_activations
+        if self._activation_bytes is None:
             return False
         saved = sum(self._activation_bytes.get(c - 1, 0) for job in jobs if job.kind is JobKind.FORWARD for c in job.checkpoints)
-        return saved * num_microbatch > 0.25 * self._memory_cap
+        return saved * num_microbatch > self._tuning.offload_share * self._memory_cap
 
     def _plan_from(self, state: PassState) -> None:
         """Turn a measured one-layer-per-stage call into layer costs and a plan."""

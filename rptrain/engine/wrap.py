@@ -78,7 +78,7 @@ def _wrap_children(module: nn.Module, prefix: str, make: Callable, config: Round
 
 def _original_name(prefix: str, engine: RoundPipe, name: str) -> str:
     """Engine names back to the model's: an engine made around one module drops its ``0.``."""
-    return prefix + (name.split(".", 1)[1] if getattr(engine, "_single", False) else name)
+    return prefix + (name.split(".", 1)[1] if engine._single else name)
 
 
 class WrappedModel(nn.Module):

@@ -1,0 +1,58 @@
+"""The engine's GPU paths on the CPU (rptrain/engine/simulated.py): resident weights, prefetch,
+CUDA-graph decisions, activation offload, buffer write-back and early gradient sends, each
+against plain PyTorch (tests/reference.py) at the equivalence suite's tolerance (fp32: rtol 1e-5)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference import assert_state_close
+from rptrain import ExecutePlan, Tuning
+from rptrain.engine.simulated import OrderingError, SimulatedDevice
+from test_engine_equivalence import convnet, image_batches, train_both
+
+SMALL = 20_000  # bytes of "GPU": too little to keep the convnet resident, so every stage streams
+
+
+def sims(count: int, memory: int = 1 << 30) -> list[SimulatedDevice]:
+    return [SimulatedDevice(i, memory) for i in range(count)]
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_resident_measured_plan_and_graphs_match(delayed):
+    """Resident weights, the measured first call and the graph bookkeeping of the fused stage."""
+    engine, ref = train_both(convnet(), image_batches(), 2, devices=sims(1), delayed=delayed)
+    assert engine._executor.resident and engine.plan is not None
+    assert_state_close(engine.state_dict(), ref.state())
+    [graphs] = engine._executor._graphs.values()
+    assert list(graphs._graphs.values()) == ["captured"]  # one input shape, recorded once
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_streamed_prefetched_stages_match(offload):
+    plan = ExecutePlan.from_cuts(10, [4, 7], [3, 7])
+    engine, ref = train_both(convnet(), image_batches(), 2, plan=plan, devices=sims(1, SMALL),
+                             tuning=Tuning(offload_activations=offload))
+    assert not engine._executor.resident
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+def test_two_simulated_devices_match():
+    plan = ExecutePlan.from_cuts(10, [3, 6], [2, 6])
+    engine, ref = train_both(convnet(), image_batches(), 3, plan=plan, devices=sims(2, SMALL), grain="layer")
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+def test_reading_an_upload_without_waiting_is_an_ordering_error():
+    device = SimulatedDevice(0)
+    with device.stream("upload"):
+        t = device.upload(torch.ones(3))
+        event = device.record("upload")
+    with pytest.raises(OrderingError, match="without waiting"):
+        device.check_ready("compute", [t])
+    device.wait("compute", event)
+    device.check_ready("compute", [t])
+    with pytest.raises(OrderingError, match="upload on the 'compute' stream"):
+        device.upload(torch.ones(3))
+    with pytest.raises(OrderingError, match="which no stream recorded"):
+        device.wait("compute", object())
