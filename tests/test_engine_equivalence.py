@@ -451,11 +451,11 @@ def test_stages_too_large_for_a_graph_run_eagerly():
 def test_gradients_go_home_during_the_last_backward(monkeypatch):
     """Each parameter's gradient is sent as soon as the last microbatch's backward has
     accumulated it (one piece per tensor, before the stage ends), and training still matches."""
-    from rptrain.engine.executor import Executor
+    from rptrain.engine.grads import GradSink
 
     calls = []
-    send = Executor._send_grads
-    monkeypatch.setattr(Executor, "_send_grads", lambda self, device, job, pieces, state: (calls.append(len(pieces)), send(self, device, job, pieces, state)))
+    send = GradSink.send
+    monkeypatch.setattr(GradSink, "send", lambda self, device, job, pieces, state: (calls.append(len(pieces)), send(self, device, job, pieces, state)))
     engine, ref = train_both(tied_model(), token_batches(), 2, plan=ExecutePlan.from_cuts(5, [2], [2]))
     assert_state_close(engine.state_dict(), ref.state())
     assert calls.count(1) >= 2 * 3  # single tensors, every call

@@ -15,6 +15,7 @@ from reference import Reference, assert_state_close
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.engine import refresh
 from rptrain.engine.device import CpuDevice
+from rptrain.engine.simulated import SimulatedDevice
 from rptrain.engine.host import HostState
 from rptrain.engine.layout import FlatLayout, Range
 from rptrain.optim import Adam
@@ -87,8 +88,8 @@ def test_resident_gpu_weights_are_the_master_cast_after_every_step(share):
         assert loss.item() == pytest.approx(ref.forward_backward(x, y, 2, loss_fn), rel=2e-3)
         ref.step()
         engine.wait_for_steps()
-        newest = max(engine._executor._resident[0].staged)
-        for r, t in engine._executor._resident[0].staged[newest].pieces:
+        newest = max(engine._executor.store.resident[0].staged)
+        for r, t in engine._executor.store.resident[0].staged[newest].pieces:
             master = engine._host.params.master_range(engine._host.master, r)
             assert torch.equal(t.cpu(), master.to(t.dtype))
     engine.synchronize()
@@ -100,8 +101,8 @@ def test_resident_gpu_weights_are_the_master_cast_after_every_step(share):
 def test_a_version_that_fails_to_stage_is_written_whole_on_the_host(monkeypatch):
     """If staging fails (say the GPU is out of memory), the error reaches the caller and the host
     copy of that version is whole, so a call that needs it can upload it from there."""
-    engine = RoundPipe(copy.deepcopy(mixed_model()), devices=["cpu"])
-    engine._executor.resident = True  # the staging path, which only GPU engines take on their own
+    engine = RoundPipe(copy.deepcopy(mixed_model()), devices=[SimulatedDevice(0)])  # a GPU that keeps it resident
+    assert engine._executor.resident
 
     def fail(*_args, **_kw):
         raise torch.OutOfMemoryError("no memory for the staged copy")

@@ -88,9 +88,9 @@ class WrappedModel(nn.Module):
         super().__init__()
         self.model = model
         self._engines = engines
-        shared = engines[0][1]._optimizer_thread if engines else None
+        shared = engines[0][1]._versions.thread if engines else None
         for _, engine in engines[1:]:
-            engine._optimizer_thread = shared
+            engine._versions.thread = shared
         owner: dict[int, str] = {}
         for prefix, engine in engines:
             for name, p in engine.model.named_parameters():
@@ -142,20 +142,20 @@ class WrappedModel(nn.Module):
         With trainable glue parameters it waits (the glue runs on the host, in place)."""
         self._raise_errors()
         is_async = is_async and not any(p.requires_grad for _, p in self._glue)
-        engines = [e for _, e in self._engines]
-        closed = [e._close_window() for e in engines]
+        engines = [e._versions for _, e in self._engines]
+        closed = [e.close_window() for e in engines]
         scalers: dict = {}
         for _, window_scalers in closed:
             for scaler, (scale, found_inf) in window_scalers.items():
                 scalers[scaler] = (scale, found_inf or scalers.get(scaler, (scale, False))[1])
-        versions = [e._claim_version() for e in engines]
+        versions = [e.claim() for e in engines]
         task = functools.partial(step_fn, *args, **kwargs)
         for engine, (buffer, _), version in reversed(list(zip(engines, closed, versions))):
-            task = functools.partial(engine._run_step, task, buffer, scalers, version)
-        ticket = engines[0]._optimizer_thread.submit(task)
+            task = functools.partial(engine.run_step, task, buffer, scalers, version)
+        ticket = engines[0].thread.submit(task)
         for engine, version in zip(engines, versions):
-            engine._tickets[version] = ticket
-        _all_then_raise(functools.partial(e._stepped, v, b, is_async) for e, (b, _), v in zip(engines, closed, versions))
+            engine.tickets[version] = ticket
+        _all_then_raise(functools.partial(e.stepped, v, b, is_async) for e, (b, _), v in zip(engines, closed, versions))
 
     def synchronize(self) -> None:
         for _, engine in self._engines:
@@ -166,7 +166,7 @@ class WrappedModel(nn.Module):
 
     def _raise_errors(self) -> None:
         for _, engine in self._engines:
-            engine._raise_step_errors()
+            engine._versions.raise_errors()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
         """Master weights and persistent buffers under the model's names."""
