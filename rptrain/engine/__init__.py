@@ -1,7 +1,8 @@
 """The RoundPipe-style dispatch pipeline engine."""
 from .config import RoundPipeRunConfig
 from .plan import ExecutePlan, LayerCost, plan_stages
-from .roundpipe import OptimizerCtx, RoundPipe
+from .optimizer_ctx import OptimizerCtx
+from .roundpipe import RoundPipe
 from .recompute import doing_recompute, get_recompute_data, save_for_recompute
 from .scaler import GradScaler
 from .tuning import Tuning

@@ -47,3 +47,19 @@ def check_inputs(input_args: Any, input_kwargs: Optional[dict]) -> tuple[tuple, 
     if not any(isinstance(leaf, (Tensor, PackedData)) for leaf in pytree.tree_leaves((input_args, input_kwargs))):
         raise ValueError("forward_backward got no input tensors")
     return tuple(input_args), dict(input_kwargs)
+
+
+def check_state_dict(state_dict: dict, targets: dict, strict: bool) -> tuple[list, list]:
+    """(missing keys, unexpected keys); an error for a strict mismatch, a non-tensor or a wrong shape."""
+    missing = [k for k in targets if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in targets]
+    if strict and (missing or unexpected):
+        raise KeyError(f"load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                       f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    for key, value in state_dict.items():
+        if key in targets:
+            if not isinstance(value, Tensor):
+                raise TypeError(f"load_state_dict: {key!r} is a {type(value).__name__}, expected a tensor")
+            if value.shape != targets[key].shape:
+                raise ValueError(f"load_state_dict: {key!r} has shape {tuple(value.shape)}, the model expects {tuple(targets[key].shape)}")
+    return missing, unexpected

@@ -44,7 +44,7 @@ def _header(engine: "RoundPipe", cfg: Any, profile: bool, offload: bool) -> list
     weights = "resident on every GPU" if executor.resident else "streamed per stage" if executor.cuda else "in host memory"
     grads = "averaged across processes per stage (REDUCE)" if executor.reducing else "sent during the last microbatch's backward"
     lines = [
-        f"RoundPipe: {len(engine._layers)} layers on {', '.join(str(d.torch_device) for d in engine._devices)}; weights {weights}",
+        f"RoundPipe: {len(engine._layers)} layer{'s' if len(engine._layers) != 1 else ''} on {', '.join(str(d.torch_device) for d in engine._devices)}; weights {weights}",
         f"microbatches {cfg.num_microbatch}, recompute grain {cfg.recompute_grain}, CUDA graphs "
         f"{'allowed' if executor.cuda_graphs else 'off'}, saved activations {'offloaded to host' if offload else 'kept on the device'}",
         f"gradients: {grads}",

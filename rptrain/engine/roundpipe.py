@@ -1,24 +1,15 @@
 """RoundPipe: the user-facing engine object.
 
-Master weights live on the host in ``optim_dtype``; two compute copies in the model's dtype let the
-optimizer thread write version v+1 while a call reads version v. Versions are numbered in the
-order the optimizer thread writes them: every ``step()`` and every ``synchronize()`` writes one.
-
-Staleness: after ``step(is_async=True)`` the next call uses the weights written by the step before
-it, so the gradient of iteration k is computed at the weights after max(k-1, 0) steps; after
-``step(is_async=False)`` or ``synchronize()`` the next call uses the newest weights.
-
-The wrapped model's parameters show the host compute copy. It is whole after ``synchronize()``; on GPUs
-that keep the model resident a step writes only the host's share of it (refresh.py).
-
-Gradients go to one of two fp32 buffers: the open window's. ``step()`` hands the window's buffer
-to the optimizer thread (as the master parameters' ``.grad``) and the next call opens the other
-one, so the next iteration's backward overlaps the optimizer step.
+Master weights live on the host in ``optim_dtype`` (host.py); the optimizer thread writes new versions
+of the compute copy while calls read the previous one (versions.py says which version a call uses and
+where its gradients go). A call is planned (planning.py), scheduled (schedule.py), lowered into
+actions and run (executor.py). The wrapped model's parameters show the host compute copy. It is
+whole after ``synchronize()``; on GPUs that keep the model resident a step writes only the host's
+share of it (refresh.py).
 """
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 from collections import namedtuple
 from typing import Any, Callable, Iterator, Optional
@@ -27,13 +18,14 @@ import torch
 from torch import Tensor, nn
 
 from .batching import merge_outputs, split_inputs, split_label
-from .checks import check_args, check_inputs
+from .checks import check_args, check_inputs, check_state_dict
 from .config import RoundPipeRunConfig, ResolvedRunConfig, resolve
 from .device import make_devices
 from .executor import Executor
 from .passstate import Args, PassState, float_tensors
 from .host import HostState
 from .memory_format import check_memory_format
+from .optimizer_ctx import OptimizerCtx, in_optimizer_ctx
 from .plan import ExecutePlan
 from .planning import Planner, same_on_all_ranks
 from .recorded import run_recorded
@@ -44,23 +36,7 @@ from .tuning import Tuning
 from .versions import Versions
 from .worker import TaskThread
 
-_optimizer_ctx = threading.local()
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
-
-
-class OptimizerCtx:
-    """Inside this block ``RoundPipe.parameters()`` yields the master parameters an optimizer must own."""
-
-    def __enter__(self) -> "OptimizerCtx":
-        _optimizer_ctx.depth = getattr(_optimizer_ctx, "depth", 0) + 1
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        _optimizer_ctx.depth -= 1
-
-
-def _in_optimizer_ctx() -> bool:
-    return getattr(_optimizer_ctx, "depth", 0) > 0
 
 
 class RoundPipe(nn.Module):
@@ -108,21 +84,13 @@ class RoundPipe(nn.Module):
             self._run_config.execute_plan.check_layers(len(self._layers))
         self._devices = make_devices(devices)
         self._cuda = self._devices[0].is_cuda
-        self._reducer = None
-        if process_group is not None:
-            from .reduce import GradReducer
-
-            self._reducer = GradReducer(process_group)
+        self._reducer = _reducer(process_group)
         resident = self._cuda and self._fits_resident(model)
         pins = self._devices[0].pins_memory
         self._host = HostState(self._layers, optim_dtype, pin_memory=pins, pin_master=resident and pins,
                                pin_frozen_share=self._tuning.pin_frozen_share)
-        # Not with frozen weights: on the H200 (2026-12-03) a LoRA model replayed as graphs trained wrongly
-        # from its second call (loss off by 1.4e-3 to 7e-3 relative against PEFT, sync or async steps) while
-        # the same model run eagerly matched to 2e-7 (tests/test_models_lora.py on CUDA); the cause is not found yet.
-        frozen = any(not p.requires_grad for p in model.parameters())
         self._executor = Executor(self._layers, self._host, self._devices, self._tuning, resident=resident,
-                                  cuda_graphs=cuda_graphs and not frozen, reducer=self._reducer,
+                                  cuda_graphs=cuda_graphs and _graphs_allowed(model), reducer=self._reducer,
                                   memory_format=check_memory_format(memory_format))
         if self._reducer is not None:
             self._reducer.check_same(self._host.master, self._devices[0].torch_device)
@@ -163,7 +131,7 @@ class RoundPipe(nn.Module):
         """Names as in the wrapped Sequential. Inside ``OptimizerCtx``: the master parameters (frozen
         ones are yielded as they are: they never get a gradient, so optimizers skip them)."""
         originals = self.model.named_parameters(prefix=prefix, remove_duplicate=remove_duplicate)
-        if not _in_optimizer_ctx():
+        if not in_optimizer_ctx():
             yield from originals
             return
         master = {id(p): m for p, m in zip(self._host.user_params, self._host.master_params)}
@@ -318,7 +286,7 @@ class RoundPipe(nn.Module):
         # Let go of the process group: one still referenced when the interpreter exits is torn
         # down after torch's globals, and its threads abort the process (seen with gloo).
         self._executor.drop()
-        self._reducer = None
+        self._reducer = self._planner.reducer = None
         self._versions.raise_errors()
 
     def explain(self, *example_inputs: Any, **kwargs: Any) -> str:
@@ -342,17 +310,7 @@ class RoundPipe(nn.Module):
             raise TypeError(f"load_state_dict needs a dict, got {type(state_dict).__name__}")
         master = {id(p): m for p, m in zip(self._host.user_params, self._host.master_params)}
         targets = {k: master.get(id(t), t) for k, t in self.model.state_dict(keep_vars=True).items()}
-        missing = [k for k in targets if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in targets]
-        if strict and (missing or unexpected):
-            raise KeyError(f"load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                           f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
-        for key, value in state_dict.items():
-            if key in targets:
-                if not isinstance(value, Tensor):
-                    raise TypeError(f"load_state_dict: {key!r} is a {type(value).__name__}, expected a tensor")
-                if value.shape != targets[key].shape:
-                    raise ValueError(f"load_state_dict: {key!r} has shape {tuple(value.shape)}, the model expects {tuple(targets[key].shape)}")
+        missing, unexpected = check_state_dict(state_dict, targets, strict)
         with torch.no_grad():
             for key, value in state_dict.items():
                 if key in targets:
@@ -371,3 +329,18 @@ class RoundPipe(nn.Module):
     def _auto_plan(self, min_stages: Optional[int], memory_cap: Optional[int]) -> ExecutePlan:
         """``ExecutePlan.auto``: the measured costs when a call has measured them, else the sizes."""
         return self._planner.auto(min_stages, memory_cap)
+
+
+def _reducer(process_group: Any) -> Any:
+    if process_group is None:
+        return None
+    from .reduce import GradReducer
+
+    return GradReducer(process_group)
+
+
+def _graphs_allowed(model: nn.Module) -> bool:
+    """Not with frozen weights: on the H200 (2026-12-03) a LoRA model replayed as graphs trained wrongly
+    from its second call (loss off by 1.4e-3 to 7e-3 relative against PEFT, sync or async steps) while
+    the same model run eagerly matched to 2e-7 (tests/test_models_lora.py on CUDA); the cause is not found yet."""
+    return all(p.requires_grad for p in model.parameters())

@@ -22,7 +22,8 @@ from typing import Any, Callable, Container, Iterable, Iterator, Optional
 from torch import nn
 
 from .config import RoundPipeRunConfig
-from .roundpipe import OptimizerCtx, RoundPipe, _in_optimizer_ctx
+from .optimizer_ctx import OptimizerCtx, in_optimizer_ctx
+from .roundpipe import RoundPipe
 
 LOWER_THRESHOLD = 16 * 1024  # bytes of a module's own parameters that make it worth an engine
 
@@ -123,7 +124,7 @@ class WrappedModel(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The model's names; inside ``OptimizerCtx`` (and step functions) the master parameters."""
-        master = _in_optimizer_ctx()
+        master = in_optimizer_ctx()
         for engine_prefix, engine in self._engines:
             for name, p in (engine.optim_named_parameters() if master else engine.model.named_parameters()):
                 yield prefix + _original_name(engine_prefix, engine, name), p
@@ -156,6 +157,10 @@ class WrappedModel(nn.Module):
         for engine, version in zip(engines, versions):
             engine.tickets[version] = ticket
         _all_then_raise(functools.partial(e.stepped, v, b, is_async) for e, (b, _), v in zip(engines, closed, versions))
+
+    def explain(self, *example_inputs: Any, **kwargs: Any) -> str:
+        """Every engine's plan and actions (RoundPipe.explain); their inputs come from the glue, so no shapes."""
+        return "\n\n".join(f"{prefix.rstrip('.') or 'model'}:\n{engine.explain()}" for prefix, engine in self._engines)
 
     def synchronize(self) -> None:
         for _, engine in self._engines:
