@@ -10,6 +10,8 @@ next), one after another (on the CPU, CI's size, the resnet.py runs share one pr
 - plain PyTorch, AMP fp16 + fused Adam on the GPU: standard layout, channels-last (weights and
   inputs), channels-last inputs only (what the engine does), and torch.compile of the
   channels-last model (skipped with --no-compile).
+The resnet.py runs read their loss every --log-interval steps, summed on the device, as the CLI
+does (the tutorial's loop reads it every step, a host sync per step; resnet.py's default).
 Prints one JSON line per run, then the ratios: the CLI's epoch throughput over the best plain
 setting's (goal: >= 1.2), and the engine's step over the CLI's (goal: >= 1, the engine at least
 as fast as the CLI's step).
@@ -71,7 +73,7 @@ def run_cli(args, env: dict) -> dict:
 def run_resnet(args, env: dict, impl: str, formats: list[str], compiled: list[str] = (), warmup: int = 0) -> list[dict]:
     """bench/resnet.py's runs of ``impl`` in these layouts (and compiled in ``compiled``), in one process."""
     argv = [sys.executable, str(BENCH / "resnet.py"), "--device", args.device, "--impl", impl, "--steps", str(args.steps),
-            "--warmup", str(args.warmup + warmup), "--memory-format", *formats, "--compile-formats", *compiled,
+            "--warmup", str(args.warmup + warmup), "--read-interval", str(args.log_interval), "--memory-format", *formats, "--compile-formats", *compiled,
             *(["--tiny"] if args.tiny else [])]
     records, error = child(argv, args.timeout, env)
     found = [dict(bench="cli_resnet", impl=impl, memory_format=r["memory_format"], compiled=r.get("compiled", False),
