@@ -97,7 +97,8 @@ if [[ $what == cli ]]; then  # issue 22: the CLI's main job against plain PyTorc
   run 440 python3 bench/cli_resnet.py
   grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
 fi
-if [[ $what == lora ]]; then  # issue 18 (about 7-8 minutes): LoRA 8B against PEFT and the original, then the largest model
+if [[ $what == lora ]]; then  # issue 18 (about 8 minutes): the graphs-and-frozen-weights diagnosis, LoRA 8B against PEFT and the original, the largest model
+  run 60 python3 bench/graph_frozen.py
   lora=(python3 bench/lora.py --seq 4096 --batch 4 --warmup 2 --steps 3)
   run 330 "${lora[@]}" --model llama_8b --impl rptrain peft roundpipe --timeout 105
   run 190 "${lora[@]}" --model qwen3_32b --impl rptrain --steps 2 --timeout 180

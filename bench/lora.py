@@ -95,8 +95,8 @@ def run_rptrain(args, name: str) -> dict:
     report = {f"host_{k}_gib": round(v / 2**30, 3) for k, v in engine.memory_report(opt).items()}
     plan = engine.plan
     stages = dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
-    engine.close()
-    return dict(timing=timing, **report, **stages)
+    # Closed after the record is printed: giving tens of GB of pinned memory back takes a while.
+    return dict(timing=timing, cleanup=engine.close, **report, **stages)
 
 
 def hf_model(args, name: str):
@@ -155,7 +155,8 @@ RUNNERS = {"rptrain": run_rptrain, "peft": run_peft, "roundpipe": run_roundpipe}
 
 
 def measure(args, name: str, impl: str) -> dict:
-    """One implementation's JSON record, or the error (out of memory, or why it cannot run) as a record."""
+    """Print one implementation's JSON record, or the error (out of memory, or why it cannot run) as a
+    record, and return it."""
     args.preset, args.overrides = preset(name)
     if args.tiny or args.device == "cpu":
         args.preset, args.overrides = (args.preset, dict(TINY_QWEN3)) if args.preset in QWEN3_PRESETS else ("llama_tiny", {"vocab_size": 512})
@@ -168,16 +169,21 @@ def measure(args, name: str, impl: str) -> dict:
     try:
         result = RUNNERS[impl](args, name)
     except torch.OutOfMemoryError as err:
-        return dict(head, error=f"out of memory: {str(err).splitlines()[0][:200]}", **memory(args))
+        record = dict(head, error=f"out of memory: {str(err).splitlines()[0][:200]}", **memory(args))
     except Exception as err:  # the original library on a CPU, or a model it cannot wrap: the reason is the result
         if impl != "roundpipe":
             raise
-        return dict(head, error=f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}", **memory(args))
-    timing = result.pop("timing")
-    release_host_memory()
-    return dict(head, tokens_per_s=round(args.batch * args.seq / timing.step_s, 1), step_s=round(timing.step_s, 4),
-                steady_step_s=round(timing.steady_step_s, 4) if timing.steady_step_s else None, loss=round(timing.loss, 4),
-                **result, **memory(args))
+        record = dict(head, error=f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}", **memory(args))
+    else:
+        timing, cleanup = result.pop("timing"), result.pop("cleanup", lambda: None)
+        record = dict(head, tokens_per_s=round(args.batch * args.seq / timing.step_s, 1), step_s=round(timing.step_s, 4),
+                      steady_step_s=round(timing.steady_step_s, 4) if timing.steady_step_s else None, loss=round(timing.loss, 4),
+                      **result, **memory(args))
+    emit(**record)
+    if "tokens_per_s" in record:
+        cleanup()
+        release_host_memory()
+    return record
 
 
 def measure_in_child(name: str, impl: str, timeout: float) -> dict:
@@ -186,14 +192,13 @@ def measure_in_child(name: str, impl: str, timeout: float) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--model", name, "--impl", impl, "--no-isolate"]
     try:
         child = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return dict(bench="lora", model=name, impl=impl, error=f"no result within {timeout:.0f} s")
-    lines = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
+        stdout, why = child.stdout, "killed by SIGKILL (host out of memory?)" if child.returncode == -9 else f"exited with {child.returncode}"
+    except subprocess.TimeoutExpired as err:  # a record printed before the limit (e.g. during teardown) still counts
+        stdout, why = err.stdout or "", f"ran past its {timeout:.0f} s"
+        stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     record = next((r for r in lines if r.get("impl") == impl), None)
-    if record is None:
-        why = "killed by SIGKILL (host out of memory?)" if child.returncode == -9 else f"exited with {child.returncode}"
-        return dict(bench="lora", model=name, impl=impl, error=f"the child process {why} and printed no result")
-    return record
+    return record or dict(bench="lora", model=name, impl=impl, error=f"the child process {why} and printed no result")
 
 
 def main() -> None:
@@ -220,8 +225,11 @@ def main() -> None:
     for name in args.model:
         speeds = {}
         for impl in args.impl:
-            record = measure_in_child(name, impl, args.timeout) if args.isolate else measure(args, name, impl)
-            emit(**record)
+            if args.isolate:
+                record = measure_in_child(name, impl, args.timeout)
+                emit(**record)
+            else:
+                record = measure(args, name, impl)
             if "tokens_per_s" in record:
                 speeds[impl] = record["tokens_per_s"]
         for other in ("peft", "roundpipe"):
