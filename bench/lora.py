@@ -24,6 +24,7 @@ import os
 import resource
 import subprocess
 import sys
+import traceback
 
 import torch
 from torch import nn
@@ -170,9 +171,10 @@ def measure(args, name: str, impl: str) -> dict:
         result = RUNNERS[impl](args, name)
     except torch.OutOfMemoryError as err:
         record = dict(head, error=f"out of memory: {str(err).splitlines()[0][:200]}", **memory(args))
-    except Exception as err:  # the original library on a CPU, or a model it cannot wrap: the reason is the result
-        if impl != "roundpipe":
+    except Exception as err:  # on the GPU (e.g. pinning 64 GB refused) or the original library anywhere: the reason is the result
+        if impl != "roundpipe" and args.device != "cuda":
             raise
+        traceback.print_exc()
         record = dict(head, error=f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}", **memory(args))
     else:
         timing, cleanup = result.pop("timing"), result.pop("cleanup", lambda: None)
