@@ -24,7 +24,7 @@ def run_tiny(script: str, *flags: str) -> list[dict]:
     return records
 
 
-@pytest.mark.parametrize("script", ["limits.py", "resnet.py", "optimizer.py", "llm.py", "data.py", "lora.py"])
+@pytest.mark.parametrize("script", ["limits.py", "resnet.py", "optimizer.py", "llm.py", "data.py", "lora.py", "graph_frozen.py"])
 def test_bench_runs_tiny_and_prints_json_lines(script):
     run_tiny(script)
 
@@ -62,3 +62,31 @@ def test_cli_resnet_ratios():
     assert runs == {("rptrain", "inputs"), ("rptrain", "contiguous"), ("plain", "contiguous"), ("plain", "channels_last"), ("plain", "inputs")}
     ratios = {r["what"]: r["ratio"] for r in records if "what" in r}
     assert set(ratios) == {"cli_over_best_plain", "engine_over_cli_step"} and all(v > 0 for v in ratios.values())
+
+
+def test_lora_lean_build_fills_the_engines_frozen_storage(monkeypatch):
+    """lora.py's build for the large shapes: the frozen weights are torch.empty (never written: fresh pages
+    stay uncommitted) while the engine copies them, then `fill_frozen` writes random values through the
+    model's parameters into the engine's own storage. The engine's loss after the fill equals the plain
+    forward of the same Sequential (rel 1e-5): it computes with the filled weights, no earlier copy."""
+    from types import SimpleNamespace
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import lora
+    from rptrain import RoundPipe
+
+    args = SimpleNamespace(device="cpu", rank=4, alpha=8.0, preset="llama_tiny", overrides={"vocab_size": 512})
+    model = lora.lean_model(args, "llama_tiny")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    engine = RoundPipe(model)
+    lora.fill_frozen(model, 0.02, "cpu")
+    ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    out = engine.forward_backward(input_args=((x, y),), loss_fn=lambda out, _: out / y.numel())
+    got = float(sum(out) if isinstance(out, (list, tuple)) else out)
+    with torch.no_grad():
+        want = float(model((x, y))) / y.numel()
+    engine.close()
+    assert abs(got - want) <= 1e-5 * abs(want) and abs(want - 6.2383) < 0.5, (got, want)
