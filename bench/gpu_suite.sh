@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|attention|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,6 +96,11 @@ if [[ $what == cli ]]; then  # issue 22: the CLI's main job against plain PyTorc
   run 80 python3 -m pytest -q -p no:cacheprovider tests/test_engine_memory_format.py tests/test_train_speed.py
   run 440 python3 bench/cli_resnet.py
   grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
+fi
+if [[ $what == attention ]]; then  # issue 17: packed attention, SDPA's dense mask vs FlexAttention vs varlen (about 3 minutes)
+  run 150 python3 attention.py --model llama_8b
+  run 110 python3 attention.py --model llama_3b
+  grep '^{"bench": "attention' "$out/suite.log" | tee "$out/attention.jsonl" | grep -c . | sed 's/$/ records in attention.jsonl/'
 fi
 if [[ $what == llm || $what == all ]]; then
   {

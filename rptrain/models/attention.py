@@ -53,14 +53,10 @@ def attention_mask(T: int, device, segments: torch.Tensor | None, window: int | 
 _COMPILED: dict[str, object] = {}
 
 
-def flex_attention(q, k, v, scale=None, softcap=None, window=None, segments=None, compiled: bool = True) -> torch.Tensor:
-    """The same attention through FlexAttention: a block mask skips the blocks no query may read
-    (other examples, outside the window), which SDPA's dense mask computes and discards. Compiled
-    on CUDA (eager FlexAttention is a slow reference: forward only)."""
+def flex_block_mask(B: int, T: int, device, segments: torch.Tensor | None = None, window: int | None = None):
+    """FlexAttention's block mask for causal attention within each run of `segments` and `window`."""
     from torch.nn.attention.flex_attention import create_block_mask
-    from torch.nn.attention.flex_attention import flex_attention as flex
 
-    B, T = q.size(0), q.size(2)
     r = None if segments is None else runs(segments)
 
     def mask_mod(b, h, qi, ki):
@@ -71,7 +67,18 @@ def flex_attention(q, k, v, scale=None, softcap=None, window=None, segments=None
             ok = ok & (r[b, qi] == r[b, ki])
         return ok
 
-    block_mask = create_block_mask(mask_mod, None if r is None else B, None, T, T, device=q.device)
+    return create_block_mask(mask_mod, None if r is None else B, None, T, T, device=device)
+
+
+def flex_attention(q, k, v, scale=None, softcap=None, window=None, segments=None, compiled: bool = True, block_mask=None) -> torch.Tensor:
+    """The same attention through FlexAttention: a block mask skips the blocks no query may read
+    (other examples, outside the window), which SDPA's dense mask computes and discards. Compiled
+    on CUDA (eager FlexAttention is a slow reference, and forward only on the CPU). `block_mask`:
+    one built beforehand by `flex_block_mask` (else built here from segments and window)."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if block_mask is None:
+        block_mask = flex_block_mask(q.size(0), q.size(2), q.device, segments, window)
     score_mod = None if softcap is None else (lambda s, b, h, qi, ki: torch.tanh(s / softcap) * softcap)
     if compiled and "flex" not in _COMPILED:
         _COMPILED["flex"] = torch.compile(flex, dynamic=False)
