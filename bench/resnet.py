@@ -104,7 +104,7 @@ def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     ours = lib_name == "rptrain"
     extra = dict(cuda_graphs=not args.no_graphs, optimizer_threads=optimizer_threads) if ours else {}
-    if ours and memory_format != "contiguous":  # the engine converts the inputs only (engine/memory_format.py)
+    if ours and memory_format != "contiguous":  # inputs converted, weights stored channels-last (engine/memory_format.py)
         extra["memory_format"] = torch.channels_last
     model = lib.RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32, **extra)
     with lib.OptimizerCtx():
@@ -210,7 +210,8 @@ def main() -> None:
     formats = ["contiguous", "channels_last", "inputs"]
     p.add_argument("--memory-format", choices=formats, nargs="*", default=["contiguous"],
                    help="one run of each implementation per value. channels_last: plain converts weights and inputs; "
-                        "inputs: plain converts the inputs only; the engine converts its inputs for either")
+                        "inputs: plain converts the inputs only; the engine runs memory_format=channels_last for either "
+                        "(inputs converted, weights stored channels-last)")
     p.add_argument("--compile-formats", choices=formats, nargs="*", default=[],
                    help="plain: also one torch.compile'd run in each of these layouts")
     p.add_argument("--optimizer-threads", type=int, nargs="+", default=[None],

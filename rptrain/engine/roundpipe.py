@@ -93,8 +93,8 @@ class RoundPipe(nn.Module):
         ``name``, ``pin_model``: the original library's; ``name`` is kept as ``.name``, host copies
         are always pinned with PyTorch's allocator on GPU engines (its "alloc").
         ``memory_format``: ``torch.channels_last`` converts 4-D inputs to channels-last on the
-        device, so convolutions run NHWC kernels (faster on recent GPUs); weights, gradients and
-        state dicts keep the standard layout (memory_format.py). None: inputs as given."""
+        device and stores 4-D weights (and so their gradients and state-dict tensors) channels-last,
+        so convolutions run NHWC kernels (faster on recent GPUs; memory_format.py). None: as given."""
         super().__init__()
         if pin_model not in ("alloc", "register", "off"):
             raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
@@ -131,7 +131,9 @@ class RoundPipe(nn.Module):
             # Two versions of the trainable weights (upload slot and live copy), one of the frozen.
             weights = sum((2 if p.requires_grad else 1) * p.numel() * p.element_size() for p in model.parameters())
             resident = self._same_on_all_ranks(weights <= 0.2 * cap)
-        self._host = HostState(self._layers, optim_dtype, pin_memory=self._cuda, pin_master=resident)
+        memory_format = check_memory_format(memory_format)
+        self._host = HostState(self._layers, optim_dtype, pin_memory=self._cuda, pin_master=resident,
+                               channels_last=memory_format is torch.channels_last)
         self._executor = Executor(self._layers, self._host, self._devices)
         self._executor.resident = resident
         # Not with frozen weights: on the H200 (2026-12-03) a LoRA model replayed as graphs trained wrongly
@@ -139,7 +141,7 @@ class RoundPipe(nn.Module):
         # the same model run eagerly matched to 2e-7 (tests/test_models_lora.py on CUDA); the cause is not found yet.
         frozen = any(not p.requires_grad for p in model.parameters())
         self._executor.cuda_graphs = self._cuda and cuda_graphs and not frozen
-        self._executor.memory_format = check_memory_format(memory_format)
+        self._executor.memory_format = memory_format
         if self._reducer is not None:
             self._executor.reducer = self._reducer
             self._reducer.check_same(self._host.master, self._devices[0].torch_device)
