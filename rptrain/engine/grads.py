@@ -132,7 +132,7 @@ class EarlyGrads:
             if self.pending[slot.index] > 0 or slot.index in self.sent:
                 return
             self.sent.add(slot.index)
-        piece = (Range(slot.key, slot.offset, slot.offset + slot.numel), self.grads.view(slot).reshape(-1))
+        piece = (Range(slot.key, slot.offset, slot.offset + slot.numel), self.grads.flat(slot))
         self.sink.send(self.device, self.job, [piece], self.state)
 
     def rest(self) -> list[tuple[Range, Tensor]]:

@@ -69,8 +69,8 @@ class RoundPipe(nn.Module):
         ``name``, ``pin_model``: the original library's; ``name`` is kept as ``.name``, host copies
         are always pinned with PyTorch's allocator on GPU engines (its "alloc").
         ``memory_format``: ``torch.channels_last`` converts 4-D inputs to channels-last on the
-        device, so convolutions run NHWC kernels (faster on recent GPUs); weights, gradients and
-        state dicts keep the standard layout (memory_format.py). None: inputs as given.
+        device and stores 4-D weights (and so their gradients and state-dict tensors) channels-last,
+        so convolutions run NHWC kernels (faster on recent GPUs; memory_format.py). None: as given.
         ``tuning``: the engine's measured thresholds (tuning.py); None: the defaults."""
         super().__init__()
         check_args(model, optim_dtype, model_run_config, cuda_graphs, pin_model, tuning, optimizer_threads)
@@ -87,11 +87,12 @@ class RoundPipe(nn.Module):
         self._reducer = _reducer(process_group)
         resident = self._cuda and self._fits_resident(model)
         pins = self._devices[0].pins_memory
+        memory_format = check_memory_format(memory_format)
         self._host = HostState(self._layers, optim_dtype, pin_memory=pins, pin_master=resident and pins,
-                               pin_frozen_share=self._tuning.pin_frozen_share)
+                               pin_frozen_share=self._tuning.pin_frozen_share, channels_last=memory_format is torch.channels_last)
         self._executor = Executor(self._layers, self._host, self._devices, self._tuning, resident=resident,
                                   cuda_graphs=cuda_graphs and _graphs_allowed(model), reducer=self._reducer,
-                                  memory_format=check_memory_format(memory_format))
+                                  memory_format=memory_format)
         if self._reducer is not None:
             self._reducer.check_same(self._host.master, self._devices[0].torch_device)
         self._planner = Planner(len(self._layers), self._host, self._devices, self._tuning, self._reducer)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .device import Device
 from .host import HostState
-from .layout import FlatLayout, Range, Slot
+from .layout import FlatLayout, Range, Slot, shaped
 from .schedule import Job
 from .tuning import Tuning
 
@@ -29,10 +29,14 @@ class StageTensors:
         self.event = event
 
     def view(self, slot: Slot) -> Tensor:
+        return shaped(self.flat(slot), slot)
+
+    def flat(self, slot: Slot) -> Tensor:
+        """The slot's elements as one 1-D tensor, in storage order."""
         for r, t in self.pieces:
             if r.key == slot.key and r.start <= slot.offset < r.stop:
                 start = slot.offset - r.start
-                return t[start : start + slot.numel].view(slot.shape)
+                return t[start : start + slot.numel]
         raise KeyError(f"slot {slot.index} is not part of this stage")
 
 
