@@ -99,3 +99,23 @@ def test_a_wrapped_model_explains_every_engine():
     text = wrap_model(Net()).explain()
     assert "blocks.0:\nRoundPipe: 1 layer on cpu" in text and "blocks.1:" in text
     assert "d0 SEND s0 288B" in text  # 8 x 8 + 8 fp32 gradients
+
+
+def test_explain_shows_the_measuring_call_then_the_measured_plan():
+    """On a (simulated) GPU the first call measures one layer per stage; explain says so, and after
+    it shows the plan made from the measurements with the bytes each forward stage saves."""
+    torch.manual_seed(0)
+    engine = RoundPipe(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)),
+                       devices=[SimulatedDevice(0), SimulatedDevice(1)],
+                       model_run_config=RoundPipeRunConfig(num_microbatch=2, recompute_grain="layer"))
+    first = engine.explain(torch.randn(4, 4))
+    assert "this call measures every layer" in first and "weights resident on every GPU" in first
+    assert first.count(" fused ") == 1 and first.count(" forward ") == 4  # one layer per stage
+    engine.forward_backward(input_args=(torch.randn(4, 4),), label=torch.randint(0, 3, (4,)), loss_fn=nn.functional.cross_entropy)
+    after = engine.explain(torch.randn(4, 4))
+    assert "measures" not in after and len(engine.plan.forward) > 1  # the fused last stage is the smallest
+    widths = [8, 8, 8, 8, 3]  # each layer's output features; a microbatch has 2 rows of fp32
+    for k, (a, b) in enumerate(engine.plan.forward[:-1]):  # layer grain: every layer's input is saved (layer 0's is the call's)
+        saved = sum(2 * widths[c - 1] * 4 for c in range(max(a, 1), b))
+        assert f"s{k} forward  layers {a}-{b - 1} on d{k % 2}" in after and f"saves inputs of layers {list(range(a, b))} ({saved}B per microbatch)" in after
+    engine.close()

@@ -3,7 +3,7 @@
 Nothing runs on a device: the plan is the one the next call would use (on a GPU before the first
 call, that call measures one layer per stage, and says so), the schedule is lowered exactly as the
 executor would lower it (actions.py) and the example inputs are only split into microbatches, to
-show their shapes and bytes. Activation bytes are known once a GPU call has measured them.
+show their shapes and bytes. The bytes of saved activations are shown once a GPU call has measured them.
 """
 from __future__ import annotations
 
@@ -60,4 +60,8 @@ def _stage(engine: "RoundPipe", item: Lowered) -> str:
             f"buffers {human_bytes(sizes.buffers)}")
     if job.checkpoints:
         line += f", {'recomputes from' if job.kind.value == 'backward' else 'saves inputs of'} layers {list(job.checkpoints)}"
+    measured = engine._planner.activation_bytes  # known after a GPU call measured the layers
+    saved = sum(measured.get(c - 1, 0) for c in job.checkpoints) if measured is not None and job.kind.value == "forward" else 0
+    if saved:  # the inputs of layer 0 are the call's (shown below), not measured
+        line += f" ({human_bytes(saved)} per microbatch)"
     return line + (", CUDA graphs" if item.graphed else "")

@@ -60,7 +60,6 @@ class SimulatedDevice(Device):
         self._seen: dict[str, dict[tuple[int, str], int]] = {name: {} for name in STREAMS}  # waited-on events
         self._written: dict[int, tuple[weakref.ref, str, int]] = {}  # id(uploaded tensor) -> (it, stream, seq)
         self._lock = threading.Lock()
-        self.log: list[str] = []  # "upload", "download", "wait" ... in issue order, for tests
 
     @property
     def current(self) -> str:
@@ -94,7 +93,6 @@ class SimulatedDevice(Device):
     def upload(self, host: Tensor) -> Tensor:
         if self.current not in ("upload", "prefetch"):
             raise OrderingError(f"upload on the {self.current!r} stream (uploads go on 'upload' or 'prefetch')")
-        self.log.append("upload")
         out = host.detach().clone()
         with self._lock:
             self._written = {k: v for k, v in self._written.items() if v[0]() is not None}
@@ -104,7 +102,6 @@ class SimulatedDevice(Device):
     def copy_to_host(self, dst: Tensor, src: Tensor) -> None:
         if self.current != "download":
             raise OrderingError(f"copy to the host on the {self.current!r} stream (it goes on 'download')")
-        self.log.append("download")
         dst.copy_(src)
 
     def check_ready(self, stream: str, tensors: Iterator[Tensor]) -> None:
