@@ -56,3 +56,16 @@ def test_reading_an_upload_without_waiting_is_an_ordering_error():
         device.upload(torch.ones(3))
     with pytest.raises(OrderingError, match="which no stream recorded"):
         device.wait("compute", object())
+    # Happens-before is transitive: download waited on compute, which waited on the upload.
+    with device.stream("upload"):
+        later = device.upload(torch.ones(3))
+        uploaded = device.record("upload")
+    with pytest.raises(OrderingError, match="'download' stream of device 0 reads a tensor written on the 'upload'"):
+        device.check_ready("download", [later[1:]])  # a view of it
+    device.wait("compute", uploaded)
+    device.wait("download", device.record("compute"))
+    with device.stream("download"):
+        device.copy_to_host(torch.empty(2), later[1:])
+    grads = device.zeros(4, torch.float32)  # written on the compute stream
+    with device.stream("download"), pytest.raises(OrderingError, match="written on the 'compute'"):
+        device.copy_to_host(torch.empty(4), grads)

@@ -49,6 +49,7 @@ class GradSink:
         ready = device.record("compute")
         with device.stream("download"):
             device.wait("download", ready)
+            device.check_ready("download", (g for _, g in pieces))
             converted = []
             for r, g in pieces:
                 converted.append((r, g.float()))

@@ -7,8 +7,10 @@ hardware queues:
 
 - an event waited on must have been recorded (on this device or another one);
 - an upload happens on the upload or prefetch stream, a copy home on the download stream;
-- a tensor uploaded on one stream and read by the compute stream (``check_ready``) needs the
-  compute stream to have waited on an event recorded on the upload's stream after the upload.
+- a tensor written on one stream (an upload, a zeroed gradient tensor) and read on another (the
+  compute stream binding a stage, ``check_ready``; the download stream copying it home) needs the
+  reader to be ordered after it: each stream keeps a clock of the events it has waited on, directly
+  or through other events (happens-before, as CUDA orders streams).
 
 A broken order raises ``OrderingError`` where a GPU would silently read stale memory. CUDA graphs
 cannot run on a CPU: ``graphs()`` gives a ``StageGraphs`` whose capture and replay run the stage
@@ -34,11 +36,14 @@ class OrderingError(RuntimeError):
     """Work on one simulated stream used a result of another without waiting for it."""
 
 
-class SimEvent:
-    """What ``record`` returns: the stream and how many events that stream had recorded before."""
+Clock = dict  # (device index, stream) -> how many events of that stream are ordered before this point
 
-    def __init__(self, device: int, stream: str, seq: int):
-        self.device, self.stream, self.seq = device, stream, seq
+
+class SimEvent:
+    """What ``record`` returns: the recording stream's clock (every event ordered before it)."""
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
 
     def synchronize(self) -> None:
         pass
@@ -56,9 +61,8 @@ class SimulatedDevice(Device):
         super().__init__(index, torch.device("cpu"))
         self.memory = memory
         self._local = threading.local()  # the current stream, per thread as in CUDA
-        self._records = dict.fromkeys(STREAMS, 0)  # events recorded per stream
-        self._seen: dict[str, dict[tuple[int, str], int]] = {name: {} for name in STREAMS}  # waited-on events
-        self._written: dict[int, tuple[weakref.ref, str, int]] = {}  # id(uploaded tensor) -> (it, stream, seq)
+        self._clocks: dict[str, Clock] = {name: {} for name in STREAMS}  # what each stream is ordered after
+        self._written: dict[int, tuple[weakref.ref, tuple[int, str], int]] = {}  # id(tensor) -> (it, writer, event)
         self._lock = threading.Lock()
 
     @property
@@ -77,8 +81,9 @@ class SimulatedDevice(Device):
 
     def record(self, name: str) -> SimEvent:
         with self._lock:
-            self._records[name] += 1
-            return SimEvent(self.index, name, self._records[name])
+            clock, key = self._clocks[name], (self.index, name)
+            clock[key] = clock.get(key, 0) + 1
+            return SimEvent(dict(clock))
 
     def wait(self, name: str, event: Any) -> None:
         if event is None:
@@ -86,32 +91,42 @@ class SimulatedDevice(Device):
         if not isinstance(event, SimEvent):
             raise OrderingError(f"stream {name!r} of device {self.index} waits on {event!r}, which no stream recorded")
         with self._lock:
-            seen = self._seen[name]
-            key = (event.device, event.stream)
-            seen[key] = max(seen.get(key, 0), event.seq)
+            clock = self._clocks[name]
+            for key, count in event.clock.items():
+                clock[key] = max(clock.get(key, 0), count)
+
+    def _written_here(self, t: Tensor) -> Tensor:
+        """Remember that the current stream writes ``t``: readers on other streams must wait on its next event."""
+        key = (self.index, self.current)
+        with self._lock:
+            ident = id(t)
+            ref = weakref.ref(t, lambda _, ident=ident: self._written.pop(ident, None))
+            self._written[ident] = (ref, key, self._clocks[self.current].get(key, 0) + 1)
+        return t
 
     def upload(self, host: Tensor) -> Tensor:
         if self.current not in ("upload", "prefetch"):
             raise OrderingError(f"upload on the {self.current!r} stream (uploads go on 'upload' or 'prefetch')")
-        out = host.detach().clone()
-        with self._lock:
-            self._written = {k: v for k, v in self._written.items() if v[0]() is not None}
-            self._written[id(out)] = (weakref.ref(out), self.current, self._records[self.current] + 1)
-        return out
+        return self._written_here(host.detach().clone())
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return self._written_here(super().zeros(numel, dtype))
 
     def copy_to_host(self, dst: Tensor, src: Tensor) -> None:
         if self.current != "download":
             raise OrderingError(f"copy to the host on the {self.current!r} stream (it goes on 'download')")
+        self.check_ready("download", [src])
         dst.copy_(src)
 
     def check_ready(self, stream: str, tensors: Iterator[Tensor]) -> None:
-        """``stream`` is about to read ``tensors``: each upload must be ordered before it."""
+        """``stream`` is about to read ``tensors`` (or views of them): their writes must be ordered before it."""
         with self._lock:
             for t in tensors:
-                ref, source, seq = self._written.get(id(t), (None, "", 0))
-                if ref is not None and ref() is t and source != stream and self._seen[stream].get((self.index, source), 0) < seq:
-                    raise OrderingError(f"the {stream!r} stream of device {self.index} reads a tensor uploaded on the "
-                                        f"{source!r} stream without waiting for an event recorded after the upload")
+                base = t if t._base is None else t._base
+                ref, writer, seq = self._written.get(id(base), (None, (self.index, stream), 0))
+                if ref is not None and ref() is base and writer != (self.index, stream) and self._clocks[stream].get(writer, 0) < seq:
+                    raise OrderingError(f"the {stream!r} stream of device {self.index} reads a tensor written on the "
+                                        f"{writer[1]!r} stream without waiting for an event recorded after the write")
 
     def receive(self, value: Any, event: Any, source: Optional[Device]) -> Any:
         if source is not None and source is not self and event is None:
