@@ -52,7 +52,7 @@ class Executor:
         self.reducing = reducer is not None
         self._shells: dict[tuple[int, int], Shell] = {}
         self._graphs: dict[int, StageGraphs] = {}
-        self._lowered: dict[tuple, list[Lowered]] = {}  # (jobs, facts) -> the call's actions
+        self._lowered: dict[tuple, tuple[Sequence[Job], list[Lowered]]] = {}  # (id(jobs), facts) -> (jobs, actions)
         self._handlers: dict[Op, Callable[[JobRun, Action, PassState], None]] = {
             Op.UPLOAD: self._bring, Op.BIND: self._bring, Op.PREFETCH: self._prefetch, Op.BUFFERS: self._buffers,
             Op.START: self._start, Op.FORWARD: self._compute, Op.FUSED: self._compute, Op.BACKWARD: self._compute,
@@ -72,12 +72,15 @@ class Executor:
                      host.buffer_layout.nbytes(start, stop), grads, params)
 
     def lower(self, jobs: Sequence[Job], facts: Facts) -> list[Lowered]:
-        """The call's actions, lowered once per call shape."""
-        key = (tuple(jobs), facts)
+        """The call's actions, lowered once per call shape: schedules are cached (schedule.py), so the
+        same shape brings the same ``jobs`` object and a lookup costs one hash of ``facts``."""
+        key = (id(jobs), facts)
         found = self._lowered.get(key)
-        if found is None:
-            found = self._lowered[key] = lower(jobs, facts, self.sizes)
-        return found
+        if found is None or found[0] is not jobs:
+            if len(self._lowered) > 256:  # schedules evicted from their cache come back as new objects
+                self._lowered.clear()
+            found = self._lowered[key] = (jobs, lower(jobs, facts, self.sizes))
+        return found[1]
 
     # ----------------------------------------------------------------------------- running a call
     def run(self, state: PassState) -> None:
