@@ -94,7 +94,7 @@ if [[ $what == final ]]; then  # issue 4 goal 3 at 3B x 4096 x 4, every implemen
 fi
 if [[ $what == cli ]]; then  # issue 22: the CLI's main job against plain PyTorch and the engine (about 5 minutes)
   run 80 python3 -m pytest -q -p no:cacheprovider tests/test_engine_memory_format.py tests/test_train_speed.py
-  run 400 python3 bench/cli_resnet.py --no-compile  # compiled plain was slower than eager channels-last (17.40 vs 15.53 ms, 2026-12-03)
+  run 400 python3 bench/cli_resnet.py --no-compile --cli-variant run_config.num_microbatch=1  # compiled plain was slower than eager channels-last (17.40 vs 15.53 ms, 2026-12-03)
   grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
 fi
 if [[ $what == lora ]]; then  # issue 18 (about 8 minutes): the graphs-and-frozen-weights diagnosis, LoRA 8B against PEFT and the original, the largest model
