@@ -91,8 +91,7 @@ class RoundPipe(nn.Module):
         self._host = HostState(self._layers, optim_dtype, pin_memory=pins, pin_master=resident and pins,
                                pin_frozen_share=self._tuning.pin_frozen_share, channels_last=memory_format is torch.channels_last)
         self._executor = Executor(self._layers, self._host, self._devices, self._tuning, resident=resident,
-                                  cuda_graphs=cuda_graphs and _graphs_allowed(model), reducer=self._reducer,
-                                  memory_format=memory_format)
+                                  cuda_graphs=cuda_graphs, reducer=self._reducer, memory_format=memory_format)
         if self._reducer is not None:
             self._reducer.check_same(self._host.master, self._devices[0].torch_device)
         self._planner = Planner(len(self._layers), self._host, self._devices, self._tuning, self._reducer)
@@ -338,10 +337,3 @@ def _reducer(process_group: Any) -> Any:
     from .reduce import GradReducer
 
     return GradReducer(process_group)
-
-
-def _graphs_allowed(model: nn.Module) -> bool:
-    """Not with frozen weights: on the H200 (2026-12-03) a LoRA model replayed as graphs trained wrongly
-    from its second call (loss off by 1.4e-3 to 7e-3 relative against PEFT, sync or async steps) while
-    the same model run eagerly matched to 2e-7 (tests/test_models_lora.py on CUDA); the cause is not found yet."""
-    return all(p.requires_grad for p in model.parameters())
