@@ -25,7 +25,7 @@ def test_resident_measured_plan_and_graphs_match(delayed):
     assert engine._executor.resident and engine.plan is not None
     assert_state_close(engine.state_dict(), ref.state())
     [graphs] = engine._executor._graphs.values()
-    assert list(graphs._graphs.values()) == ["captured"]  # one input shape, recorded once
+    assert len(graphs._graphs) == 1 and graphs.replays(next(iter(graphs._graphs)))  # one input shape, recorded once
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -69,3 +69,28 @@ def test_reading_an_upload_without_waiting_is_an_ordering_error():
     grads = device.zeros(4, torch.float32)  # written on the compute stream
     with device.stream("download"), pytest.raises(OrderingError, match="written on the 'compute'"):
         device.copy_to_host(torch.empty(4), grads)
+
+
+class _SquaredMean(torch.nn.Module):
+    def forward(self, x):
+        return x.pow(2).mean()
+
+
+def test_a_replayed_stage_returning_its_own_output_as_the_loss_keeps_each_microbatch():
+    """A replay hands back the same memory every time (as a CUDA graph does): an identity loss_fn's
+    per-microbatch losses must be copied before the next replay overwrites them (exact: same kernels)."""
+    from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _SquaredMean())
+    x = torch.randn(6, 4)
+    expected = sum(model(chunk) for chunk in x.chunk(2)).item()
+    engine = RoundPipe(model, devices=sims(1), model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    with OptimizerCtx():
+        torch.optim.SGD(engine.parameters(), lr=0.0)
+    for _ in range(3):  # the first call measures, the next record and replay
+        loss = engine.forward_backward(input_args=(x,), loss_fn=lambda out, _: out)
+        assert loss.item() == pytest.approx(expected, rel=1e-6)
+    [graphs] = engine._executor._graphs.values()
+    assert graphs.replays(next(iter(graphs._graphs)))
+    engine.close()

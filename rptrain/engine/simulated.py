@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from .batching import map_tensors
 from .device import STREAMS, Device
@@ -143,12 +144,19 @@ class SimulatedDevice(Device):
 
 class _EagerGraphs(StageGraphs):
     """StageGraphs' decisions (which input shapes get graphs, the recording limit) with the capture
-    and the replays run eagerly: the CPU cannot run CUDA graphs."""
+    and the replays run eagerly: the CPU cannot run CUDA graphs. Like a real replay, each returns
+    its outputs in the same memory every time, so a caller keeping them without a copy sees the next
+    replay's values (as on a GPU)."""
 
     def _record(self, modules: list[nn.Module], x: Any, call: Callable) -> Any:
-        return "captured"
+        return []  # the static output tensors, made by the first replay
 
     def _replay(self, rec: Any, modules: list[nn.Module], x: Any, call: Callable) -> Any:
         for layer in modules:
             x = call(layer, x)
-        return x
+        leaves, spec = pytree.tree_flatten(x)
+        tensors = [v for v in leaves if isinstance(v, Tensor)]
+        if not rec:
+            rec.extend(torch.empty_like(t) for t in tensors)
+        it = iter(static.detach().copy_(t) for static, t in zip(rec, tensors))  # a fresh autograd history, the same memory
+        return pytree.tree_unflatten([next(it) if isinstance(v, Tensor) else v for v in leaves], spec)
