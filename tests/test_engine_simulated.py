@@ -94,3 +94,29 @@ def test_a_replayed_stage_returning_its_own_output_as_the_loss_keeps_each_microb
     [graphs] = engine._executor._graphs.values()
     assert graphs.replays(next(iter(graphs._graphs)))
     engine.close()
+
+
+def test_autograd_calls_on_two_streamed_devices_match():
+    """``criterion(model(x), y).backward()`` (recorded.py: a forward call saving for a backward call)
+    on two simulated GPUs that stream their stages, against plain PyTorch (rtol 1e-5)."""
+    from reference import Reference
+    from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+    from rptrain.optim import Adam
+    from test_engine_equivalence import mlp, vector_batches
+
+    engine = RoundPipe(mlp(), devices=sims(2, SMALL))
+    assert not engine._executor.resident
+    with OptimizerCtx():
+        opt = Adam(engine.parameters(), lr=1e-2)
+    ref = Reference(mlp(), lr=1e-2)
+    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=ExecutePlan.from_cuts(7, [2, 5], [1, 3, 5]))
+    ce = torch.nn.CrossEntropyLoss()
+    for x, y in vector_batches(count=3):
+        loss = ce(engine(x, run_config=cfg), y)
+        loss.backward()
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        assert loss.item() == pytest.approx(ref.forward_backward(x, y, 1, ce), rel=1e-5)
+        ref.step()
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+    engine.close()
