@@ -1,11 +1,12 @@
 """The RoundPipe-style dispatch pipeline engine."""
 from .config import RoundPipeRunConfig
+from .fit import DoesNotFit
 from .plan import ExecutePlan, LayerCost, plan_stages
 from .roundpipe import OptimizerCtx, RoundPipe
 from .recompute import doing_recompute, get_recompute_data, save_for_recompute
 from .scaler import GradScaler
 from .wrap import WrappedModel, wrap_model, wrap_model_to_roundpipe
 
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "ExecutePlan", "LayerCost", "plan_stages",
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "DoesNotFit", "ExecutePlan", "LayerCost", "plan_stages",
            "WrappedModel", "wrap_model", "wrap_model_to_roundpipe",
            "save_for_recompute", "doing_recompute", "get_recompute_data"]

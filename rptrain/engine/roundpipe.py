@@ -32,6 +32,7 @@ from .batching import PackedData, merge_outputs, split_inputs, split_label
 from .config import RoundPipeRunConfig, ResolvedRunConfig, resolve
 from .device import make_devices
 from .executor import Args, Executor, PassState, float_tensors
+from .fit import Size, check_fit
 from .host import GradBuffer, HostState
 from .memory_format import check_memory_format
 from .plan import ExecutePlan, LayerCost, plan_stages
@@ -78,6 +79,8 @@ class RoundPipe(nn.Module):
         name: Optional[str] = None,
         pin_model: str = "alloc",
         memory_format: Optional[torch.memory_format] = None,
+        max_host_memory: Size = None,
+        max_gpu_memory: Size = None,
     ):
         """``devices``: None (every GPU, else the CPU) or a list like ``["cuda:0", "cuda:1"]``.
         ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
@@ -94,7 +97,10 @@ class RoundPipe(nn.Module):
         are always pinned with PyTorch's allocator on GPU engines (its "alloc").
         ``memory_format``: ``torch.channels_last`` converts 4-D inputs to channels-last on the
         device, so convolutions run NHWC kernels (faster on recent GPUs); weights, gradients and
-        state dicts keep the standard layout (memory_format.py). None: inputs as given."""
+        state dicts keep the standard layout (memory_format.py). None: inputs as given.
+        ``max_host_memory``, ``max_gpu_memory``: budgets in bytes (or "96GiB"); None: physical memory
+        less a reserve, and the GPU's free memory. A model whose state does not fit raises
+        ``DoesNotFit`` before anything is allocated (fit.py); ``.placement`` says where the state lives."""
         super().__init__()
         if pin_model not in ("alloc", "register", "off"):
             raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
@@ -131,6 +137,7 @@ class RoundPipe(nn.Module):
             # Two versions of the trainable weights (upload slot and live copy), one of the frozen.
             weights = sum((2 if p.requires_grad else 1) * p.numel() * p.element_size() for p in model.parameters())
             resident = self._same_on_all_ranks(weights <= 0.2 * cap)
+        self.placement = check_fit(self._layers, optim_dtype, self._devices, resident, max_host_memory, max_gpu_memory)
         self._host = HostState(self._layers, optim_dtype, pin_memory=self._cuda, pin_master=resident)
         self._executor = Executor(self._layers, self._host, self._devices)
         self._executor.resident = resident
