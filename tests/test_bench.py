@@ -62,3 +62,34 @@ def test_cli_resnet_ratios():
     assert runs == {("rptrain", "inputs"), ("rptrain", "contiguous"), ("plain", "contiguous"), ("plain", "channels_last"), ("plain", "inputs")}
     ratios = {r["what"]: r["ratio"] for r in records if "what" in r}
     assert set(ratios) == {"cli_over_best_plain", "engine_over_cli_step"} and all(v > 0 for v in ratios.values())
+
+
+def test_deepspeed_command_line_and_configs():
+    """llm.py --impl deepspeed: both settings, each in its own process, and the configs they run under.
+    DeepSpeed is a benchmark requirement that CI does not install, so its runs are not part of this test
+    (`llm.py --device cpu --tiny --impl deepspeed` runs them on DeepSpeed's CPU accelerator where it is)."""
+    sys.path.insert(0, str(BENCH))
+    import deepspeed_zero as dz
+    import llm
+
+    args = llm.parse_args(["--device", "cuda", "--impl", "rptrain", "deepspeed", "--model", "llama_8b", "qwen3_8b", "--batch", "4"])
+    assert args.impl == ["rptrain", "deepspeed_zero2", "deepspeed_zero3"] and args.ds_ratio is None and args.isolate
+    assert args.model == ["llama_8b", "qwen3_8b"]
+    assert llm.parse_args(["--device", "cuda", "--impl", "deepspeed_zero3", "--ds-ratio", "0.3"]).ds_ratio == 0.3
+    with pytest.raises(SystemExit):
+        llm.parse_args(["--ds-ratio", "1.5"])
+    zero2 = dz.config("deepspeed_zero2", 4)
+    assert zero2["zero_optimization"]["stage"] == 2 and zero2["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert zero2["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}
+    assert zero2["bf16"]["enabled"] and zero2["train_micro_batch_size_per_gpu"] == 4
+    zero3 = dz.config("deepspeed_zero3", 4, ratio=0.35)
+    assert zero3["zero_optimization"]["stage"] == 3 and zero3["zero_optimization"]["offload_optimizer"]["ratio"] == 0.35
+    # By hand: 4 Gi parameters need 16 GiB of bf16 weights and gradients and 64 GiB of GPU-side state;
+    # with 10 GiB of activations the room left is free - 16 - 10 - max(8, free / 10) GiB.
+    GiB = 2**30
+    assert dz.choose_ratio(4 * GiB, 100 * GiB, 10 * GiB) == 0.0  # room 64 GiB: everything on the GPU
+    assert dz.choose_ratio(4 * GiB, 60 * GiB, 10 * GiB) == 0.6  # room 26 GiB = 0.406 of the state: 0.40 on the GPU
+    assert dz.choose_ratio(4 * GiB, 30 * GiB, 10 * GiB) == 1.0  # no room: all offloaded
+    # hidden 10, intermediate 20, 3 layers, vocab 100, 50 tokens, loss chunks of 40: graph 2 x (160 + 100) = 520 bytes a token
+    assert dz.activation_bytes(10, 20, 3, 100, 50, 40, checkpoint=True) == (2 * 10 * 3 + 520) * 50 + 12 * 100 * 40
+    assert dz.activation_bytes(10, 20, 3, 100, 50, 40, checkpoint=False) == 520 * 3 * 50 + 12 * 100 * 40
