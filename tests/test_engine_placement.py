@@ -74,6 +74,20 @@ def test_gpu_working_set_from_the_plan():
     assert gpu_working_set(costs, plan, 3, resident=True)[0] == 2 * 1_000 + 3 * 50
 
 
+def test_default_host_budget(monkeypatch):
+    from rptrain.engine import fit
+
+    monkeypatch.setattr(fit, "physical_memory", lambda: 128 * 2**30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    budget, source = fit.host_budget(None)
+    assert budget == 128 * 2**30 - int(0.1 * 128 * 2**30) and "less a 12.80 GiB reserve" in source
+    monkeypatch.setattr(fit, "physical_memory", lambda: 16 * 2**30)
+    assert fit.host_budget(None)[0] == 12 * 2**30  # at least 4 GiB stay for the rest
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two ranks on this host, each with the whole state
+    assert fit.host_budget(None)[0] == 6 * 2**30
+    assert fit.host_budget("96GiB") == (96 * 2**30, "max_host_memory")
+
+
 def test_parse_size():
     assert parse_size(None) is None
     assert parse_size("96GiB") == 96 * 2**30 and parse_size("100 GB") == 10**11 and parse_size("1.5e3") == 1_500

@@ -28,6 +28,7 @@ from .placement import GPU, HOST, GiB, Placement, Run, StateBytes, gib, place
 # The host budget's default: physical memory (or the cgroup's limit) less max(10%, 4 GiB). The rest of
 # the process lives there too: Python, the torch and CUDA libraries and the CUDA context's host side
 # (a few GiB), the data pipeline, the model's own weights while the engine copies them, the OS.
+# Under torchrun the ranks on one host (LOCAL_WORLD_SIZE) split it: each holds the whole state.
 HOST_RESERVE_SHARE = 0.1
 HOST_RESERVE_MIN = 4 * GiB
 PIN_FROZEN_SHARE = 0.5  # host.py's: frozen weights past this share of physical memory stay pageable
@@ -75,7 +76,9 @@ def host_budget(max_host_memory: Size) -> tuple[int, str]:
         return parse_size(max_host_memory, "max_host_memory"), "max_host_memory"
     physical = physical_memory()
     reserve = max(HOST_RESERVE_MIN, int(HOST_RESERVE_SHARE * physical))
-    return physical - reserve, f"physical {gib(physical)} less a {gib(reserve)} reserve; max_host_memory sets another"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # torchrun's ranks on this host share its memory
+    shared = f", shared by {ranks} ranks on this host" if ranks > 1 else ""
+    return (physical - reserve) // ranks, f"physical {gib(physical)} less a {gib(reserve)} reserve{shared}; max_host_memory sets another"
 
 
 def gpu_budget(devices: Sequence[Device], max_gpu_memory: Size) -> tuple[int, str]:
