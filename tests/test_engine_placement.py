@@ -140,6 +140,24 @@ def test_prediction_matches_memory_report(name):
         assert abs(predicted[kind] - report[kind]) <= 0.01 * report[kind], (kind, predicted[kind], report[kind])
 
 
+def test_pinned_blocks_round_up_to_powers_of_two(monkeypatch):
+    """On a GPU machine host.py pins its flat tensors, and PyTorch's caching host allocator rounds each
+    block up to a power of two: the check counts those pages too."""
+    from rptrain.engine import fit
+
+    class FakeGpu:
+        is_cuda = True
+
+    monkeypatch.setattr(fit, "gpu_budget", lambda devices, cap: (10 * 2**30, "free on the GPU"))
+    layers = [nn.Linear(1000, 1000)]  # weight 1,000,000 + bias 1,000 fp32; the master's region aligned to 1,001,024
+    p = fit.check_fit(layers, torch.float32, [FakeGpu()], resident=False, max_host_memory="1GiB")
+    compute, grads = 1_001_000 * 4, 1_001_024 * 4  # each allocated twice, each rounded up to 2**22 bytes
+    assert p.totals[HOST]["pinned_rounding"] == 2 * (2**22 - compute) + 2 * (2**22 - grads)
+    resident = fit.check_fit(layers, torch.float32, [FakeGpu()], resident=True, max_host_memory="1GiB")  # + the pinned master
+    assert resident.totals[HOST]["pinned_rounding"] == p.totals[HOST]["pinned_rounding"] + 2**22 - grads
+    assert p.totals[GPU]["compute"] == 2 * 4_004_000 + 3 * 4_004_000  # the layer's weights twice, its gradients three times
+
+
 def test_does_not_fit_before_allocating():
     model = build_model("llama_tiny")
     before = [p.data_ptr() for p in model.parameters()]

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .device import Device
+from .host import PIN_FROZEN_SHARE
 from .layout import FlatLayout
 from .placement import GPU, HOST, GiB, Placement, Run, StateBytes, gib, place
 
@@ -31,7 +32,6 @@ from .placement import GPU, HOST, GiB, Placement, Run, StateBytes, gib, place
 # Under torchrun the ranks on one host (LOCAL_WORLD_SIZE) split it: each holds the whole state.
 HOST_RESERVE_SHARE = 0.1
 HOST_RESERVE_MIN = 4 * GiB
-PIN_FROZEN_SHARE = 0.5  # host.py's: frozen weights past this share of physical memory stay pageable
 Size = Union[int, float, str, None]
 
 
@@ -126,9 +126,13 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
     state = StateBytes(master=optim_dtype.itemsize, optimizer=2 * optim_dtype.itemsize)
     flat = lambda layout: [n * layout.dtypes[k].itemsize for k, n in layout.sizes.items()]
     frozen_bytes = sum(flat(frozen))
-    pinned = ([*flat(params)] * 2 + [params.total * 4] * 2 + flat(buffers) if pin else []) + ([params.total * optim_dtype.itemsize] if resident else [])
-    if pin and frozen_bytes <= PIN_FROZEN_SHARE * physical_memory():
+    # host.py's pinned allocations: two compute copies, two gradient buffers, the buffers, the frozen
+    # weights up to a share of the machine, and the master when the GPU casts its resident copy from it.
+    pinned = [*flat(params), *flat(params), params.total * 4, params.total * 4, *flat(buffers)] if pin else []
+    if pin and frozen_bytes <= PIN_FROZEN_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
         pinned += flat(frozen)
+    if resident:
+        pinned.append(params.total * optim_dtype.itemsize)
     host, host_from = host_budget(max_host_memory)
     gpu, gpu_from = gpu_budget(devices, max_gpu_memory)
     weights = [params.nbytes(i, i + 1) + frozen.nbytes(i, i + 1) for i in range(len(layers))]
@@ -146,7 +150,7 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
 
 def _message(plan: Placement, optim_dtype: torch.dtype) -> str:
     parts = []
-    for where, short in plan.short().items():
+    for where in plan.short():
         kinds = ", ".join(f"{k} {gib(v)}" for k, v in plan.totals[where].items() if v)
         parts.append(f"{where} memory needed {gib(plan.total(where))} ({kinds}) but {gib(plan.available(where))} "
                      f"available ({plan.sources.get(where, 'budget')})")
@@ -155,7 +159,7 @@ def _message(plan: Placement, optim_dtype: torch.dtype) -> str:
     options = []
     if optim_dtype.itemsize > 2:  # master and moments in bf16: 2 + 4 bytes a parameter instead of 4 + 8
         saved = trainable * (optim_dtype.itemsize - 2) * 3
-        options.append(f"optim_dtype=torch.bfloat16 (CLI: precision.optim_dtype=bfloat16) needs {gib(plan.total(HOST) - saved)} of host memory")
+        options.append(f"optim_dtype=torch.bfloat16 (CLI: precision.optim_dtype=bfloat16) needs about {gib(plan.total(HOST) - saved)} of host memory")
     lora = sum(p.run.numel * p.run.itemsize for p in plan.runs) + host["buffers"]
     options.append(f"LoRA (CLI: model.lora.rank=16) stores the weights once, about {gib(lora)} of host memory")
     need = -(-plan.total(HOST) // GiB)
