@@ -5,11 +5,13 @@ next), one after another (on the CPU, CI's size, the resnet.py runs share one pr
 - cli: ``rptrain model=resnet34 data=synthetic data.num_train=25600 trainer.epochs=2``: the
   steady-state epoch throughput is the second epoch's samples/s over its wall time, evaluation
   included (metrics.jsonl's epoch record); its step time is the median of that epoch's log windows.
-- engine: ``resnet.py --impl rptrain`` (the tutorial's semantics), inputs channels-last as the
-  CLI runs them on CUDA, and in the standard layout.
+- engine: ``resnet.py --impl rptrain`` (the tutorial's semantics), memory_format=channels_last as
+  the CLI runs it on CUDA (inputs converted, weights stored channels-last), and the standard layout.
 - plain PyTorch, AMP fp16 + fused Adam on the GPU: standard layout, channels-last (weights and
   inputs), channels-last inputs only (what the engine does), and torch.compile of the
   channels-last model (skipped with --no-compile).
+The resnet.py runs read their loss every --log-interval steps, summed on the device, as the CLI
+does (the tutorial's loop reads it every step, a host sync per step; resnet.py's default).
 Prints one JSON line per run, then the ratios: the CLI's epoch throughput over the best plain
 setting's (goal: >= 1.2), and the engine's step over the CLI's (goal: >= 1, the engine at least
 as fast as the CLI's step).
@@ -71,7 +73,7 @@ def run_cli(args, env: dict) -> dict:
 def run_resnet(args, env: dict, impl: str, formats: list[str], compiled: list[str] = (), warmup: int = 0) -> list[dict]:
     """bench/resnet.py's runs of ``impl`` in these layouts (and compiled in ``compiled``), in one process."""
     argv = [sys.executable, str(BENCH / "resnet.py"), "--device", args.device, "--impl", impl, "--steps", str(args.steps),
-            "--warmup", str(args.warmup + warmup), "--memory-format", *formats, "--compile-formats", *compiled,
+            "--warmup", str(args.warmup + warmup), "--read-interval", str(args.log_interval), "--memory-format", *formats, "--compile-formats", *compiled,
             *(["--tiny"] if args.tiny else [])]
     records, error = child(argv, args.timeout, env)
     found = [dict(bench="cli_resnet", impl=impl, memory_format=r["memory_format"], compiled=r.get("compiled", False),
@@ -109,7 +111,7 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     cli = run_cli(args, env)
     emit(**cli)
-    engines = run_all(args, env, "rptrain", ["inputs", "contiguous"])
+    engines = run_all(args, env, "rptrain", ["channels_last", "contiguous"])
     # torch.compile traces and compiles during its first steps: 5 more warm-up steps for it.
     plains = run_all(args, env, "plain", ["contiguous", "channels_last", "inputs"], ["channels_last"] if args.compile else [], warmup=5)
     for r in engines + plains:
@@ -120,8 +122,8 @@ def main() -> None:
     best = max(plains, key=lambda r: r["images_per_s"])
     emit(bench="cli_resnet", what="cli_over_best_plain", ratio=round(cli["epoch_samples_per_s"] / best["images_per_s"], 3),
          best_plain=f"{best['memory_format']}{' compiled' if best['compiled'] else ''}", goal=1.2)
-    # The CLI runs the engine with channels-last inputs on CUDA (engine.channels_last auto), in the standard layout on the CPU.
-    same = "inputs" if args.device == "cuda" else "contiguous"
+    # The CLI runs the engine channels-last on CUDA (engine.channels_last auto), in the standard layout on the CPU.
+    same = "channels_last" if args.device == "cuda" else "contiguous"
     engine = next((r for r in engines if "error" not in r and r["memory_format"] == same), None)
     if engine is not None:
         emit(bench="cli_resnet", what="engine_over_cli_step", ratio=round(cli["step_ms"] / engine["step_ms"], 3),

@@ -23,7 +23,7 @@ from .batching import iter_tensors, map_tensors, opaque_type
 from .device import Device
 from .graphs import StageGraphs, signature, worth_recording
 from .host import GradBuffer, HostState
-from .layout import FlatLayout, Range, Slot
+from .layout import FlatLayout, Range, Slot, shaped
 from .memory_format import convert_inputs
 from .replica import Shell
 from .scaler import recording_scalers
@@ -145,10 +145,14 @@ class StageTensors:
         self.event = event
 
     def view(self, slot: Slot) -> Tensor:
+        return shaped(self.flat(slot), slot)
+
+    def flat(self, slot: Slot) -> Tensor:
+        """The slot's elements as one 1-D tensor, in storage order."""
         for r, t in self.pieces:
             if r.key == slot.key and r.start <= slot.offset < r.stop:
                 start = slot.offset - r.start
-                return t[start : start + slot.numel].view(slot.shape)
+                return t[start : start + slot.numel]
         raise KeyError(f"slot {slot.index} is not part of this stage")
 
 
@@ -638,7 +642,7 @@ class _EarlyGrads:
             if self.pending[slot.index] > 0 or slot.index in self.sent:
                 return
             self.sent.add(slot.index)
-        piece = (Range(slot.key, slot.offset, slot.offset + slot.numel), self.grads.view(slot).reshape(-1))
+        piece = (Range(slot.key, slot.offset, slot.offset + slot.numel), self.grads.flat(slot))
         self.executor._send_grads(self.device, self.job, [piece], self.state)
 
     def rest(self) -> list[tuple[Range, Tensor]]:

@@ -44,15 +44,16 @@ class GradBuffer:
 
 
 class HostState:
-    def __init__(self, layers: Sequence[nn.Module], optim_dtype: torch.dtype, pin_memory: bool, pin_master: bool = False):
+    def __init__(self, layers: Sequence[nn.Module], optim_dtype: torch.dtype, pin_memory: bool, pin_master: bool = False,
+                 channels_last: bool = False):
         for layer in layers:
             for name, p in layer.named_parameters():
                 if not p.is_floating_point():
                     raise ValueError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters are supported")
         self.layers = layers
         self.pin_memory = pin_memory
-        self.params = FlatLayout.of_parameters(layers, trainable=True)
-        self.frozen_layout = FlatLayout.of_parameters(layers, trainable=False)
+        self.params = FlatLayout.of_parameters(layers, trainable=True, channels_last=channels_last)
+        self.frozen_layout = FlatLayout.of_parameters(layers, trainable=False, channels_last=channels_last)
         self.buffer_layout = FlatLayout.of_buffers(layers)
         originals = [p for p in self._unique_tensors(layers, "parameters") if p.requires_grad]
         self.frozen_params = [p for p in self._unique_tensors(layers, "parameters") if not p.requires_grad]

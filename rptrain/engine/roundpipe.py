@@ -96,8 +96,8 @@ class RoundPipe(nn.Module):
         ``name``, ``pin_model``: the original library's; ``name`` is kept as ``.name``, host copies
         are always pinned with PyTorch's allocator on GPU engines (its "alloc").
         ``memory_format``: ``torch.channels_last`` converts 4-D inputs to channels-last on the
-        device, so convolutions run NHWC kernels (faster on recent GPUs); weights, gradients and
-        state dicts keep the standard layout (memory_format.py). None: inputs as given.
+        device and stores 4-D weights (and so their gradients and state-dict tensors) channels-last,
+        so convolutions run NHWC kernels (faster on recent GPUs; memory_format.py). None: as given.
         ``max_host_memory``, ``max_gpu_memory``: budgets in bytes (or "96GiB"); None: physical memory
         less a reserve, and the GPU's free memory. A model whose state does not fit raises
         ``DoesNotFit`` before anything is allocated (fit.py); ``.placement`` says where the state lives."""
@@ -138,7 +138,9 @@ class RoundPipe(nn.Module):
             weights = sum((2 if p.requires_grad else 1) * p.numel() * p.element_size() for p in model.parameters())
             resident = self._same_on_all_ranks(weights <= 0.2 * cap)
         self.placement = check_fit(self._layers, optim_dtype, self._devices, resident, max_host_memory, max_gpu_memory)
-        self._host = HostState(self._layers, optim_dtype, pin_memory=self._cuda, pin_master=resident)
+        memory_format = check_memory_format(memory_format)
+        self._host = HostState(self._layers, optim_dtype, pin_memory=self._cuda, pin_master=resident,
+                               channels_last=memory_format is torch.channels_last)
         self._executor = Executor(self._layers, self._host, self._devices)
         self._executor.resident = resident
         # Not with frozen weights: on the H200 (2026-12-03) a LoRA model replayed as graphs trained wrongly
@@ -146,7 +148,7 @@ class RoundPipe(nn.Module):
         # the same model run eagerly matched to 2e-7 (tests/test_models_lora.py on CUDA); the cause is not found yet.
         frozen = any(not p.requires_grad for p in model.parameters())
         self._executor.cuda_graphs = self._cuda and cuda_graphs and not frozen
-        self._executor.memory_format = check_memory_format(memory_format)
+        self._executor.memory_format = memory_format
         if self._reducer is not None:
             self._executor.reducer = self._reducer
             self._reducer.check_same(self._host.master, self._devices[0].torch_device)

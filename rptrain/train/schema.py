@@ -157,7 +157,7 @@ class HFModelConfig:
     path: str = MISSING  # folder with config.json and *.safetensors (model.safetensors.index.json when sharded)
     max_seq_len: Optional[int] = None  # None: config.json's max_position_embeddings (x factor for dynamic rope)
     loss_chunk_tokens: int = 4096
-    attention: str = "sdpa"  # sdpa | flex (FlexAttention block masks on CUDA for packed rows and sliding windows)
+    attention: str = "auto"  # auto | sdpa | flex (FlexAttention block masks on CUDA for packed rows and sliding windows)
     weights: Optional[str] = None  # another checkpoint of this model to load after the folder's weights
     lora: LoraConfig = field(default_factory=LoraConfig)
 
