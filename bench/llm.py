@@ -97,6 +97,7 @@ def run_rptrain(args, cfg, name):
     model = host_model(args, name, torch.bfloat16)
     note(f"{name} built")
     engine = RoundPipe(model, cuda_graphs=args.cuda_graphs)
+    note(str(engine.placement))
     with OptimizerCtx():
         opt = AdamW(engine.parameters(), lr=1e-4)
     note("engine and optimizer ready")
@@ -406,7 +407,9 @@ def measure(args, name: str, impl: str) -> dict:
         release_host_memory()
         return dict(bench="llm", model=name, impl=impl, seq=args.seq, error=f"out of memory: {str(e).splitlines()[0]}")
     except DoesNotFit as e:  # the engine's check before allocating: a result, as out of memory is
-        return dict(bench="llm", model=name, impl=impl, seq=args.seq, error=f"does not fit: {e}")
+        p = e.placement
+        return dict(bench="llm", model=name, impl=impl, seq=args.seq, error=f"does not fit: {e}",
+                    host_needed_gib=round(p.total("host") / 2**30, 2), host_budget_gib=round(p.host_budget / 2**30, 2))
     except ModuleNotFoundError as e:  # deepspeed, roundpipe: benchmark requirements (bench/README.md)
         return dict(bench="llm", model=name, impl=impl, seq=args.seq, error=f"{e.name} is not installed: pip install {e.name}")
     if args.device == "cuda":  # how far the sequence could still grow on this GPU

@@ -151,3 +151,18 @@ def test_attention_cu_seqlens():
 
     cu, longest = cu_seqlens(torch.tensor([[0, 0, 0, 1, 1], [4, 4, 4, 4, 4], [0, 1, 1, 0, 0]]))
     assert cu.tolist() == [0, 3, 5, 10, 11, 13, 15] and cu.dtype == torch.int32 and longest == 5
+
+
+def test_llm_records_an_engine_that_does_not_fit(monkeypatch):
+    """The engine's fit check refuses a model before allocating: llm.py records it as a result (as it does
+    a GPU out of memory) with the host bytes needed and the budget, instead of dying."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import llm
+
+    from rptrain.engine import fit
+
+    monkeypatch.setattr(fit, "host_budget", lambda cap: (2**20, "a 1 MiB test budget"))
+    record = llm.measure(llm.parse_args(["--device", "cpu", "--tiny"]), "llama_tiny", "rptrain")
+    assert record["error"].startswith("does not fit: the training state does not fit: host memory needed"), record
+    assert "1.00 MiB available (a 1 MiB test budget)" in record["error"] and "tokens_per_s" not in record
+    assert record["host_budget_gib"] == round(2**20 / 2**30, 2) and record["host_needed_gib"] >= 0
