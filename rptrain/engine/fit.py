@@ -24,7 +24,7 @@ from torch import nn
 from .device import Device
 from .host import PIN_FROZEN_SHARE
 from .layout import FlatLayout
-from .placement import GPU, HOST, GiB, Placement, Run, StateBytes, gib, place
+from .placement import GPU, HOST, GiB, Placement, Run, StateBytes, fmt_bytes, place
 
 # The host budget's default: physical memory (or the cgroup's limit) less max(10%, 4 GiB). The rest of
 # the process lives there too: Python, the torch and CUDA libraries and the CUDA context's host side
@@ -78,7 +78,7 @@ def host_budget(max_host_memory: Size) -> tuple[int, str]:
     reserve = max(HOST_RESERVE_MIN, int(HOST_RESERVE_SHARE * physical))
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # torchrun's ranks on this host share its memory
     shared = f", shared by {ranks} ranks on this host" if ranks > 1 else ""
-    return (physical - reserve) // ranks, f"physical {gib(physical)} less a {gib(reserve)} reserve{shared}; max_host_memory sets another"
+    return (physical - reserve) // ranks, f"physical {fmt_bytes(physical)} less a {fmt_bytes(reserve)} reserve{shared}; max_host_memory sets another"
 
 
 def gpu_budget(devices: Sequence[Device], max_gpu_memory: Size) -> tuple[int, str]:
@@ -151,19 +151,19 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
 def _message(plan: Placement, optim_dtype: torch.dtype) -> str:
     parts = []
     for where in plan.short():
-        kinds = ", ".join(f"{k} {gib(v)}" for k, v in plan.totals[where].items() if v)
-        parts.append(f"{where} memory needed {gib(plan.total(where))} ({kinds}) but {gib(plan.available(where))} "
+        kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.totals[where].items() if v)
+        parts.append(f"{where} memory needed {fmt_bytes(plan.total(where))} ({kinds}) but {fmt_bytes(plan.available(where))} "
                      f"available ({plan.sources.get(where, 'budget')})")
     host = plan.totals[HOST]
     trainable = sum(p.run.numel for p in plan.runs if p.run.trainable)
     options = []
     if optim_dtype.itemsize > 2:  # master and moments in bf16: 2 + 4 bytes a parameter instead of 4 + 8
         saved = trainable * (optim_dtype.itemsize - 2) * 3
-        options.append(f"optim_dtype=torch.bfloat16 (CLI: precision.optim_dtype=bfloat16) needs about {gib(plan.total(HOST) - saved)} of host memory")
+        options.append(f"optim_dtype=torch.bfloat16 (CLI: precision.optim_dtype=bfloat16) needs about {fmt_bytes(plan.total(HOST) - saved)} of host memory")
     lora = sum(p.run.numel * p.run.itemsize for p in plan.runs) + host["buffers"]
-    options.append(f"LoRA (CLI: model.lora.rank=16) stores the weights once, about {gib(lora)} of host memory")
+    options.append(f"LoRA (CLI: model.lora.rank=16) stores the weights once, about {fmt_bytes(lora)} of host memory")
     need = -(-plan.total(HOST) // GiB)
     options.append(f"max_host_memory={need}GiB (CLI: engine.max_host_memory={need}GiB) if the machine has the memory "
-                   f"(physical: {gib(physical_memory())})")
+                   f"(physical: {fmt_bytes(physical_memory())})")
     options.append("more GPUs do not help yet: every rank keeps the whole state on its host (GPU-resident optimizer shares: issue 21)")
     return f"the training state does not fit: {'; '.join(parts)}. Options: {'; '.join(options)}"

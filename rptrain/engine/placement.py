@@ -92,8 +92,8 @@ class Placement:
         return sum(p.run.numel for p in self.runs if p.state == place)
 
     def __str__(self) -> str:
-        lines = [f"placement{'' if self.fits else ' (DOES NOT FIT)'}: GPU {gib(self.total(GPU))} of {gib(self.gpu_free)} "
-                 f"({self.sources.get(GPU, 'free')}), host {gib(self.total(HOST))} of {gib(self.host_budget)} ({self.sources.get(HOST, 'budget')})"]
+        lines = [f"placement{'' if self.fits else ' (DOES NOT FIT)'}: GPU {fmt_bytes(self.total(GPU))} of {fmt_bytes(self.gpu_free)} "
+                 f"({self.sources.get(GPU, 'free')}), host {fmt_bytes(self.total(HOST))} of {fmt_bytes(self.host_budget)} ({self.sources.get(HOST, 'budget')})"]
         lines += [f"  {n}" for n in self.notes]
         for (first, last), dtype, state in _groups(self.runs):
             what = f"master, grads, optimizer state on the {state.upper()}, step on the {state.upper()}" if state else "frozen weights on the HOST"
@@ -101,11 +101,11 @@ class Placement:
         lines.append(f"  {'bytes':<16}{'GPU':>12}{'host':>12}")
         for kind in KINDS:
             if self.totals[GPU][kind] or self.totals[HOST][kind]:
-                lines.append(f"  {kind:<16}{gib(self.totals[GPU][kind]):>12}{gib(self.totals[HOST][kind]):>12}")
+                lines.append(f"  {kind:<16}{fmt_bytes(self.totals[GPU][kind]):>12}{fmt_bytes(self.totals[HOST][kind]):>12}")
         return "\n".join(lines)
 
 
-def gib(n: int) -> str:
+def fmt_bytes(n: int) -> str:
     """Bytes in the largest binary unit that keeps a digit before the point."""
     for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
