@@ -49,21 +49,21 @@ def child(argv: list[str], timeout: float, env: dict) -> tuple[list[dict], str]:
     return records, error
 
 
-def run_cli(args, env: dict) -> dict:
-    """The CLI's main job in its own process; its second epoch from metrics.jsonl."""
+def run_cli(args, env: dict, variant: list[str] = ()) -> dict:
+    """The CLI's main job (plus the overrides of ``variant``) in its own process; its second epoch from metrics.jsonl."""
     with tempfile.TemporaryDirectory() as tmp:
         argv = [sys.executable, "-m", "rptrain.cli.main", f"--config-path={ROOT / 'conf'}", "model=resnet34", "data=synthetic",
                 f"data.num_train={args.num_train}", f"data.num_test={args.num_test}", "trainer.epochs=2", "trainer.progress=false",
-                f"trainer.log_interval={args.log_interval}", f"hydra.run.dir={tmp}", *(TINY_MODEL if args.tiny else []), *args.cli]
+                f"trainer.log_interval={args.log_interval}", f"hydra.run.dir={tmp}", *(TINY_MODEL if args.tiny else []), *args.cli, *variant]
         _, error = child(argv, args.timeout, env)
         path = Path(tmp) / "metrics.jsonl"
         records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     epochs = [r for r in records if r["kind"] == "epoch"]
     if len(epochs) < 2:
-        return dict(bench="cli_resnet", impl="cli", error=error or "no second epoch in metrics.jsonl")
+        return dict(bench="cli_resnet", impl="cli", variant=" ".join(variant), error=error or "no second epoch in metrics.jsonl")
     last = epochs[-1]
     windows = [r for r in records if r["kind"] == "train" and r["epoch"] == last["epoch"]]
-    return dict(bench="cli_resnet", impl="cli", args=" ".join(argv[4:]), epoch=last["epoch"],
+    return dict(bench="cli_resnet", impl="cli", variant=" ".join(variant), args=" ".join(argv[4:]), epoch=last["epoch"],
                 epoch_samples_per_s=round(last["epoch_samples_per_s"], 1), epoch_wall_s=round(last["epoch_wall_time"], 3),
                 train_samples_per_s=round(last["samples_per_s"], 1),
                 step_ms=round(1e3 * statistics.median(r["step_time"] for r in windows), 3),
@@ -103,6 +103,8 @@ def main() -> None:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="each resnet.py configuration in its own process (default: on CUDA)")
     p.add_argument("--cli", nargs="*", default=[], help="extra CLI overrides, e.g. engine.channels_last=false")
+    p.add_argument("--cli-variant", action="append", default=[],
+                   help="one more CLI run with these space-separated overrides (repeatable), e.g. 'run_config.num_microbatch=1'")
     args = p.parse_args()
     if args.tiny:
         args.num_train, args.num_test, args.log_interval, args.steps, args.warmup = 64, 32, 2, 2, 1
@@ -111,6 +113,9 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     cli = run_cli(args, env)
     emit(**cli)
+    variants = [run_cli(args, env, v.split()) for v in args.cli_variant]
+    for v in variants:
+        emit(**v)
     engines = run_all(args, env, "rptrain", ["channels_last", "contiguous"])
     # torch.compile traces and compiles during its first steps: 5 more warm-up steps for it.
     plains = run_all(args, env, "plain", ["contiguous", "channels_last", "inputs"], ["channels_last"] if args.compile else [], warmup=5)
@@ -120,8 +125,10 @@ def main() -> None:
     if "error" in cli or not plains:
         return
     best = max(plains, key=lambda r: r["images_per_s"])
-    emit(bench="cli_resnet", what="cli_over_best_plain", ratio=round(cli["epoch_samples_per_s"] / best["images_per_s"], 3),
-         best_plain=f"{best['memory_format']}{' compiled' if best['compiled'] else ''}", goal=1.2)
+    for run in [cli] + [v for v in variants if "error" not in v]:
+        emit(bench="cli_resnet", what="cli_over_best_plain", variant=run["variant"], goal=1.2,
+             ratio=round(run["epoch_samples_per_s"] / best["images_per_s"], 3),
+             best_plain=f"{best['memory_format']}{' compiled' if best['compiled'] else ''}")
     # The CLI runs the engine channels-last on CUDA (engine.channels_last auto), in the standard layout on the CPU.
     same = "channels_last" if args.device == "cuda" else "contiguous"
     engine = next((r for r in engines if "error" not in r and r["memory_format"] == same), None)

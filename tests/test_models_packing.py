@@ -27,7 +27,7 @@ VARIANTS = {
 
 def model(variant: str, attention: str = "auto") -> torch.nn.Sequential:
     torch.manual_seed(0)
-    cfg = DecoderConfig(vocab_size=V, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=48,
+    cfg = DecoderConfig(vocab_size=V, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=48,
                         loss_chunk_tokens=5, attention=attention, **VARIANTS[variant])
     m = build_decoder(cfg)
     with torch.no_grad():

@@ -491,7 +491,9 @@ class Executor:
             if loss.requires_grad:
                 with self._watch_grads(job, micro, state, eager=key is None or not state.graphs.replays(key)):
                     loss.backward()
-        state.losses[micro] = loss.detach().reshape(())
+        # A loss_fn that returns the graph's own output (``lambda out, _: out``) hands back memory the
+        # next replay overwrites: the call then returned microbatch 1's loss twice (H200, bench/graph_frozen.py).
+        state.losses[micro] = loss.detach().reshape(()) if key is None else loss.detach().reshape(()).clone()
         if state.want_outputs:
             # A graph's outputs live in memory its next replay overwrites: copy them first.
             keep = (lambda t: t.detach().clone()) if key is not None else Tensor.detach

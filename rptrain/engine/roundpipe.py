@@ -143,11 +143,7 @@ class RoundPipe(nn.Module):
                                channels_last=memory_format is torch.channels_last)
         self._executor = Executor(self._layers, self._host, self._devices)
         self._executor.resident = resident
-        # Not with frozen weights: on the H200 (2026-12-03) a LoRA model replayed as graphs trained wrongly
-        # from its second call (loss off by 1.4e-3 to 7e-3 relative against PEFT, sync or async steps) while
-        # the same model run eagerly matched to 2e-7 (tests/test_models_lora.py on CUDA); the cause is not found yet.
-        frozen = any(not p.requires_grad for p in model.parameters())
-        self._executor.cuda_graphs = self._cuda and cuda_graphs and not frozen
+        self._executor.cuda_graphs = self._cuda and cuda_graphs
         self._executor.memory_format = memory_format
         if self._reducer is not None:
             self._executor.reducer = self._reducer
