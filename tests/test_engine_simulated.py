@@ -11,7 +11,7 @@ from rptrain import ExecutePlan, Tuning
 from rptrain.engine.simulated import OrderingError, SimulatedDevice
 from test_engine_equivalence import convnet, image_batches, train_both
 
-SMALL = 20_000  # bytes of "GPU": too little to keep the convnet resident, so every stage streams
+SMALL = 50_000  # bytes of "GPU": enough for one stage, too little to keep the convnet resident: every stage streams
 
 
 def sims(count: int, memory: int = 1 << 30) -> list[SimulatedDevice]:

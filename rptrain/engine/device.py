@@ -113,6 +113,10 @@ class Device:
     def memory_cap(self) -> Optional[int]:
         return None
 
+    def free_memory(self) -> int:
+        """Bytes free on the device now (fit.py budgets GPU memory with it)."""
+        return 0
+
 
 class CpuDevice(Device):
     def __init__(self, index: int = 0):
@@ -197,6 +201,9 @@ class CudaDevice(Device):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
+
+    def free_memory(self) -> int:
+        return torch.cuda.mem_get_info(self.torch_device)[0]
 
     def memory_cap(self) -> Optional[int]:
         free, _ = torch.cuda.mem_get_info(self.torch_device)

@@ -22,6 +22,7 @@ from .checks import check_args, check_inputs, check_state_dict
 from .config import RoundPipeRunConfig, ResolvedRunConfig, resolve
 from .device import make_devices
 from .executor import Executor
+from .fit import Size, check_fit
 from .passstate import Args, PassState, float_tensors
 from .host import HostState
 from .memory_format import check_memory_format
@@ -40,6 +41,29 @@ IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_k
 
 
 class RoundPipe(nn.Module):
+    """One pipelined ``nn.Sequential``. Arguments:
+
+    ``devices``: None (every GPU, else the CPU) or a list like ``["cuda:0", "cuda:1"]``.
+    ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
+    resident on the GPU and the stage has at most ``tuning.max_graph_params`` parameters
+    (layers that cannot be captured fall back to eager, with a warning).
+    ``process_group``: a torch.distributed group to train data-parallel over: every rank
+    runs this engine on its own data and gradients are averaged before each step (NCCL for
+    GPU engines, gloo for CPU ones). BatchNorm statistics stay per rank, as in DDP with
+    ``broadcast_buffers=False``.
+    ``optimizer_threads``: OpenMP threads of the optimizer step. Default on GPU engines: one
+    fewer than torch's, so the thread issuing GPU work keeps a core; a statically scheduled
+    parallel loop that shares a core with it waits for its slowest thread.
+    ``name``, ``pin_model``: the original library's; ``name`` is kept as ``.name``, host copies
+    are always pinned with PyTorch's allocator on GPU engines (its "alloc").
+    ``memory_format``: ``torch.channels_last`` converts 4-D inputs to channels-last on the
+    device and stores 4-D weights (and so their gradients and state-dict tensors) channels-last,
+    so convolutions run NHWC kernels (faster on recent GPUs; memory_format.py). None: as given.
+    ``tuning``: the engine's measured thresholds (tuning.py); None: the defaults.
+    ``max_host_memory``, ``max_gpu_memory``: budgets in bytes (or "96GiB"); None: physical memory
+    less a reserve, and the GPU's free memory. A model whose state does not fit raises
+    ``DoesNotFit`` before anything is allocated (fit.py); ``.placement`` says where the state lives."""
+
     def __init__(
         self,
         model: nn.Sequential,
@@ -54,24 +78,9 @@ class RoundPipe(nn.Module):
         pin_model: str = "alloc",
         memory_format: Optional[torch.memory_format] = None,
         tuning: Optional[Tuning] = None,
+        max_host_memory: Size = None,
+        max_gpu_memory: Size = None,
     ):
-        """``devices``: None (every GPU, else the CPU) or a list like ``["cuda:0", "cuda:1"]``.
-        ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
-        resident on the GPU and the stage has at most ``tuning.max_graph_params`` parameters
-        (layers that cannot be captured fall back to eager, with a warning).
-        ``process_group``: a torch.distributed group to train data-parallel over: every rank
-        runs this engine on its own data and gradients are averaged before each step (NCCL for
-        GPU engines, gloo for CPU ones). BatchNorm statistics stay per rank, as in DDP with
-        ``broadcast_buffers=False``.
-        ``optimizer_threads``: OpenMP threads of the optimizer step. Default on GPU engines: one
-        fewer than torch's, so the thread issuing GPU work keeps a core; a statically scheduled
-        parallel loop that shares a core with it waits for its slowest thread.
-        ``name``, ``pin_model``: the original library's; ``name`` is kept as ``.name``, host copies
-        are always pinned with PyTorch's allocator on GPU engines (its "alloc").
-        ``memory_format``: ``torch.channels_last`` converts 4-D inputs to channels-last on the
-        device and stores 4-D weights (and so their gradients and state-dict tensors) channels-last,
-        so convolutions run NHWC kernels (faster on recent GPUs; memory_format.py). None: as given.
-        ``tuning``: the engine's measured thresholds (tuning.py); None: the defaults."""
         super().__init__()
         check_args(model, optim_dtype, model_run_config, cuda_graphs, pin_model, tuning, optimizer_threads)
         self.name = name
@@ -86,6 +95,8 @@ class RoundPipe(nn.Module):
         self._cuda = self._devices[0].is_cuda
         self._reducer = _reducer(process_group)
         resident = self._cuda and self._fits_resident(model)
+        self.placement = check_fit(self._layers, optim_dtype, self._devices, resident, max_host_memory, max_gpu_memory,
+                                   self._tuning.pin_frozen_share)
         pins = self._devices[0].pins_memory
         memory_format = check_memory_format(memory_format)
         self._host = HostState(self._layers, optim_dtype, pin_memory=pins, pin_master=resident and pins,

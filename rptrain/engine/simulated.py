@@ -141,6 +141,9 @@ class SimulatedDevice(Device):
     def memory_cap(self) -> Optional[int]:
         return self.memory
 
+    def free_memory(self) -> int:
+        return self.memory
+
 
 class _EagerGraphs(StageGraphs):
     """StageGraphs' decisions (which input shapes get graphs, the recording limit) with the capture

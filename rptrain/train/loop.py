@@ -89,6 +89,7 @@ class Trainer:
             engine = RoundPipe(model, torch_dtype(cfg.precision.optim_dtype), build_run_config(cfg.run_config, len(model)),
                                devices=d.devices, process_group=d.group, cuda_graphs=cfg.engine.cuda_graphs,
                                optimizer_threads=cfg.engine.optimizer_threads,
+                               max_host_memory=cfg.engine.max_host_memory, max_gpu_memory=cfg.engine.max_gpu_memory,
                                memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices))
         engine_ref = weakref.ref(engine)
         log.info("engine host memory: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in engine.memory_report().items()))
