@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -112,6 +112,20 @@ class HostState:
             "frozen": size(self.frozen.values()),
             "buffers": size(self.buffers.values()),
         }
+
+    def report(self, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, int]:
+        """``nbytes()``, the host bytes of ``optimizer``'s state tensors (when given) and the ``total``."""
+        report = self.nbytes()
+        if optimizer is not None:
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for state in optimizer.state.values() for t in state.values() if isinstance(t, Tensor) and t.device.type == "cpu"}
+            report["optimizer"] = sum(storages.values())
+        report["total"] = sum(report.values())
+        return report
+
+    def master_of(self) -> dict[int, nn.Parameter]:
+        """id(user parameter) -> its master parameter."""
+        return {id(p): m for p, m in zip(self.user_params, self.master_params)}
 
     @staticmethod
     def _unique_tensors(layers: Sequence[nn.Module], kind: str) -> list[Tensor]:

@@ -15,7 +15,7 @@ from collections import namedtuple
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from .batching import merge_outputs, split_inputs, split_label
 from .checks import check_args, check_inputs, check_state_dict
@@ -145,7 +145,7 @@ class RoundPipe(nn.Module):
         if not in_optimizer_ctx():
             yield from originals
             return
-        master = {id(p): m for p, m in zip(self._host.user_params, self._host.master_params)}
+        master = self._host.master_of()
         for name, p in originals:
             yield name, master.get(id(p), p)
 
@@ -171,13 +171,7 @@ class RoundPipe(nn.Module):
         """Host bytes this engine allocated, per kind: ``master``, ``grads``, ``compute`` (copies),
         ``frozen`` (requires_grad=False weights, stored once), ``buffers``, and ``optimizer`` (the
         state tensors of ``optimizer``, when given: it allocates them, not the engine), plus ``total``."""
-        report = self._host.nbytes()
-        if optimizer is not None:
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                        for state in optimizer.state.values() for t in state.values() if isinstance(t, Tensor) and t.device.type == "cpu"}
-            report["optimizer"] = sum(storages.values())
-        report["total"] = sum(report.values())
-        return report
+        return self._host.report(optimizer)
 
     @property
     def plan(self) -> Optional[ExecutePlan]:
@@ -312,14 +306,14 @@ class RoundPipe(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
         """Master weights (``optim_dtype``) and buffers under the wrapped Sequential's names."""
         self._versions.drain()
-        master = {id(p): m for p, m in zip(self._host.user_params, self._host.master_params)}
+        master = self._host.master_of()
         return {k: master.get(id(t), t).detach() for k, t in self.model.state_dict(keep_vars=True).items()}
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False) -> IncompatibleKeys:
         self._versions.drain()
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict needs a dict, got {type(state_dict).__name__}")
-        master = {id(p): m for p, m in zip(self._host.user_params, self._host.master_params)}
+        master = self._host.master_of()
         targets = {k: master.get(id(t), t) for k, t in self.model.state_dict(keep_vars=True).items()}
         missing, unexpected = check_state_dict(state_dict, targets, strict)
         with torch.no_grad():
