@@ -5,11 +5,13 @@ next), one after another (on the CPU, CI's size, the resnet.py runs share one pr
 - cli: ``rptrain model=resnet34 data=synthetic data.num_train=25600 trainer.epochs=2``: the
   steady-state epoch throughput is the second epoch's samples/s over its wall time, evaluation
   included (metrics.jsonl's epoch record); its step time is the median of that epoch's log windows.
-- engine: ``resnet.py --impl rptrain`` (the tutorial's semantics), inputs channels-last as the
-  CLI runs them on CUDA, and in the standard layout.
+- engine: ``resnet.py --impl rptrain`` (the tutorial's semantics), memory_format=channels_last as
+  the CLI runs it on CUDA (inputs converted, weights stored channels-last), and the standard layout.
 - plain PyTorch, AMP fp16 + fused Adam on the GPU: standard layout, channels-last (weights and
   inputs), channels-last inputs only (what the engine does), and torch.compile of the
   channels-last model (skipped with --no-compile).
+The resnet.py runs read their loss every --log-interval steps, summed on the device, as the CLI
+does (the tutorial's loop reads it every step, a host sync per step; resnet.py's default).
 Prints one JSON line per run, then the ratios: the CLI's epoch throughput over the best plain
 setting's (goal: >= 1.2), and the engine's step over the CLI's (goal: >= 1, the engine at least
 as fast as the CLI's step).
@@ -47,21 +49,21 @@ def child(argv: list[str], timeout: float, env: dict) -> tuple[list[dict], str]:
     return records, error
 
 
-def run_cli(args, env: dict) -> dict:
-    """The CLI's main job in its own process; its second epoch from metrics.jsonl."""
+def run_cli(args, env: dict, variant: list[str] = ()) -> dict:
+    """The CLI's main job (plus the overrides of ``variant``) in its own process; its second epoch from metrics.jsonl."""
     with tempfile.TemporaryDirectory() as tmp:
         argv = [sys.executable, "-m", "rptrain.cli.main", f"--config-path={ROOT / 'conf'}", "model=resnet34", "data=synthetic",
                 f"data.num_train={args.num_train}", f"data.num_test={args.num_test}", "trainer.epochs=2", "trainer.progress=false",
-                f"trainer.log_interval={args.log_interval}", f"hydra.run.dir={tmp}", *(TINY_MODEL if args.tiny else []), *args.cli]
+                f"trainer.log_interval={args.log_interval}", f"hydra.run.dir={tmp}", *(TINY_MODEL if args.tiny else []), *args.cli, *variant]
         _, error = child(argv, args.timeout, env)
         path = Path(tmp) / "metrics.jsonl"
         records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     epochs = [r for r in records if r["kind"] == "epoch"]
     if len(epochs) < 2:
-        return dict(bench="cli_resnet", impl="cli", error=error or "no second epoch in metrics.jsonl")
+        return dict(bench="cli_resnet", impl="cli", variant=" ".join(variant), error=error or "no second epoch in metrics.jsonl")
     last = epochs[-1]
     windows = [r for r in records if r["kind"] == "train" and r["epoch"] == last["epoch"]]
-    return dict(bench="cli_resnet", impl="cli", args=" ".join(argv[4:]), epoch=last["epoch"],
+    return dict(bench="cli_resnet", impl="cli", variant=" ".join(variant), args=" ".join(argv[4:]), epoch=last["epoch"],
                 epoch_samples_per_s=round(last["epoch_samples_per_s"], 1), epoch_wall_s=round(last["epoch_wall_time"], 3),
                 train_samples_per_s=round(last["samples_per_s"], 1),
                 step_ms=round(1e3 * statistics.median(r["step_time"] for r in windows), 3),
@@ -71,7 +73,7 @@ def run_cli(args, env: dict) -> dict:
 def run_resnet(args, env: dict, impl: str, formats: list[str], compiled: list[str] = (), warmup: int = 0) -> list[dict]:
     """bench/resnet.py's runs of ``impl`` in these layouts (and compiled in ``compiled``), in one process."""
     argv = [sys.executable, str(BENCH / "resnet.py"), "--device", args.device, "--impl", impl, "--steps", str(args.steps),
-            "--warmup", str(args.warmup + warmup), "--memory-format", *formats, "--compile-formats", *compiled,
+            "--warmup", str(args.warmup + warmup), "--read-interval", str(args.log_interval), "--memory-format", *formats, "--compile-formats", *compiled,
             *(["--tiny"] if args.tiny else [])]
     records, error = child(argv, args.timeout, env)
     found = [dict(bench="cli_resnet", impl=impl, memory_format=r["memory_format"], compiled=r.get("compiled", False),
@@ -101,6 +103,8 @@ def main() -> None:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="each resnet.py configuration in its own process (default: on CUDA)")
     p.add_argument("--cli", nargs="*", default=[], help="extra CLI overrides, e.g. engine.channels_last=false")
+    p.add_argument("--cli-variant", action="append", default=[],
+                   help="one more CLI run with these space-separated overrides (repeatable), e.g. 'run_config.num_microbatch=1'")
     args = p.parse_args()
     if args.tiny:
         args.num_train, args.num_test, args.log_interval, args.steps, args.warmup = 64, 32, 2, 2, 1
@@ -109,7 +113,10 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     cli = run_cli(args, env)
     emit(**cli)
-    engines = run_all(args, env, "rptrain", ["inputs", "contiguous"])
+    variants = [run_cli(args, env, v.split()) for v in args.cli_variant]
+    for v in variants:
+        emit(**v)
+    engines = run_all(args, env, "rptrain", ["channels_last", "contiguous"])
     # torch.compile traces and compiles during its first steps: 5 more warm-up steps for it.
     plains = run_all(args, env, "plain", ["contiguous", "channels_last", "inputs"], ["channels_last"] if args.compile else [], warmup=5)
     for r in engines + plains:
@@ -118,10 +125,12 @@ def main() -> None:
     if "error" in cli or not plains:
         return
     best = max(plains, key=lambda r: r["images_per_s"])
-    emit(bench="cli_resnet", what="cli_over_best_plain", ratio=round(cli["epoch_samples_per_s"] / best["images_per_s"], 3),
-         best_plain=f"{best['memory_format']}{' compiled' if best['compiled'] else ''}", goal=1.2)
-    # The CLI runs the engine with channels-last inputs on CUDA (engine.channels_last auto), in the standard layout on the CPU.
-    same = "inputs" if args.device == "cuda" else "contiguous"
+    for run in [cli] + [v for v in variants if "error" not in v]:
+        emit(bench="cli_resnet", what="cli_over_best_plain", variant=run["variant"], goal=1.2,
+             ratio=round(run["epoch_samples_per_s"] / best["images_per_s"], 3),
+             best_plain=f"{best['memory_format']}{' compiled' if best['compiled'] else ''}")
+    # The CLI runs the engine channels-last on CUDA (engine.channels_last auto), in the standard layout on the CPU.
+    same = "channels_last" if args.device == "cuda" else "contiguous"
     engine = next((r for r in engines if "error" not in r and r["memory_format"] == same), None)
     if engine is not None:
         emit(bench="cli_resnet", what="engine_over_cli_step", ratio=round(cli["step_ms"] / engine["step_ms"], 3),

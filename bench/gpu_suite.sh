@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -94,8 +94,34 @@ if [[ $what == final ]]; then  # issue 4 goal 3 at 3B x 4096 x 4, every implemen
 fi
 if [[ $what == cli ]]; then  # issue 22: the CLI's main job against plain PyTorch and the engine (about 5 minutes)
   run 80 python3 -m pytest -q -p no:cacheprovider tests/test_engine_memory_format.py tests/test_train_speed.py
-  run 440 python3 bench/cli_resnet.py
+  run 400 python3 bench/cli_resnet.py --no-compile --cli-variant run_config.num_microbatch=1  # compiled plain was slower than eager channels-last (17.40 vs 15.53 ms, 2026-12-03)
   grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
+fi
+if [[ $what == lora ]]; then  # issue 18 (about 8 minutes): the graphs-and-frozen-weights diagnosis, LoRA 8B against PEFT and the original, the largest model
+  run 60 python3 bench/graph_frozen.py
+  lora=(python3 bench/lora.py --seq 4096 --batch 4 --warmup 2 --steps 3)
+  run 330 "${lora[@]}" --model llama_8b --impl rptrain peft roundpipe --timeout 105
+  run 190 "${lora[@]}" --model qwen3_32b --impl rptrain --steps 2 --timeout 180
+  if ! grep -q '"model": "qwen3_32b", "impl": "rptrain".*tokens_per_s' "$out/suite.log"; then  # the fallback size
+    run 130 "${lora[@]}" --model qwen3_14b --impl rptrain --steps 2 --timeout 120
+  fi
+  run 230 "${lora[@]}" --model qwen3_8b --impl rptrain peft --timeout 110
+  run 70 "${lora[@]}" --model llama_8b --impl peft --no-checkpoint --timeout 60
+  grep '^{"bench": "lora"' "$out/suite.log" > "$out/lora.jsonl"
+fi
+if [[ $what == attention ]]; then  # issue 17: packed attention, SDPA's dense mask vs FlexAttention vs varlen (about 3 minutes)
+  run 150 python3 bench/attention.py --model llama_8b
+  run 110 python3 bench/attention.py --model llama_3b
+  grep '^{"bench": "attention' "$out/suite.log" | tee "$out/attention.jsonl" | grep -c . | sed 's/$/ records in attention.jsonl/'
+fi
+if [[ $what == engine-ab ]]; then  # issue 20: the engine before the refactor (OLD: a folder holding its rptrain/) against this one
+  # Same bench scripts, each run in its own process, alternated; the ratio is new/old per pair (speed unchanged: within 3%).
+  for i in 1 2; do
+    for side in "$OLD" "$PWD"; do run 60 env PYTHONPATH="$side:/tmp/site" python3 bench/resnet.py --impl rptrain --steps 40 --warmup 10; done
+  done
+  for side in "$OLD" "$PWD"; do
+    run 140 env PYTHONPATH="$side:/tmp/site" python3 bench/llm.py --model llama_3b --impl rptrain --seq 4096 --batch 4 --steps 6 --warmup 2 --trace-steps 0
+  done
 fi
 if [[ $what == llm || $what == all ]]; then
   {

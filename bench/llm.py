@@ -6,6 +6,8 @@ plain:   fp32 weights on the GPU, bf16 autocast, activation checkpointing per bl
 fsdp2:   fully_shard per block (+ root) with CPUOffloadPolicy and bf16 MixedPrecisionPolicy,
          activation checkpointing per block (or none), AdamW on the CPU (one process, world size 1).
 roundpipe: the original RoundPipe library (optional, --impl roundpipe) with the same model and loss.
+deepspeed: DeepSpeed ZeRO-2 with the optimizer on the CPU and ZeRO-3 with a share of it on the GPU
+         (--impl deepspeed runs both, each in its own process; deepspeed_zero.py).
 All train the same nn.Sequential (rptrain.models) on the same synthetic tokens.
 
 Reported: tokens/s, model FLOPs utilisation (6N + attention, per token) and hardware FLOPs
@@ -14,6 +16,7 @@ utilisation (recomputed forwards counted) against the measured bf16 matmul peak 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -27,10 +30,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import deepspeed_zero
 from common import emit, parser
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
-from rptrain.engine import trace
-from rptrain.models import QWEN3_PRESETS, build_model, count_tokens, flops_per_token, llama_config, qwen3_config
+from rptrain.engine import DoesNotFit, trace
+from rptrain.models import QWEN3_PRESETS, LlamaConfig, build_model, count_tokens, flops_per_token, llama_config, qwen3_config
+from rptrain.models.llama import decoder_config
 from rptrain.optim import AdamW
 
 
@@ -92,6 +97,7 @@ def run_rptrain(args, cfg, name):
     model = host_model(args, name, torch.bfloat16)
     note(f"{name} built")
     engine = RoundPipe(model, cuda_graphs=args.cuda_graphs)
+    note(str(engine.placement))
     with OptimizerCtx():
         opt = AdamW(engine.parameters(), lr=1e-4)
     note("engine and optimizer ready")
@@ -254,6 +260,36 @@ def run_fsdp2(args, cfg, name):
     return timing, float(args.checkpoint), extra
 
 
+def run_deepspeed(args, cfg, name, setting: str):
+    """DeepSpeed's ZeRO-Offload (deepspeed_zero2) or ZeRO-3 partial offload (deepspeed_zero3) on the
+    same Sequential, tokens and loss, bf16 weights built on the device."""
+    free = torch.cuda.mem_get_info()[0] if args.device == "cuda" else 0
+    model = build_model(name, device=args.device, dtype=torch.bfloat16, **args.overrides)
+    checkpoint_blocks(model, args.checkpoint)
+    params = sum(p.numel() for p in model.parameters())
+    ratio, extra = None, {}
+    if setting == "deepspeed_zero3":
+        d = decoder_config(cfg) if isinstance(cfg, LlamaConfig) else cfg
+        activations = deepspeed_zero.activation_bytes(d.hidden_size, d.intermediate_size, d.n_layers, d.vocab_size,
+                                                      args.batch * args.seq, d.loss_chunk_tokens, args.checkpoint)
+        chosen = deepspeed_zero.choose_ratio(params, free, activations) if free else 0.5
+        ratio = chosen if args.ds_ratio is None else args.ds_ratio
+        extra = dict(ds_offload_ratio=ratio, ds_ratio_chosen=chosen, gpu_free_gib=round(free / 2**30, 2),
+                     activation_estimate_gib=round(activations / 2**30, 2))
+    note(f"{name} built ({params:,} parameters); DeepSpeed {setting}, offload ratio {ratio}")
+    ds_config = deepspeed_zero.config(setting, args.batch, ratio)
+    x, y = tokens(args, cfg.vocab_size, args.device)
+    step, engine = deepspeed_zero.engine_step(model, ds_config, (x, y), args.device, count_tokens(y))
+    timing = timed(step, args)
+    if args.device == "cuda":
+        extra.update(gpu_busy(step, args.busy_steps))
+    extra.update(ds_stage=deepspeed_zero.SETTINGS[setting], checkpoint=args.checkpoint)
+    engine.destroy()
+    del engine, step, model
+    torch.cuda.empty_cache()
+    return timing, float(args.checkpoint), extra
+
+
 def release_host_memory() -> None:
     """Give the last run's pinned host memory back to the OS: torch caches freed pinned blocks, and
     at 3B the engine's (tens of GB) would otherwise starve the next implementation in this process."""
@@ -292,11 +328,15 @@ def timed(step, args, finish=lambda: None) -> Timing:
     return Timing((time.perf_counter() - stamps[0]) / args.steps, steady, float(loss))
 
 
-def main() -> None:
+IMPLS = ["rptrain", "plain", "fsdp2", "roundpipe", "deepspeed", *deepspeed_zero.SETTINGS]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--model", nargs="+", default=["llama_1b", "llama_3b"], help="llama_* and qwen3_* presets, e.g. qwen3_8b")
-    p.add_argument("--impl", nargs="+", default=["rptrain", "plain", "fsdp2"], choices=["rptrain", "plain", "fsdp2", "roundpipe"],
-                   help="roundpipe: the original library (its wheel must be installed)")
+    p.add_argument("--impl", nargs="+", default=["rptrain", "plain", "fsdp2"], choices=IMPLS,
+                   help="roundpipe: the original library (its wheel must be installed); deepspeed: both DeepSpeed settings "
+                        "(deepspeed_zero2: ZeRO-Offload, deepspeed_zero3: ZeRO-3 partial offload; DeepSpeed must be installed)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=None)
@@ -308,18 +348,29 @@ def main() -> None:
     p.add_argument("--busy-steps", type=int, default=0, help="extra steps under a CUDA profiler: the share of time a kernel runs")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help="the engine's cuda_graphs option")
     p.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
-                   help="activation checkpointing per block for plain and fsdp2")
+                   help="activation checkpointing per block for plain, fsdp2 and deepspeed")
+    p.add_argument("--ds-ratio", type=float, default=None,
+                   help="deepspeed_zero3: the share of the optimizer state offloaded to the CPU (default: chosen from free GPU memory)")
     p.add_argument("--peak", type=float, default=780.0, help="bf16 matmul TFLOP/s (bench/limits.py)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="each implementation in its own process (default: on when several run on a GPU)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.ds_ratio is not None and not 0.0 <= args.ds_ratio <= 1.0:
+        p.error(f"--ds-ratio {args.ds_ratio}: give a share between 0 and 1")
+    args.impl = list(dict.fromkeys(s for i in args.impl for s in (deepspeed_zero.SETTINGS if i == "deepspeed" else [i])))
     args.overrides = {}
     if args.tiny or args.device == "cpu":
         args.model = list(dict.fromkeys(name if name in QWEN3_PRESETS else "llama_tiny" for name in args.model))
-        args.impl = ["rptrain"]
+        # plain, fsdp2 and roundpipe need CUDA; DeepSpeed runs on its CPU accelerator
+        args.impl = [i for i in args.impl if i == "rptrain" or i in deepspeed_zero.SETTINGS] or ["rptrain"]
         args.seq, args.batch, args.steps, args.warmup = 32, 2, 2, 1
     if args.isolate is None:
         args.isolate = args.device == "cuda" and len(args.impl) > 1
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     for name in args.model:
         records = {}
@@ -328,7 +379,7 @@ def main() -> None:
             emit(**record)
             if "tokens_per_s" in record:
                 records[impl] = record
-        for other in ("plain", "fsdp2", "roundpipe"):
+        for other in ("plain", "fsdp2", "roundpipe", *deepspeed_zero.SETTINGS):
             if "rptrain" in records and other in records:
                 mine, theirs = records["rptrain"], records[other]
                 ratios = dict(ratio=round(mine["tokens_per_s"] / theirs["tokens_per_s"], 3))
@@ -339,7 +390,8 @@ def main() -> None:
 
 def measure(args, name: str, impl: str) -> dict:
     """One implementation's JSON record (or its out-of-memory error) in this process."""
-    runners = {"rptrain": run_rptrain, "plain": run_plain, "fsdp2": run_fsdp2, "roundpipe": run_roundpipe}
+    runners = {"rptrain": run_rptrain, "plain": run_plain, "fsdp2": run_fsdp2, "roundpipe": run_roundpipe,
+               **{s: functools.partial(run_deepspeed, setting=s) for s in deepspeed_zero.SETTINGS}}
     # Rotary tables are built up to max_seq_len: longer benchmark sequences raise it.
     shrink = TINY_QWEN3 if (args.tiny or args.device == "cpu") and name in QWEN3_PRESETS else {}
     args.overrides = {**shrink, **({"max_seq_len": args.seq} if args.seq > model_config(name).max_seq_len else {})}
@@ -354,6 +406,12 @@ def measure(args, name: str, impl: str) -> dict:
         torch.cuda.empty_cache()
         release_host_memory()
         return dict(bench="llm", model=name, impl=impl, seq=args.seq, error=f"out of memory: {str(e).splitlines()[0]}")
+    except DoesNotFit as e:  # the engine's check before allocating: a result, as out of memory is
+        p = e.placement
+        return dict(bench="llm", model=name, impl=impl, seq=args.seq, error=f"does not fit: {e}",
+                    host_needed_gib=round(p.total("host") / 2**30, 2), host_budget_gib=round(p.host_budget / 2**30, 2))
+    except ModuleNotFoundError as e:  # deepspeed, roundpipe: benchmark requirements (bench/README.md)
+        return dict(bench="llm", model=name, impl=impl, seq=args.seq, error=f"{e.name} is not installed: pip install {e.name}")
     if args.device == "cuda":  # how far the sequence could still grow on this GPU
         extra["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     release_host_memory()

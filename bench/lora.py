@@ -1,30 +1,52 @@
-"""LoRA fine-tuning throughput and memory: rptrain vs plain PyTorch + PEFT.
+"""LoRA fine-tuning throughput and memory: rptrain vs transformers + PEFT vs the original RoundPipe.
 
-rptrain: the preset's Sequential in bf16 with LoRA adapters (rptrain.models.lora) on q/k/v/o/gate/up/down;
-         the frozen base is stored once on the host in bf16, the adapters get an fp32 master + AdamW on
-         the CPU (async step), the planner's stages.
-peft:    transformers' LlamaForCausalLM of the same shape, bf16 on the GPU, peft.get_peft_model with the
-         same rank/alpha/targets, fused AdamW on the GPU over the adapters, gradient checkpointing per
-         layer (--no-checkpoint: none).
-Both train on the same synthetic tokens. Reported per run: tokens/s, the engine's host bytes per kind
-(RoundPipe.memory_report), the process's resident host memory and the GPU's peak allocation.
-`--override dim=5120 n_layers=64 ...` changes the preset's shape (e.g. the largest that fits). The host
-peak is the process's: run one --impl per invocation for each one's own. Not yet run on a GPU.
+rptrain:   the preset's Sequential in bf16 with LoRA adapters (rptrain.models.lora) on q/k/v/o/gate/up/down;
+           the frozen base is stored once on the host in bf16, the adapters get an fp32 master + AdamW on
+           the CPU (async step), the planner's stages.
+peft:      transformers' LlamaForCausalLM / Qwen3ForCausalLM of the same shape, bf16 on the GPU,
+           peft.get_peft_model with the same rank/alpha/targets, fused AdamW on the GPU over the adapters,
+           gradient checkpointing per layer (--no-checkpoint: none; an out-of-memory error is a result).
+roundpipe: the original library (roundpipe 0.1.1) wrapping the same Sequential with the same adapters:
+           it makes optimizer copies only of parameters that require grad (optim_named_parameters).
+All train on the same synthetic tokens; each implementation runs in its own process (--isolate, the
+default on a GPU), so the host peak (ru_maxrss) is its own. Reported per run: tokens/s, the engine's
+host bytes per kind (RoundPipe.memory_report), the process's peak resident memory, the GPU's peak.
+
+Large shapes (qwen3_14b, qwen3_32b: Qwen's published config.json shapes, random weights) are built
+without a second host copy (`lean_model`): the frozen weights are uncommitted CPU pages while the engine
+copies them into its own storage, then filled with random values through the model's parameters.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import resource
+import subprocess
+import sys
+import traceback
 
 import torch
+from torch import nn
 
 from common import emit, parser
-from llm import host_model, note, pipeline_step, release_host_memory, timed, tokens
+from llm import TINY_QWEN3, host_model, model_config, note, pipeline_step, release_host_memory, timed, tokens
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
-from rptrain.models import llama_config, parameter_count
+from rptrain.models import QWEN3_PRESETS, build_model, parameter_count
 from rptrain.models.hf_presets import llama_hf_config
 from rptrain.models.lora import DEFAULT_TARGETS, apply_lora, target_modules
 from rptrain.optim import AdamW
+
+# Qwen3-14B / Qwen3-32B config.json shapes, as overrides of the qwen3_8b preset (same vocabulary, head_dim 128).
+BIG = {
+    "qwen3_14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8),
+    "qwen3_32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8),
+}
+
+
+def preset(name: str) -> tuple[str, dict]:
+    """(registered preset, config overrides) of a benchmark model name."""
+    return ("qwen3_8b", dict(BIG[name])) if name in BIG else (name, {})
 
 
 def memory(args) -> dict:
@@ -34,26 +56,64 @@ def memory(args) -> dict:
     return out
 
 
+def lean_model(args, name: str) -> nn.Module:
+    """The LoRA model with its frozen weights as uncommitted CPU pages (torch.empty: reading them maps the
+    zero page), so that the engine's own copy is the only one in host memory. Built on the run's device
+    (fast random init), the adapters and buffers moved to the host. Fill the frozen weights with
+    `fill_frozen` once the engine holds them."""
+    with torch.no_grad():
+        model = apply_lora(build_model(args.preset, device=args.device, dtype=torch.bfloat16, **args.overrides), args.rank, args.alpha)
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                p.data = p.data.cpu() if p.requires_grad else torch.empty(p.shape, dtype=p.dtype)
+            for b in module.buffers(recurse=False):
+                b.data = b.data.cpu()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return model
+
+
+def fill_frozen(model: nn.Module, std: float, device: str) -> None:
+    """Random frozen weights written in place through the parameters (which now view the engine's storage):
+    norm weights 1, matrices N(0, std), generated on ``device`` one tensor at a time."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.copy_(torch.ones(p.shape, dtype=p.dtype, device=device) if p.dim() == 1
+                        else torch.empty(p.shape, dtype=p.dtype, device=device).normal_(0, std))
+
+
 def run_rptrain(args, name: str) -> dict:
-    model = apply_lora(host_model(args, name, torch.bfloat16), args.rank, args.alpha)
-    note(f"{name} built with adapters")
+    model = lean_model(args, name)
+    note(f"{name} built with adapters (frozen pages uncommitted)")
     engine = RoundPipe(model, cuda_graphs=args.cuda_graphs)
+    fill_frozen(model, args.cfg.init_std, args.device)
+    note("engine built, frozen weights filled")
     with OptimizerCtx():
         opt = AdamW([p for p in engine.parameters() if p.requires_grad], lr=1e-4)
     step = pipeline_step(engine, opt, tokens(args, args.cfg.vocab_size, args.device), RoundPipeRunConfig(num_microbatch=args.microbatches))
     timing = timed(step, args, finish=engine.wait_for_steps)
     report = {f"host_{k}_gib": round(v / 2**30, 3) for k, v in engine.memory_report(opt).items()}
-    engine.close()
-    return dict(timing=timing, **report)
+    plan = engine.plan
+    stages = dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
+    # Closed after the record is printed: giving tens of GB of pinned memory back takes a while.
+    return dict(timing=timing, cleanup=engine.close, **report, **stages)
+
+
+def hf_model(args, name: str):
+    import transformers
+
+    if name in QWEN3_PRESETS or name in BIG:
+        raw = {**QWEN3_PRESETS[args.preset], **args.overrides}
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**raw))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_hf_config(args.cfg)))
 
 
 def run_peft(args, name: str) -> dict:
     import peft
-    import transformers
 
-    config = transformers.LlamaConfig(**llama_hf_config(args.cfg))
     with torch.device(args.device):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        model = hf_model(args, name).to(torch.bfloat16)
     model = peft.get_peft_model(model, peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=sorted(target_modules(DEFAULT_TARGETS))))
     if args.checkpoint:
         model.config.use_cache = False
@@ -72,48 +132,111 @@ def run_peft(args, name: str) -> dict:
 
     timing = timed(step, args)
     del model, opt
-    return dict(timing=timing)
+    return dict(timing=timing, checkpoint=args.checkpoint)
+
+
+def run_roundpipe(args, name: str) -> dict:
+    """The original library on the same LoRA Sequential; AdamW as its Adam with decoupled weight decay."""
+    import roundpipe
+
+    model = apply_lora(host_model(args, args.preset, torch.bfloat16), args.rank, args.alpha)
+    note(f"{name} built with adapters")
+    engine = roundpipe.RoundPipe(model, optim_dtype=torch.float32)
+    with roundpipe.OptimizerCtx():
+        trainable = list(engine.parameters())
+        opt = roundpipe.optim.Adam(trainable, lr=1e-4, weight_decay=0.0, decoupled_weight_decay=True)
+    run_cfg = roundpipe.RoundPipeRunConfig(**({"num_microbatch": args.microbatches} if args.microbatches else {}))
+    step = pipeline_step(engine, opt, tokens(args, args.cfg.vocab_size, args.device), run_cfg)
+    timing = timed(step, args, finish=engine.synchronize)
+    del engine, opt
+    return dict(timing=timing, optimizer_params=sum(p.numel() for p in trainable))
+
+
+RUNNERS = {"rptrain": run_rptrain, "peft": run_peft, "roundpipe": run_roundpipe}
+
+
+def measure(args, name: str, impl: str) -> dict:
+    """Print one implementation's JSON record, or the error (out of memory, or why it cannot run) as a
+    record, and return it."""
+    args.preset, args.overrides = preset(name)
+    if args.tiny or args.device == "cpu":
+        args.preset, args.overrides = (args.preset, dict(TINY_QWEN3)) if args.preset in QWEN3_PRESETS else ("llama_tiny", {"vocab_size": 512})
+    args.cfg = model_config(args.preset, **args.overrides)
+    head = dict(bench="lora", model=name, impl=impl, params=parameter_count(args.cfg), rank=args.rank, batch=args.batch, seq=args.seq)
+    if impl == "peft":
+        head["checkpoint"] = args.checkpoint
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        result = RUNNERS[impl](args, name)
+    except torch.OutOfMemoryError as err:
+        record = dict(head, error=f"out of memory: {str(err).splitlines()[0][:200]}", **memory(args))
+    except Exception as err:  # on the GPU (e.g. pinning 64 GB refused) or the original library anywhere: the reason is the result
+        if impl != "roundpipe" and args.device != "cuda":
+            raise
+        traceback.print_exc()
+        record = dict(head, error=f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}", **memory(args))
+    else:
+        timing, cleanup = result.pop("timing"), result.pop("cleanup", lambda: None)
+        record = dict(head, tokens_per_s=round(args.batch * args.seq / timing.step_s, 1), step_s=round(timing.step_s, 4),
+                      steady_step_s=round(timing.steady_step_s, 4) if timing.steady_step_s else None, loss=round(timing.loss, 4),
+                      **result, **memory(args))
+    emit(**record)
+    if "tokens_per_s" in record:
+        cleanup()
+        release_host_memory()
+    return record
+
+
+def measure_in_child(name: str, impl: str, timeout: float) -> dict:
+    """measure() in a fresh process with a time limit; a child that dies (host out of memory: SIGKILL) or
+    runs out of time still yields a record."""
+    argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--model", name, "--impl", impl, "--no-isolate"]
+    try:
+        child = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=timeout)
+        stdout, why = child.stdout, "killed by SIGKILL (host out of memory?)" if child.returncode == -9 else f"exited with {child.returncode}"
+    except subprocess.TimeoutExpired as err:  # a record printed before the limit (e.g. during teardown) still counts
+        stdout, why = err.stdout or "", f"ran past its {timeout:.0f} s"
+        stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    record = next((r for r in lines if r.get("impl") == impl), None)
+    return record or dict(bench="lora", model=name, impl=impl, error=f"the child process {why} and printed no result")
 
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--model", nargs="+", default=["llama_8b"])
-    p.add_argument("--impl", nargs="+", default=["rptrain", "peft"], choices=["rptrain", "peft"])
-    p.add_argument("--override", nargs="*", default=[], help="preset fields, e.g. dim=5120 n_layers=64 ffn_hidden=25600")
+    p.add_argument("--model", nargs="+", default=["llama_8b"], help=f"llama_* and qwen3_* presets, or {', '.join(BIG)}")
+    p.add_argument("--impl", nargs="+", default=["rptrain", "peft"], choices=list(RUNNERS))
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=None)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True, help="gradient checkpointing for peft")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None, help="each run in its own process (default: on a GPU)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per isolated run")
     args = p.parse_args()
-    args.overrides = {k: int(v) if v.isdigit() else float(v) for k, v in (o.split("=", 1) for o in args.override)}
     if args.tiny or args.device == "cpu":
-        args.model, args.overrides = ["llama_tiny"], {"vocab_size": 512}
         args.seq, args.batch, args.steps, args.warmup, args.rank = 32, 2, 2, 1, 4
+    if args.isolate is None:
+        args.isolate = args.device == "cuda"
     torch.backends.cuda.matmul.allow_tf32 = True
     for name in args.model:
-        args.cfg = llama_config(name, **args.overrides)
         speeds = {}
         for impl in args.impl:
-            if args.device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            try:
-                result = (run_rptrain if impl == "rptrain" else run_peft)(args, name)
-            except torch.OutOfMemoryError as err:
-                emit(bench="lora", model=name, impl=impl, error=f"out of memory: {str(err)[:200]}")
-                continue
-            timing = result.pop("timing")
-            speeds[impl] = args.batch * args.seq / timing.step_s
-            emit(bench="lora", model=name, impl=impl, params=parameter_count(args.cfg), rank=args.rank,
-                 batch=args.batch, seq=args.seq, tokens_per_s=round(speeds[impl], 1), step_s=round(timing.step_s, 4),
-                 loss=round(timing.loss, 4), **result, **memory(args))
-            release_host_memory()
-        if len(speeds) == 2:
-            emit(bench="lora", model=name, what="rptrain_over_peft", ratio=round(speeds["rptrain"] / speeds["peft"], 3))
+            if args.isolate:
+                record = measure_in_child(name, impl, args.timeout)
+                emit(**record)
+            else:
+                record = measure(args, name, impl)
+            if "tokens_per_s" in record:
+                speeds[impl] = record["tokens_per_s"]
+        for other in ("peft", "roundpipe"):
+            if "rptrain" in speeds and other in speeds:
+                emit(bench="lora", model=name, what=f"rptrain_over_{other}", ratio=round(speeds["rptrain"] / speeds[other], 3))
 
 
 if __name__ == "__main__":

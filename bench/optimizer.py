@@ -12,7 +12,8 @@ from torch import nn
 
 from common import emit, parser
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
-from rptrain.engine import refresh, trace
+from rptrain.engine import trace
+from rptrain.engine.tuning import Tuning
 from rptrain.optim import Adam
 
 
@@ -41,8 +42,8 @@ def plain_adam(model: nn.Sequential, compute_dtype: torch.dtype, repeats: int) -
     return statistics.median(adam), statistics.median(cast)
 
 
-def engine_step(model: nn.Sequential, dtype: torch.dtype, width: int, repeats: int, device: str) -> dict[str, float]:
-    engine = RoundPipe(model.to(dtype))
+def engine_step(model: nn.Sequential, dtype: torch.dtype, width: int, repeats: int, device: str, share: float) -> dict[str, float]:
+    engine = RoundPipe(model.to(dtype), tuning=Tuning(refresh_gpu_share=share))
     with OptimizerCtx():
         opt = Adam(engine.parameters())
     x = torch.randn(8, width, dtype=dtype)
@@ -98,7 +99,7 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--params", type=float, nargs="+", default=[21.3e6, 302e6])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--gpu-shares", type=float, nargs="+", default=[refresh.GPU_SHARE],
+    p.add_argument("--gpu-shares", type=float, nargs="+", default=[Tuning.refresh_gpu_share],
                    help="shares of the resident copy cast on the GPU (engine/refresh.py) to compare")
     args = p.parse_args()
     width = 1024 if args.tiny else 4096
@@ -115,8 +116,7 @@ def main() -> None:
         count = sum(p.numel() for p in model.parameters())
         adam, cast = plain_adam(model, dtype, args.repeats)
         for share in args.gpu_shares:
-            refresh.GPU_SHARE = share
-            spans = engine_step(copy.deepcopy(model), dtype, width, args.repeats, args.device)
+            spans = engine_step(copy.deepcopy(model), dtype, width, args.repeats, args.device, share)
             task = sum(spans.get(k, 0.0) for k in ("bind_grads", "step_fn", "write_compute_copy", "upload_resident", "stage_from_master"))
             emit(
                 bench="optimizer", params=count, gpu_share=share, torch_fused_adam_ms=round(adam * 1e3, 2),

@@ -31,6 +31,22 @@ def batches(count: int, batch: int, size: int, dtype: torch.dtype, pin: bool) ->
     return out
 
 
+class Reader:
+    """The loss (and accuracy) a training loop reads: every step as the tutorial does (a host sync per
+    step), or summed on the device and read every ``interval`` steps as the CLI does."""
+
+    def __init__(self, interval: int):
+        self.interval, self.loss, self.correct = interval, 0, 0
+
+    def __call__(self, i: int, loss, outputs=None, labels=None) -> None:
+        self.loss = self.loss + loss.detach()
+        if outputs is not None:
+            self.correct = self.correct + outputs.max(1)[1].eq(labels.to(outputs.device)).sum()
+        if (i + 1) % self.interval == 0:
+            float(self.loss), float(self.correct)
+            self.loss, self.correct = 0, 0
+
+
 def plain(args, model_kwargs, memory_format: str = "contiguous", compiled: bool = False):
     device = args.device
     model = build_model("resnet34", **model_kwargs).to(device)
@@ -43,6 +59,7 @@ def plain(args, model_kwargs, memory_format: str = "contiguous", compiled: bool 
     scaler = torch.amp.GradScaler(device, enabled=device == "cuda")
     criterion = nn.CrossEntropyLoss()
     data = batches(4, args.batch, args.size, torch.float32, device == "cuda")
+    read = Reader(args.read_interval)
 
     def step(i: int) -> None:
         x, y = data[i % len(data)]
@@ -53,7 +70,7 @@ def plain(args, model_kwargs, memory_format: str = "contiguous", compiled: bool 
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        loss.item()
+        read(i, loss)
 
     seconds = time_steps(step, args.steps, args.warmup, device)
     if args.profile and device == "cuda":
@@ -104,7 +121,7 @@ def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     ours = lib_name == "rptrain"
     extra = dict(cuda_graphs=not args.no_graphs, optimizer_threads=optimizer_threads) if ours else {}
-    if ours and memory_format != "contiguous":  # the engine converts the inputs only (engine/memory_format.py)
+    if ours and memory_format != "contiguous":  # inputs converted, weights stored channels-last (engine/memory_format.py)
         extra["memory_format"] = torch.channels_last
     model = lib.RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32, **extra)
     with lib.OptimizerCtx():
@@ -112,6 +129,7 @@ def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int
     scaler = lib.GradScaler(enabled=args.device == "cuda")
     criterion = nn.CrossEntropyLoss()
     data = batches(4, args.batch, args.size, dtype, args.device == "cuda")
+    read = Reader(args.read_interval)
     n = torch.cuda.device_count() + 1 if args.device == "cuda" else 1
     cfg = lib.RoundPipeRunConfig(num_microbatch=args.microbatches) if args.microbatches else lib.RoundPipeRunConfig()
 
@@ -129,8 +147,7 @@ def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int
         )
         model.step(optimizer_step)
         scaler.update()
-        loss.item()
-        outputs.max(1)
+        read(i, loss, outputs, y)
 
     # The original library has no wait without a refresh: its synchronize() waits for the step.
     finish = model.wait_for_steps if ours else model.synchronize
@@ -198,6 +215,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--size", type=int, default=32)
     p.add_argument("--microbatches", type=int, default=None)
+    p.add_argument("--read-interval", type=int, default=1,
+                   help="read the loss (and the engine's accuracy) every N steps; 1: every step, as the tutorial")
     p.add_argument("--impl", choices=["plain", "rptrain", "both", "roundpipe", "all"], default="both",
                    help="both: plain and rptrain; roundpipe: the original library; all: the three")
     p.add_argument("--trace", action="store_true")
@@ -210,7 +229,8 @@ def main() -> None:
     formats = ["contiguous", "channels_last", "inputs"]
     p.add_argument("--memory-format", choices=formats, nargs="*", default=["contiguous"],
                    help="one run of each implementation per value. channels_last: plain converts weights and inputs; "
-                        "inputs: plain converts the inputs only; the engine converts its inputs for either")
+                        "inputs: plain converts the inputs only; the engine runs memory_format=channels_last for either "
+                        "(inputs converted, weights stored channels-last)")
     p.add_argument("--compile-formats", choices=formats, nargs="*", default=[],
                    help="plain: also one torch.compile'd run in each of these layouts")
     p.add_argument("--optimizer-threads", type=int, nargs="+", default=[None],
@@ -231,13 +251,13 @@ def main() -> None:
             for fmt, compiled in [(f, False) for f in args.memory_format] + [(f, True) for f in args.compile_formats]:
                 seconds = plain(args, model_kwargs, fmt, compiled)
                 plain_rate = plain_rate or args.batch / seconds  # the round's first plain run is the engine's yardstick
-                emit(bench="resnet34", impl="plain", device=args.device, batch=args.batch, microbatches=1, memory_format=fmt,
+                emit(bench="resnet34", impl="plain", device=args.device, batch=args.batch, microbatches=1, read_interval=args.read_interval, memory_format=fmt,
                      compiled=compiled, step_ms=round(seconds * 1e3, 3), images_per_s=round(args.batch / seconds, 1))
         if args.impl in ("rptrain", "both", "all"):
             for threads, fmt in [(t, f) for f in args.memory_format for t in args.optimizer_threads]:
                 seconds = engine(args, model_kwargs, optimizer_threads=threads, memory_format=fmt)
                 rate = args.batch / seconds
-                emit(bench="resnet34", impl="rptrain", device=args.device, batch=args.batch, microbatches=args.microbatches,
+                emit(bench="resnet34", impl="rptrain", device=args.device, batch=args.batch, microbatches=args.microbatches, read_interval=args.read_interval,
                      memory_format=fmt, cuda_graphs=not args.no_graphs, optimizer_threads=threads, adam=not args.no_step, step_ms=round(seconds * 1e3, 3),
                      images_per_s=round(rate, 1), **({"rptrain_over_plain": round(rate / plain_rate, 3)} if plain_rate else {}))
         if args.impl in ("roundpipe", "all"):

@@ -39,11 +39,22 @@ def _flat(first: Tensor, numel: int) -> Tensor:
     return torch.as_strided(first.detach(), (numel,), (1,), first.storage_offset())
 
 
+def _dense(t: Tensor) -> bool:
+    """Whether ``t`` fills its span of storage without gaps: standard or channels-last order
+    (the engine stores convolution weights channels-last when its memory_format asks for it)."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+
+
+def _like(flat: Tensor, offset: int, p: Tensor) -> Tensor:
+    """``p.numel()`` elements of ``flat`` from ``offset``, viewed with ``p``'s shape and order."""
+    return flat.as_strided(p.shape, p.stride(), offset)
+
+
 def _gap(prev: Tensor, t: Tensor) -> int:
     """Elements of padding between the end of ``prev`` and ``t`` in one storage, or -1 if ``t`` does
     not come next. Only alignment padding counts (``t`` on the first 256-byte boundary after
     ``prev``, the engine's layout): no other tensor can sit in such a gap."""
-    if t.dtype != prev.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != prev.untyped_storage().data_ptr():
+    if t.dtype != prev.dtype or not _dense(t) or t.untyped_storage().data_ptr() != prev.untyped_storage().data_ptr():
         return -1
     end = prev.storage_offset() + prev.numel()
     step = max(1, ALIGN_BYTES // t.element_size())
@@ -56,11 +67,11 @@ def _follows(prev: Tensor, t: Tensor) -> bool:
     """``t`` continues ``prev``'s run, gradients laid out alike. Padding inside a run holds zero
     weights and zero gradients, so Adam leaves it at zero."""
     gap = _gap(prev, t)
-    return gap >= 0 and _gap(prev.grad, t.grad) == gap
+    return gap >= 0 and _gap(prev.grad, t.grad) == gap and t.grad.stride() == t.stride()
 
 
 class _FlatRuns:
-    """Finds runs of parameters whose data and gradients are both contiguous, and keeps their
+    """Finds runs of parameters whose data and gradients are both dense, in one order, and keeps their
     moments in flat buffers."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
@@ -74,7 +85,7 @@ class _FlatRuns:
         params = group["params"]
         where = tuple(
             (p.data_ptr(),) if p.grad is None
-            else (p.data_ptr(), p.grad.data_ptr(), p.grad.untyped_storage().data_ptr(), p.grad.is_contiguous())
+            else (p.data_ptr(), p.grad.data_ptr(), p.grad.untyped_storage().data_ptr(), p.grad.stride())
             for p in params
         )
         key = (id(params), where)
@@ -95,7 +106,7 @@ class _FlatRuns:
                 continue
             if runs and _follows(runs[-1][-1], p):
                 runs[-1].append(p)
-            elif p.is_contiguous() and p.grad.is_contiguous():
+            elif _dense(p) and p.grad.stride() == p.stride():
                 runs.append([p])
             else:
                 return []  # let torch handle the unusual case
@@ -119,7 +130,7 @@ class _FlatRuns:
         m_views, v_views = [], []
         for p in run:
             offset = p.storage_offset() - run[0].storage_offset()
-            mv, vv = m[offset : offset + p.numel()].view_as(p), v[offset : offset + p.numel()].view_as(p)
+            mv, vv = _like(m, offset, p), _like(v, offset, p)
             if "exp_avg" in state[p]:  # e.g. after load_state_dict: keep the loaded moments
                 mv.copy_(state[p]["exp_avg"])
                 vv.copy_(state[p]["exp_avg_sq"])

@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from reference import Reference, assert_state_close, split
-from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
-from rptrain.engine import graphs as graphs_module
+from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.optim import Adam
 
 ONE = RoundPipeRunConfig(num_microbatch=1)  # the default is GPUs + 1: pin it where the reference uses one
@@ -88,15 +87,14 @@ def test_mlp_sync_matches_pytorch(n, plan):
 
 
 @pytest.fixture(params=["inline", "thread"])
-def optimizer_thread(request, monkeypatch):
+def optimizer_thread(request):
     """CPU engines step inline by default; the real optimizer thread must give the same numbers."""
-    if request.param == "thread":
-        monkeypatch.setenv("RPTRAIN_CPU_OPTIMIZER_THREAD", "1")
+    return Tuning(cpu_optimizer_thread=request.param == "thread")
 
 
 @pytest.mark.parametrize("plan", [ExecutePlan.single_stage(7), ExecutePlan.from_cuts(7, [3, 5], [2, 5])], ids=["single", "multi"])
 def test_mlp_async_matches_one_step_delay(plan, optimizer_thread):
-    engine, ref = train_both(mlp(), vector_batches(count=6), 2, plan=plan, delayed=True)
+    engine, ref = train_both(mlp(), vector_batches(count=6), 2, plan=plan, delayed=True, tuning=optimizer_thread)
     assert_state_close(engine.state_dict(), ref.state())
 
 
@@ -405,11 +403,11 @@ def test_return_outputs_are_merged_in_order():
 
 
 @pytest.mark.parametrize("grain", ["stage", "layer"])
-def test_offloaded_activations_match(grain, monkeypatch):
+def test_offloaded_activations_match(grain):
     """Saved activations parked in pinned host memory (long sequences) give the same training.
     (On a CPU-only machine the activations are in host memory anyway.)"""
-    monkeypatch.setattr(RoundPipe, "_offload", lambda self, jobs, n: True)
-    engine, ref = train_both(convnet(), image_batches(), 2, plan=ExecutePlan.from_cuts(10, [4, 7], [3, 7]), grain=grain)
+    engine, ref = train_both(convnet(), image_batches(), 2, plan=ExecutePlan.from_cuts(10, [4, 7], [3, 7]), grain=grain,
+                             tuning=Tuning(offload_activations=True))
     assert_state_close(engine.state_dict(), ref.state())
 
 
@@ -424,30 +422,27 @@ def test_fused_stage_replays_as_cuda_graphs_and_matches(cuda_graphs):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_big_stages_run_eagerly_and_match(monkeypatch):
-    """Past MAX_GRAPH_PARAMS the fused stage runs eagerly (its gradients leave during the backward)."""
-    monkeypatch.setattr(graphs_module, "MAX_GRAPH_PARAMS", 100)
-    engine, ref = train_both(convnet(), image_batches(), 2, cuda_graphs=True)
+def test_big_stages_run_eagerly_and_match():
+    """Past Tuning.max_graph_params the fused stage runs eagerly (its gradients leave during the backward)."""
+    engine, ref = train_both(convnet(), image_batches(), 2, cuda_graphs=True, tuning=Tuning(max_graph_params=100))
     assert_state_close(engine.state_dict(), ref.state())
     assert not [rec for g in engine._executor._graphs.values() for rec in g._graphs.values() if rec is not None]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_input_shapes_past_the_recording_limit_run_eagerly(monkeypatch):
+def test_input_shapes_past_the_recording_limit_run_eagerly():
     """Every batch size records its own graphs; past the limit new sizes run eagerly, still exact."""
-    monkeypatch.setattr(graphs_module, "MAX_RECORDED", 2)
     batches = [b for size in (4, 6, 8, 10) for b in image_batches(count=1, batch=size)]
-    engine, ref = train_both(convnet(), batches, 1)
+    engine, ref = train_both(convnet(), batches, 1, tuning=Tuning(max_recorded_graphs=2))
     assert_state_close(engine.state_dict(), ref.state())
     [stage_graphs] = engine._executor._graphs.values()
     assert sum(rec is not None for rec in stage_graphs._graphs.values()) == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_stages_too_large_for_a_graph_run_eagerly(monkeypatch):
+def test_stages_too_large_for_a_graph_run_eagerly():
     """A stage whose saved activations exceed the graph memory share is never recorded, still exact."""
-    monkeypatch.setattr(graphs_module, "MAX_GRAPH_MEMORY_SHARE", 1e-9)
-    engine, ref = train_both(convnet(), image_batches(count=3), 1)
+    engine, ref = train_both(convnet(), image_batches(count=3), 1, tuning=Tuning(max_graph_memory_share=1e-9))
     assert_state_close(engine.state_dict(), ref.state())
     [stage_graphs] = engine._executor._graphs.values()
     assert stage_graphs._graphs and all(rec is None for rec in stage_graphs._graphs.values())
@@ -456,11 +451,11 @@ def test_stages_too_large_for_a_graph_run_eagerly(monkeypatch):
 def test_gradients_go_home_during_the_last_backward(monkeypatch):
     """Each parameter's gradient is sent as soon as the last microbatch's backward has
     accumulated it (one piece per tensor, before the stage ends), and training still matches."""
-    from rptrain.engine.executor import Executor
+    from rptrain.engine.grads import GradSink
 
     calls = []
-    send = Executor._send_grads
-    monkeypatch.setattr(Executor, "_send_grads", lambda self, device, job, pieces, state: (calls.append(len(pieces)), send(self, device, job, pieces, state)))
+    send = GradSink.send
+    monkeypatch.setattr(GradSink, "send", lambda self, device, job, pieces, state: (calls.append(len(pieces)), send(self, device, job, pieces, state)))
     engine, ref = train_both(tied_model(), token_batches(), 2, plan=ExecutePlan.from_cuts(5, [2], [2]))
     assert_state_close(engine.state_dict(), ref.state())
     assert calls.count(1) >= 2 * 3  # single tensors, every call

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.optim import Adam
 
 
@@ -135,10 +135,8 @@ def test_error_on_one_of_several_devices_does_not_hang():
 
 
 @pytest.mark.parametrize("thread", ["inline", "thread"])
-def test_optimizer_thread_error_reaches_the_caller_once(thread, monkeypatch):
-    if thread == "thread":
-        monkeypatch.setenv("RPTRAIN_CPU_OPTIMIZER_THREAD", "1")
-    engine, opt = engine_and_opt()
+def test_optimizer_thread_error_reaches_the_caller_once(thread):
+    engine, opt = engine_and_opt(tuning=Tuning(cpu_optimizer_thread=thread == "thread"))
 
     def bad_step():
         raise OSError("disk full in step")
@@ -161,13 +159,13 @@ def _alive(name: str) -> bool:
 
 
 @pytest.fixture
-def threaded(monkeypatch):
+def threaded():
     """CPU engines run steps inline unless asked for the thread: here the thread is the subject."""
-    monkeypatch.setenv("RPTRAIN_CPU_OPTIMIZER_THREAD", "1")
+    return Tuning(cpu_optimizer_thread=True)
 
 
 def test_close_stops_the_optimizer_thread(threaded):
-    engine, opt = engine_and_opt()
+    engine, opt = engine_and_opt(tuning=threaded)
     name = f"rptrain-optimizer-{id(engine):x}"
     assert not _alive(name)  # started on first use only
     engine.forward_backward((X,), label=Y, loss_fn=CE)
@@ -181,7 +179,7 @@ def test_garbage_collected_engine_stops_its_thread(threaded):
     import gc
     import time
 
-    engine, opt = engine_and_opt()
+    engine, opt = engine_and_opt(tuning=threaded)
     name = f"rptrain-optimizer-{id(engine):x}"
     engine.forward_backward((X,), label=Y, loss_fn=CE)
     engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
@@ -196,7 +194,7 @@ def test_garbage_collected_engine_stops_its_thread(threaded):
 
 def test_optimizer_threads_apply_to_the_optimizer_thread_only(threaded):
     before = torch.get_num_threads()
-    engine, opt = engine_and_opt(optimizer_threads=1)
+    engine, opt = engine_and_opt(optimizer_threads=1, tuning=threaded)
     seen = []
     engine.forward_backward((X,), label=Y, loss_fn=CE)
     engine.step(lambda: (seen.append(torch.get_num_threads()), opt.step(), opt.zero_grad()), is_async=False)
@@ -209,12 +207,10 @@ def test_optimizer_threads_apply_to_the_optimizer_thread_only(threaded):
 
 
 @pytest.mark.parametrize("thread", ["inline", "thread"])
-def test_failed_synchronous_step_does_not_block_the_next_call(thread, monkeypatch):
+def test_failed_synchronous_step_does_not_block_the_next_call(thread):
     """The failed step left the master .grad pointing into the gradient buffer; the next call
     must still get a buffer (it used to wait for it forever)."""
-    if thread == "thread":
-        monkeypatch.setenv("RPTRAIN_CPU_OPTIMIZER_THREAD", "1")
-    engine, opt = engine_and_opt()
+    engine, opt = engine_and_opt(tuning=Tuning(cpu_optimizer_thread=thread == "thread"))
 
     def bad_step():
         raise OSError("step failed after the gradients were bound")
@@ -233,10 +229,8 @@ def test_failed_synchronous_step_does_not_block_the_next_call(thread, monkeypatc
 
 
 @pytest.mark.parametrize("thread", ["inline", "thread"])
-def test_close_reports_an_unreported_step_error(thread, monkeypatch):
-    if thread == "thread":
-        monkeypatch.setenv("RPTRAIN_CPU_OPTIMIZER_THREAD", "1")
-    engine, _ = engine_and_opt()
+def test_close_reports_an_unreported_step_error(thread):
+    engine, _ = engine_and_opt(tuning=Tuning(cpu_optimizer_thread=thread == "thread"))
     engine.forward_backward((X,), label=Y, loss_fn=CE)
     engine.step(lambda: 1 / 0)
     with pytest.raises(RuntimeError, match="optimizer step failed.*division by zero"):

@@ -1,7 +1,9 @@
 """RoundPipe(memory_format=torch.channels_last) against plain PyTorch (contiguous), on the CPU and,
 through `device`, CUDA (there with CUDA graphs): same losses, weights, BatchNorm statistics and
-evaluation outputs, fp32 tolerances as test_engine_equivalence (rtol 1e-5); what the user sees
-(state_dict, master gradients) in the standard layout."""
+evaluation outputs, fp32 tolerances as test_engine_equivalence (rtol 1e-5). The weights are stored
+channels-last as ``model.to(memory_format=torch.channels_last)`` stores them in plain PyTorch: the
+master weights, their gradients and the optimizer's moments share that layout, and the optimizer's
+flat path still covers every parameter."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +12,7 @@ from torch import nn
 
 from reference import Reference, assert_state_close
 from rptrain import ExecutePlan, RoundPipe, RoundPipeRunConfig
+from rptrain.optim import _FlatRuns
 from rptrain.engine.memory_format import check_memory_format, convert_inputs, has_convolutions
 from test_engine_equivalence import convnet, image_batches, make_engine
 
@@ -47,7 +50,11 @@ def test_channels_last_trains_like_plain_pytorch(plan, delayed):
 
         def step():
             grads.extend(p.grad.clone() for p in engine._host.master_params)
-            assert all(p.grad.is_contiguous() for p in engine._host.master_params)  # the user's layout
+            for p in engine._host.master_params:
+                assert p.grad.stride() == p.stride()
+                assert p.is_contiguous(memory_format=torch.channels_last) if p.dim() == 4 else p.is_contiguous()
+            runs = _FlatRuns._find_runs(list(engine._host.master_params))
+            assert sum(map(len, runs)) == len(engine._host.master_params)  # the fused flat path covers conv weights too
             opt.step()
             opt.zero_grad()
 
@@ -69,7 +76,9 @@ def test_channels_last_trains_like_plain_pytorch(plan, delayed):
     assert SEEN.count(False) == 2 and engine_calls >= (1 if torch.cuda.is_available() else 8)
     state = engine.state_dict()
     assert_state_close(state, ref.state())
-    assert all(t.is_contiguous() for t in state.values())
+    assert all(t.is_contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t.is_contiguous() for t in state.values())
+    for p in engine._host.master_params:
+        assert opt.state[p]["exp_avg"].stride() == p.stride()
     if not delayed:  # (the delayed reference's compute copy trails the synchronized engine by a step)
         x = torch.randn(5, 3, 8, 8)
         engine.eval()

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from reference import Reference, assert_state_close
-from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.engine import refresh
 from rptrain.engine.device import CpuDevice
+from rptrain.engine.simulated import SimulatedDevice
 from rptrain.engine.host import HostState
 from rptrain.engine.layout import FlatLayout, Range
 from rptrain.optim import Adam
@@ -69,12 +70,11 @@ def test_staged_copy_is_the_master_cast_and_host_gets_its_share():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="resident weights need a GPU")
 @pytest.mark.parametrize("share", [0.0, 0.4, 1.0])
-def test_resident_gpu_weights_are_the_master_cast_after_every_step(monkeypatch, share):
+def test_resident_gpu_weights_are_the_master_cast_after_every_step(share):
     """fp16 model, async steps: the GPU's copy of each version equals the fp32 master cast, and
     training matches plain PyTorch one step stale."""
-    monkeypatch.setattr(refresh, "GPU_SHARE", share)
     model = mixed_model()
-    engine = RoundPipe(copy.deepcopy(model))
+    engine = RoundPipe(copy.deepcopy(model), tuning=Tuning(refresh_gpu_share=share))
     assert engine._executor.resident
     with OptimizerCtx():
         opt = Adam(engine.parameters(), lr=1e-2)
@@ -88,8 +88,8 @@ def test_resident_gpu_weights_are_the_master_cast_after_every_step(monkeypatch, 
         assert loss.item() == pytest.approx(ref.forward_backward(x, y, 2, loss_fn), rel=2e-3)
         ref.step()
         engine.wait_for_steps()
-        newest = max(engine._executor._resident[0].staged)
-        for r, t in engine._executor._resident[0].staged[newest].pieces:
+        newest = max(engine._executor.store.resident[0].staged)
+        for r, t in engine._executor.store.resident[0].staged[newest].pieces:
             master = engine._host.params.master_range(engine._host.master, r)
             assert torch.equal(t.cpu(), master.to(t.dtype))
     engine.synchronize()
@@ -101,8 +101,8 @@ def test_resident_gpu_weights_are_the_master_cast_after_every_step(monkeypatch, 
 def test_a_version_that_fails_to_stage_is_written_whole_on_the_host(monkeypatch):
     """If staging fails (say the GPU is out of memory), the error reaches the caller and the host
     copy of that version is whole, so a call that needs it can upload it from there."""
-    engine = RoundPipe(copy.deepcopy(mixed_model()), devices=["cpu"])
-    engine._executor.resident = True  # the staging path, which only GPU engines take on their own
+    engine = RoundPipe(copy.deepcopy(mixed_model()), devices=[SimulatedDevice(0)])  # a GPU that keeps it resident
+    assert engine._executor.resident
 
     def fail(*_args, **_kw):
         raise torch.OutOfMemoryError("no memory for the staged copy")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from reference import DEVICE, split
-from rptrain import ExecutePlan, GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from rptrain import ExecutePlan, GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.optim import Adam
 
 
@@ -78,11 +78,9 @@ class ScaledReference:
 @pytest.mark.parametrize("is_async", [False, True])
 @pytest.mark.parametrize("clip", [None, 1.0])
 @pytest.mark.parametrize("thread", ["inline", "thread"])
-def test_engine_scaler_matches_hand_written_reference(is_async, clip, thread, monkeypatch):
-    if thread == "thread":
-        monkeypatch.setenv("RPTRAIN_CPU_OPTIMIZER_THREAD", "1")
+def test_engine_scaler_matches_hand_written_reference(is_async, clip, thread):
     init_scale, interval = 2.0**10, 1  # the scale changes every step, so a stale unscale would show
-    engine = RoundPipe(model16())
+    engine = RoundPipe(model16(), tuning=Tuning(cpu_optimizer_thread=thread == "thread"))
     with OptimizerCtx():
         opt = Adam(engine.parameters(), lr=1e-2)
     scaler = GradScaler(init_scale=init_scale, growth_interval=interval)

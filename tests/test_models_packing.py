@@ -9,7 +9,7 @@ import torch
 from reference import engine_gradients
 from rptrain import ExecutePlan, RoundPipeRunConfig
 from rptrain.models import IGNORE_INDEX
-from rptrain.models.attention import causal_attention, flex_attention, positions
+from rptrain.models.attention import _batch_block_mask, causal_attention, flex_attention, positions
 from rptrain.models.decoder import build_decoder
 from rptrain.models.decoder_config import DecoderConfig
 from rptrain.models.rope import Rope
@@ -25,10 +25,10 @@ VARIANTS = {
 }
 
 
-def model(variant: str) -> torch.nn.Sequential:
+def model(variant: str, attention: str = "auto") -> torch.nn.Sequential:
     torch.manual_seed(0)
-    cfg = DecoderConfig(vocab_size=V, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=48,
-                        loss_chunk_tokens=5, **VARIANTS[variant])
+    cfg = DecoderConfig(vocab_size=V, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=48,
+                        loss_chunk_tokens=5, attention=attention, **VARIANTS[variant])
     m = build_decoder(cfg)
     with torch.no_grad():
         for p in m.parameters():
@@ -75,9 +75,10 @@ def test_positions_restart_at_each_segment():
     assert positions(seg).tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 0, 1]]
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_packed_equals_unpacked(variant):
-    m = model(variant)
+@pytest.mark.parametrize("variant, attention", [(v, "auto") for v in sorted(VARIANTS)] + [("window", "flex"), ("window", "sdpa")])
+def test_packed_equals_unpacked(variant, attention):
+    """Every model.attention setting; on the CPU flex and auto run SDPA (FlexAttention has no CPU backward)."""
+    m = model(variant, attention)
     exs = examples()
     expected_loss, expected = unpacked_loss_and_grads(m, exs)
     m.zero_grad()
@@ -112,3 +113,17 @@ def test_flex_attention_matches_sdpa(softcap, window):
     expected = causal_attention(q, k, v, 0.3, softcap, window, segments)
     got = flex_attention(q, k, v, 0.3, softcap, window, segments, compiled=False)
     assert rel(got, expected) < 1e-5
+
+
+def test_flex_block_mask_built_once_per_batch():
+    """The layers of a stage share one block mask per window while the segments tensor is unchanged."""
+    _, _, segments = packed(examples())
+    first = _batch_block_mask(3, 16, "cpu", segments, None)
+    assert _batch_block_mask(3, 16, "cpu", segments, None) is first
+    assert _batch_block_mask(3, 16, "cpu", segments, 3) is not first  # another window, another mask
+    assert _batch_block_mask(3, 16, "cpu", segments.clone(), None) is not first  # the next batch
+    again = _batch_block_mask(3, 16, "cpu", segments, None)
+    segments[0, :5] = 1  # written in place (a reused input buffer): rebuilt, and attention follows the new ids
+    assert _batch_block_mask(3, 16, "cpu", segments, None) is not again
+    q, k, v = torch.randn(3, 4, 16, 8), torch.randn(3, 2, 16, 8), torch.randn(3, 2, 16, 8)
+    assert rel(flex_attention(q, k, v, segments=segments, compiled=False), causal_attention(q, k, v, segments=segments)) < 1e-5

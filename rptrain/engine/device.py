@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 
 from .batching import map_tensors
+from .graphs import StageGraphs
+from .tuning import Tuning
 
 STREAMS = ("compute", "upload", "download", "prefetch")
 
@@ -32,6 +34,7 @@ class Device:
     """One worker. ``index`` is its place in the engine's device list."""
 
     is_cuda = False
+    pins_memory = False  # host memory this device copies from is pinned (page-locked)
 
     def __init__(self, index: int, torch_device: torch.device):
         self.index = index
@@ -64,6 +67,13 @@ class Device:
     def receive(self, value: Any, event: Any, source: Optional["Device"]) -> Any:
         """Make tensors produced on ``source`` (None: the host) usable on this device's compute stream."""
         return map_tensors(lambda t: t.to(self.torch_device), value)
+
+    def check_ready(self, stream: str, tensors: Iterator[Tensor]) -> None:
+        """``stream`` is about to read ``tensors``; a device that tracks order checks it (simulated.py)."""
+
+    def graphs(self, tuning: Tuning) -> StageGraphs:
+        """Where this device records and replays CUDA graphs."""
+        return StageGraphs(self.torch_device, tuning)
 
     def keep_alive(self, tensor: Tensor, stream: str) -> None:
         """Tell the allocator ``tensor`` is used on ``stream`` so its memory is not reused too early."""
@@ -103,6 +113,10 @@ class Device:
     def memory_cap(self) -> Optional[int]:
         return None
 
+    def free_memory(self) -> int:
+        """Bytes free on the device now (fit.py budgets GPU memory with it)."""
+        return 0
+
 
 class CpuDevice(Device):
     def __init__(self, index: int = 0):
@@ -111,6 +125,7 @@ class CpuDevice(Device):
 
 class CudaDevice(Device):
     is_cuda = True
+    pins_memory = True
 
     def __init__(self, index: int, cuda_index: int):
         super().__init__(index, torch.device("cuda", cuda_index))
@@ -162,6 +177,13 @@ class CudaDevice(Device):
         with torch.cuda.stream(compute):
             return map_tensors(move, value)
 
+    def check_ready(self, stream: str, tensors: Iterator[Tensor]) -> None:
+        """``stream`` is about to read ``tensors``; a device that tracks order checks it (simulated.py)."""
+
+    def graphs(self, tuning: Tuning) -> StageGraphs:
+        """Where this device records and replays CUDA graphs."""
+        return StageGraphs(self.torch_device, tuning)
+
     def keep_alive(self, tensor: Tensor, stream: str) -> None:
         tensor.record_stream(self.streams[stream])
 
@@ -180,6 +202,9 @@ class CudaDevice(Device):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
 
+    def free_memory(self) -> int:
+        return torch.cuda.mem_get_info(self.torch_device)[0]
+
     def memory_cap(self) -> Optional[int]:
         free, _ = torch.cuda.mem_get_info(self.torch_device)
         return int(0.85 * (free + torch.cuda.memory_reserved(self.torch_device)))
@@ -197,6 +222,10 @@ def make_devices(spec: Any = None) -> list[Device]:
         spec = [spec]
     devices: list[Device] = []
     for i, item in enumerate(spec):
+        if isinstance(item, Device):  # e.g. a simulated GPU (simulated.py); its index is its place here
+            item.index = i
+            devices.append(item)
+            continue
         dev = torch.device(item)
         if dev.type == "cpu":
             devices.append(CpuDevice(i))

@@ -18,23 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-_WARMUP = 2  # runs before recording: lazy initialisation and cudnn's algorithm search happen here
-MAX_RECORDED = 8  # each input shape keeps its own graphs and activation memory: shapes past this run eagerly
-# A graph's activations live in a private memory pool that eager work can never reuse. Stages whose
-# forward keeps more than this share of the GPU run eagerly: their kernels are long enough that
-# launch costs do not matter, and the memory is worth more to the other stages.
-MAX_GRAPH_MEMORY_SHARE = 0.25
-# A replayed backward hands all the stage's gradients over at its end; eager autograd hands each
-# over as soon as it is accumulated, so its download overlaps the rest of the backward. Past this
-# many parameters that overlap is worth more than the launches a graph saves (3 B params on an H200:
-# the call took 0.85 s eager, 1.05 s replayed; ResNet-34's 21 M: 1.5 ms of downloads against a
-# step that launches cost most of).
-MAX_GRAPH_PARAMS = 100_000_000
-
-
-def worth_recording(params: int) -> bool:
-    return params <= MAX_GRAPH_PARAMS
-
+from .tuning import Tuning
 
 class _TooLarge(Exception):
     pass
@@ -97,8 +81,9 @@ class _Replay(torch.autograd.Function):
 class StageGraphs:
     """Recorded stages on one device, by (layers, training modes, input signature)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, tuning: Tuning):
         self.device = device
+        self.tuning = tuning
         self._graphs: dict[tuple, Optional[_Recorded]] = {}
         self._pool = None
         self._stream: Optional[torch.cuda.Stream] = None
@@ -114,7 +99,7 @@ class StageGraphs:
         The caller's backward of the result replays the backward graph."""
         if key not in self._graphs:
             recorded = sum(rec is not None for rec in self._graphs.values())
-            if recorded < MAX_RECORDED:
+            if recorded < self.tuning.max_recorded_graphs:
                 self._graphs[key] = self._record(modules, x, call)
             else:
                 warnings.warn(f"rptrain: {recorded} input shapes already recorded as CUDA graphs; new shapes run eagerly", stacklevel=3)
@@ -124,6 +109,9 @@ class StageGraphs:
             for layer in modules:
                 x = call(layer, x)
             return x
+        return self._replay(rec, modules, x, call)
+
+    def _replay(self, rec: _Recorded, modules: list[nn.Module], x: Any, call: Callable) -> Any:
         inputs = [v for v in pytree.tree_leaves(x) if isinstance(v, Tensor)]
         outputs = _Replay.apply(rec, self._anchor, *inputs)
         it = iter(outputs)
@@ -175,14 +163,14 @@ class StageGraphs:
             self._anchor = torch.zeros((), device=self.device, requires_grad=True)
         # Everything on one stream: autograd runs a node's backward on its forward's stream.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        budget = MAX_GRAPH_MEMORY_SHARE * torch.cuda.get_device_properties(self.device).total_memory
+        budget = self.tuning.max_graph_memory_share * torch.cuda.get_device_properties(self.device).total_memory
         with torch.cuda.stream(self._stream), torch.enable_grad():
-            for _ in range(_WARMUP):
+            for _ in range(self.tuning.graph_warmup):
                 before = torch.cuda.memory_allocated(self.device)
                 outs = differentiable(pytree.tree_leaves(stage()))
                 kept = torch.cuda.memory_allocated(self.device) - before  # activations saved for the backward
                 if kept > budget:
-                    raise _TooLarge(f"its forward keeps {kept / 2**30:.1f} GiB, over {MAX_GRAPH_MEMORY_SHARE:.0%} of the GPU, "
+                    raise _TooLarge(f"its forward keeps {kept / 2**30:.1f} GiB, over {self.tuning.max_graph_memory_share:.0%} of the GPU, "
                                     "too much for a CUDA graph's private memory")
                 if outs:
                     torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs])

@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .layout import FlatLayout, Range
-
-PIN_FROZEN_SHARE = 0.5  # of physical memory: frozen weights past this stay pageable
 
 
 class GradBuffer:
@@ -38,25 +36,27 @@ class GradBuffer:
         self.written = [False] * len(layout.slots)
         self.free = threading.Event()  # set when nothing (optimizer .grad views) refers to it
         self.free.set()
+        self.held = False  # a failed or partial step left master .grad views into it (roundpipe.py)
 
     def reset(self) -> None:
         self.written = [False] * len(self.written)
 
 
 class HostState:
-    def __init__(self, layers: Sequence[nn.Module], optim_dtype: torch.dtype, pin_memory: bool, pin_master: bool = False):
+    def __init__(self, layers: Sequence[nn.Module], optim_dtype: torch.dtype, pin_memory: bool, pin_master: bool = False,
+                 pin_frozen_share: float = 0.5, channels_last: bool = False):
         for layer in layers:
             for name, p in layer.named_parameters():
                 if not p.is_floating_point():
                     raise ValueError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters are supported")
         self.layers = layers
         self.pin_memory = pin_memory
-        self.params = FlatLayout.of_parameters(layers, trainable=True)
-        self.frozen_layout = FlatLayout.of_parameters(layers, trainable=False)
+        self.params = FlatLayout.of_parameters(layers, trainable=True, channels_last=channels_last)
+        self.frozen_layout = FlatLayout.of_parameters(layers, trainable=False, channels_last=channels_last)
         self.buffer_layout = FlatLayout.of_buffers(layers)
         originals = [p for p in self._unique_tensors(layers, "parameters") if p.requires_grad]
         self.frozen_params = [p for p in self._unique_tensors(layers, "parameters") if not p.requires_grad]
-        self.frozen = self._store_frozen(pin_memory)
+        self.frozen = self._store_frozen(pin_memory, pin_frozen_share)
 
         self.compute = [self.params.allocate(pin_memory), self.params.allocate(pin_memory)]
         # Pinned when GPUs cast their resident copy from it (refresh.py): DMA reads it directly.
@@ -81,15 +81,14 @@ class HostState:
         self.show_version(0)
         self.grads: list[GradBuffer] = [GradBuffer(self.params, pin_memory)]
 
-    def _store_frozen(self, pin_memory: bool) -> dict[str, Tensor]:
+    def _store_frozen(self, pin_memory: bool, pin_share: float) -> dict[str, Tensor]:
         """One flat copy of the frozen parameters; each original is let go as soon as it is copied,
         so host memory peaks at the frozen size plus one tensor (``torch.empty`` commits pages only
-        when they are written). Pinned when a GPU reads it and it takes at most half the machine's
-        memory: pinned pages cannot be swapped or reclaimed, and more would starve the rest of the
-        process; pageable memory uploads through the driver's staging buffer, about half as fast."""
+        when they are written). Pinned when a GPU reads it and it takes at most ``pin_share`` of the
+        machine's memory (tuning.py says why)."""
         layout = self.frozen_layout
         nbytes = sum(n * layout.dtypes[k].itemsize for k, n in layout.sizes.items())
-        pin = pin_memory and nbytes <= PIN_FROZEN_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        pin = pin_memory and nbytes <= pin_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         flats = {k: torch.empty(n, dtype=layout.dtypes[k], pin_memory=pin) for k, n in layout.sizes.items()}
         ends = dict.fromkeys(flats, 0)
         with torch.no_grad():
@@ -113,6 +112,20 @@ class HostState:
             "frozen": size(self.frozen.values()),
             "buffers": size(self.buffers.values()),
         }
+
+    def report(self, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, int]:
+        """``nbytes()``, the host bytes of ``optimizer``'s state tensors (when given) and the ``total``."""
+        report = self.nbytes()
+        if optimizer is not None:
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for state in optimizer.state.values() for t in state.values() if isinstance(t, Tensor) and t.device.type == "cpu"}
+            report["optimizer"] = sum(storages.values())
+        report["total"] = sum(report.values())
+        return report
+
+    def master_of(self) -> dict[int, nn.Parameter]:
+        """id(user parameter) -> its master parameter."""
+        return {id(p): m for p, m in zip(self.user_params, self.master_params)}
 
     @staticmethod
     def _unique_tensors(layers: Sequence[nn.Module], kind: str) -> list[Tensor]:

@@ -7,6 +7,12 @@ by alignment, and this keeps results bitwise equal to plain PyTorch. The few pad
 between tensors stay zero. A tensor shared by several layers
 (tied weights) gets one slot, owned by the first layer that has it; later layers refer back to it,
 which adds a second range to their stages.
+
+A 4-D tensor may be stored channels-last (``channels_last=True``): its elements lie in NHWC order
+and its views are the channels-last tensors ``Tensor.to(memory_format=torch.channels_last)`` gives,
+so convolutions find their weights, and write their weight gradients, in the layout of their
+fastest GPU kernels without a conversion per call (measured in bench/README, issue 22). Everything
+elementwise (casts, the optimizer) is indifferent to the order.
 """
 from __future__ import annotations
 
@@ -26,6 +32,15 @@ class Slot:
     shape: torch.Size
     requires_grad: bool
     owner: int  # first layer holding this tensor
+    channels_last: bool = False  # stored in NHWC order (4-D tensors only)
+
+
+def shaped(flat: Tensor, slot: Slot) -> Tensor:
+    """``slot.numel`` elements of ``flat`` as the slot's tensor, in the order they are stored."""
+    if not slot.channels_last:
+        return flat.view(slot.shape)
+    n, c, h, w = slot.shape
+    return flat.view(n, h, w, c).permute(0, 3, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -52,7 +67,7 @@ def _align(offset: int, dtype: torch.dtype) -> int:
 
 
 class FlatLayout:
-    def __init__(self, named_tensors_per_layer: Sequence[Iterable[tuple[str, Tensor]]]):
+    def __init__(self, named_tensors_per_layer: Sequence[Iterable[tuple[str, Tensor]]], channels_last: bool = False):
         self.slots: list[Slot] = []
         self.layer_slots: list[list[tuple[str, int]]] = []
         self.dtypes: dict[str, torch.dtype] = {}
@@ -65,7 +80,8 @@ class FlatLayout:
                     key = _dtype_key(tensor.dtype)
                     self.dtypes[key] = tensor.dtype
                     offset = _align(self.sizes.get(key, 0), tensor.dtype)
-                    slot = Slot(len(self.slots), key, offset, tensor.numel(), tensor.shape, tensor.requires_grad, layer)
+                    nhwc = channels_last and tensor.dim() == 4
+                    slot = Slot(len(self.slots), key, offset, tensor.numel(), tensor.shape, tensor.requires_grad, layer, nhwc)
                     self.sizes[key] = offset + tensor.numel()
                     seen[id(tensor)] = slot.index
                     self.slots.append(slot)
@@ -82,9 +98,10 @@ class FlatLayout:
         self._slots_cache: dict[Range, list[Slot]] = {}
 
     @classmethod
-    def of_parameters(cls, layers: Sequence[nn.Module], trainable: bool = True) -> "FlatLayout":
+    def of_parameters(cls, layers: Sequence[nn.Module], trainable: bool = True, channels_last: bool = False) -> "FlatLayout":
         """The parameters that require grad (``trainable``) or the frozen ones."""
-        return cls([[(n, p) for n, p in m.named_parameters(remove_duplicate=False) if p.requires_grad == trainable] for m in layers])
+        named = [[(n, p) for n, p in m.named_parameters(remove_duplicate=False) if p.requires_grad == trainable] for m in layers]
+        return cls(named, channels_last)
 
     @classmethod
     def of_buffers(cls, layers: Sequence[nn.Module]) -> "FlatLayout":
@@ -137,11 +154,11 @@ class FlatLayout:
     def view(self, flats: dict[str, Tensor], slot: Slot, base: int = 0) -> Tensor:
         """``slot`` as a tensor of its shape inside ``flats[slot.key]``, which starts at element ``base``."""
         start = slot.offset - base
-        return flats[slot.key][start : start + slot.numel].view(slot.shape)
+        return shaped(flats[slot.key][start : start + slot.numel], slot)
 
     def master_view(self, master: Tensor, slot: Slot) -> Tensor:
         start = self.base[slot.key] + slot.offset
-        return master[start : start + slot.numel].view(slot.shape)
+        return shaped(master[start : start + slot.numel], slot)
 
     def master_range(self, master: Tensor, r: Range) -> Tensor:
         return master[self.base[r.key] + r.start : self.base[r.key] + r.stop]

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .batching import merge_outputs, pytree
-from .executor import Args, PassState, float_tensors
+from .passstate import Args, PassState, float_tensors
 from .schedule import backward_schedule, forward_schedule
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class _Recorded(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, engine: "RoundPipe", cfg: "ResolvedRunConfig", plan: "ExecutePlan", micro: list,
                 holder: dict, counts: list, anchor: Tensor, *flat_inputs: Tensor) -> Any:
-        version = engine._use_version()
+        version = engine._versions.use()
         state = PassState(
             forward_schedule(plan, len(engine._devices), save_for_backward=True, grain=cfg.recompute_grain),
             cfg.num_microbatch, [Args(a, k) for a, k in micro], version,
@@ -61,10 +61,10 @@ class _Recorded(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> Any:
         engine: RoundPipe = ctx.engine
-        if engine._required != ctx.version:
+        if engine._versions.required != ctx.version:
             raise RuntimeError("RoundPipe: backward() must run before the next step()/synchronize() of the same model")
         grads_per_micro = _chunk(list(grad_outputs), ctx.out_counts)
-        buffer = engine._open_window()
+        buffer = engine._versions.open_window()
         input_requires_grad = any(ctx.needs_input_grad[7:])
         state = PassState(
             backward_schedule(ctx.plan, len(engine._devices), ctx.cfg.recompute_grain, len(ctx.state.jobs)),

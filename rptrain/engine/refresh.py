@@ -15,7 +15,7 @@ step change the master.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -23,23 +23,18 @@ from torch import Tensor
 from .device import Device
 from .host import HostState
 from .layout import FlatLayout, Range
+from .tuning import Tuning
 
-# Fraction of each cast tensor that goes up as fp32 and is cast on the GPU: balances the copy
-# engine (the fp32 share, then bf16 of the rest) against the host's casting pass. Measured on the
-# H200 at 990 M fp16 parameters (bench/optimizer.py --gpu-shares): 96, 60, 58, 61 and 73 ms to
-# stage a version at shares 0, 0.3, 0.45, 0.6 and 1.
-GPU_SHARE = 0.4
-CHUNK = 1 << 25  # elements per copy: bounds the GPU's fp32 scratch and lets uploads follow the host's pass
 _ALIGN = 1024  # elements: keeps every chunk boundary aligned for vector loads
 
 
-def split(layout: FlatLayout, master_dtype: torch.dtype, gpu_share: Optional[float] = None, chunk: int = CHUNK) -> tuple[list[Range], list[Range]]:
-    """(ranges uploaded from the master and cast on the GPU, ranges cast on the host), in chunks.
+def split(layout: FlatLayout, master_dtype: torch.dtype, gpu_share: float, chunk: int = Tuning.refresh_chunk) -> tuple[list[Range], list[Range]]:
+    """(ranges uploaded from the master and cast on the GPU, ranges cast on the host), in chunks of
+    ``chunk`` elements; ``gpu_share`` of each cast tensor goes up as fp32 (``Tuning.refresh_gpu_share``).
 
     A flat tensor at least as wide as the master goes up whole from the master: casting it on the
     host would save no bytes.
     """
-    gpu_share = GPU_SHARE if gpu_share is None else gpu_share
     if not 0.0 <= gpu_share <= 1.0:
         raise ValueError(f"gpu_share must be in [0, 1], got {gpu_share}")
     on_gpu: list[Range] = []

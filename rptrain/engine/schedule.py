@@ -8,6 +8,7 @@ saved at their checkpoints. Jobs go to devices round-robin in list order.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 from .plan import ExecutePlan
@@ -40,11 +41,13 @@ def _saves(start: int, stop: int, checkpoints: tuple[int, ...]) -> tuple[int, ..
     return tuple(c for c in checkpoints if start <= c < stop)
 
 
-def _assign(jobs: list[tuple], num_devices: int, first_device: int) -> list[Job]:
-    return [Job(i, kind, a, b, (first_device + i) % num_devices, cps) for i, (kind, a, b, cps) in enumerate(jobs)]
+def _assign(jobs: list[tuple], num_devices: int, first_device: int) -> tuple[Job, ...]:
+    return tuple(Job(i, kind, a, b, (first_device + i) % num_devices, cps) for i, (kind, a, b, cps) in enumerate(jobs))
 
 
-def training_schedule(plan: ExecutePlan, num_devices: int, grain: str = "stage") -> list[Job]:
+# Cached: every call of the same shape gets the same tuple, so the executor finds its lowering by identity.
+@functools.lru_cache(maxsize=64)
+def training_schedule(plan: ExecutePlan, num_devices: int, grain: str = "stage") -> tuple[Job, ...]:
     """forward_backward: forward stages, the fused last stage, backward stages in reverse."""
     fused_start, fused_stop = plan.forward[-1]
     checkpoints = checkpoints_for(plan, grain, fused_start)
@@ -54,14 +57,16 @@ def training_schedule(plan: ExecutePlan, num_devices: int, grain: str = "stage")
     return _assign(jobs, num_devices, 0)
 
 
-def forward_schedule(plan: ExecutePlan, num_devices: int, save_for_backward: bool = False, grain: str = "stage") -> list[Job]:
+@functools.lru_cache(maxsize=64)
+def forward_schedule(plan: ExecutePlan, num_devices: int, save_for_backward: bool = False, grain: str = "stage") -> tuple[Job, ...]:
     """A plain forward call; with ``save_for_backward`` it keeps what ``backward_schedule`` needs."""
     checkpoints = checkpoints_for(plan, grain, plan.num_layers) if save_for_backward else ()
     jobs = [(JobKind.FORWARD, a, b, _saves(a, b, checkpoints)) for a, b in plan.forward]
     return _assign(jobs, num_devices, 0)
 
 
-def backward_schedule(plan: ExecutePlan, num_devices: int, grain: str = "stage", first_device: int = 0) -> list[Job]:
+@functools.lru_cache(maxsize=64)
+def backward_schedule(plan: ExecutePlan, num_devices: int, grain: str = "stage", first_device: int = 0) -> tuple[Job, ...]:
     """The backward of a recorded forward call: every backward stage recomputes, last stage first."""
     checkpoints = checkpoints_for(plan, grain, plan.num_layers)
     jobs = [(JobKind.BACKWARD, a, b, _saves(a, b, checkpoints)) for a, b in reversed(plan.backward)]

@@ -22,7 +22,8 @@ from typing import Any, Callable, Container, Iterable, Iterator, Optional
 from torch import nn
 
 from .config import RoundPipeRunConfig
-from .roundpipe import OptimizerCtx, RoundPipe, _in_optimizer_ctx
+from .optimizer_ctx import OptimizerCtx, in_optimizer_ctx
+from .roundpipe import RoundPipe
 
 LOWER_THRESHOLD = 16 * 1024  # bytes of a module's own parameters that make it worth an engine
 
@@ -78,7 +79,7 @@ def _wrap_children(module: nn.Module, prefix: str, make: Callable, config: Round
 
 def _original_name(prefix: str, engine: RoundPipe, name: str) -> str:
     """Engine names back to the model's: an engine made around one module drops its ``0.``."""
-    return prefix + (name.split(".", 1)[1] if getattr(engine, "_single", False) else name)
+    return prefix + (name.split(".", 1)[1] if engine._single else name)
 
 
 class WrappedModel(nn.Module):
@@ -88,9 +89,9 @@ class WrappedModel(nn.Module):
         super().__init__()
         self.model = model
         self._engines = engines
-        shared = engines[0][1]._optimizer_thread if engines else None
+        shared = engines[0][1]._versions.thread if engines else None
         for _, engine in engines[1:]:
-            engine._optimizer_thread = shared
+            engine._versions.thread = shared
         owner: dict[int, str] = {}
         for prefix, engine in engines:
             for name, p in engine.model.named_parameters():
@@ -123,7 +124,7 @@ class WrappedModel(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The model's names; inside ``OptimizerCtx`` (and step functions) the master parameters."""
-        master = _in_optimizer_ctx()
+        master = in_optimizer_ctx()
         for engine_prefix, engine in self._engines:
             for name, p in (engine.optim_named_parameters() if master else engine.model.named_parameters()):
                 yield prefix + _original_name(engine_prefix, engine, name), p
@@ -142,20 +143,24 @@ class WrappedModel(nn.Module):
         With trainable glue parameters it waits (the glue runs on the host, in place)."""
         self._raise_errors()
         is_async = is_async and not any(p.requires_grad for _, p in self._glue)
-        engines = [e for _, e in self._engines]
-        closed = [e._close_window() for e in engines]
+        engines = [e._versions for _, e in self._engines]
+        closed = [e.close_window() for e in engines]
         scalers: dict = {}
         for _, window_scalers in closed:
             for scaler, (scale, found_inf) in window_scalers.items():
                 scalers[scaler] = (scale, found_inf or scalers.get(scaler, (scale, False))[1])
-        versions = [e._claim_version() for e in engines]
+        versions = [e.claim() for e in engines]
         task = functools.partial(step_fn, *args, **kwargs)
         for engine, (buffer, _), version in reversed(list(zip(engines, closed, versions))):
-            task = functools.partial(engine._run_step, task, buffer, scalers, version)
-        ticket = engines[0]._optimizer_thread.submit(task)
+            task = functools.partial(engine.run_step, task, buffer, scalers, version)
+        ticket = engines[0].thread.submit(task)
         for engine, version in zip(engines, versions):
-            engine._tickets[version] = ticket
-        _all_then_raise(functools.partial(e._stepped, v, b, is_async) for e, (b, _), v in zip(engines, closed, versions))
+            engine.tickets[version] = ticket
+        _all_then_raise(functools.partial(e.stepped, v, b, is_async) for e, (b, _), v in zip(engines, closed, versions))
+
+    def explain(self, *example_inputs: Any, **kwargs: Any) -> str:
+        """Every engine's plan and actions (RoundPipe.explain); their inputs come from the glue, so no shapes."""
+        return "\n\n".join(f"{prefix.rstrip('.') or 'model'}:\n{engine.explain()}" for prefix, engine in self._engines)
 
     def synchronize(self) -> None:
         for _, engine in self._engines:
@@ -166,7 +171,7 @@ class WrappedModel(nn.Module):
 
     def _raise_errors(self) -> None:
         for _, engine in self._engines:
-            engine._raise_step_errors()
+            engine._versions.raise_errors()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
         """Master weights and persistent buffers under the model's names."""

@@ -4,8 +4,9 @@ logit soft-capping, grouped-query heads.
 Packing: `segments` (B, T) gives every token the id of the example it belongs to; a token
 attends only to earlier tokens of its own example (a contiguous run of equal ids), and rotary
 positions restart at each run's start (`positions`). Without segments, windows or soft-capping
-SDPA's is_causal kernel runs; otherwise SDPA with a boolean mask, or the explicit computation
-when scores must be soft-capped (SDPA cannot). Everything here runs on the CPU as on a GPU.
+SDPA's is_causal kernel runs; otherwise SDPA with a boolean mask (FlexAttention block masks on
+CUDA with model.attention=auto or flex), or the explicit computation when scores must be
+soft-capped and flex is off (SDPA cannot). Everything here runs on the CPU as on a GPU.
 """
 from __future__ import annotations
 
@@ -52,15 +53,44 @@ def attention_mask(T: int, device, segments: torch.Tensor | None, window: int | 
 
 _COMPILED: dict[str, object] = {}
 
+# model.attention=auto: FlexAttention for packed or windowed rows on CUDA, SDPA's dense mask elsewhere.
+# Measured on the H200 (2026-12-03, one call of `bash bench/gpu_suite.sh attention`), Llama-8B heads
+# (32/8 x 128), bf16, 4 x 4096, forward + backward per layer: documents of 128-1024 tokens, compiled
+# FlexAttention 2.39 ms against SDPA's dense mask 13.5 ms; its block mask costs 8.2 ms once per batch
+# (all layers of a stage share it); one whole decoder layer 44.4 ms against 52.6 (1.19x; 1.30x with
+# Llama-3B heads). Even with one document per row flex won (6.05 ms + 6.5 ms mask against 13.7).
+AUTO_FLEX_ON_CUDA = True
+# The CPU always takes SDPA: FlexAttention has no CPU backward (torch 2.14), and eager it is a slow reference.
+# Nor do heads narrower than this: inductor's FlexAttention kernel refuses them (NotImplementedError, torch 2.11).
+FLEX_MIN_HEAD_DIM = 16
 
-def flex_attention(q, k, v, scale=None, softcap=None, window=None, segments=None, compiled: bool = True) -> torch.Tensor:
-    """The same attention through FlexAttention: a block mask skips the blocks no query may read
-    (other examples, outside the window), which SDPA's dense mask computes and discards. Compiled
-    on CUDA (eager FlexAttention is a slow reference: forward only)."""
+
+def uses_flex(attention: str) -> bool:
+    """Whether model.attention (auto | sdpa | flex) asks for FlexAttention where it can run (CUDA)."""
+    return attention == "flex" or (attention == "auto" and AUTO_FLEX_ON_CUDA)
+
+
+# One block mask per batch, not per layer: every layer of a stage gets the same segments tensor, so the
+# mask built by the first is kept (per window) while that tensor is alive and unchanged.
+_MASKS: dict[int | None, tuple] = {}
+
+
+def _batch_block_mask(B: int, T: int, device, segments: torch.Tensor | None, window: int | None):
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return flex_block_mask(B, T, device, segments, window)  # a CUDA graph must rebuild it on every replay
+    version = None if segments is None else segments._version
+    hit = _MASKS.get(window)
+    if hit is not None and hit[0] is segments and hit[1:4] == (version, B, T) and hit[4] == torch.device(device):
+        return hit[5]
+    mask = flex_block_mask(B, T, device, segments, window)
+    _MASKS[window] = (segments, version, B, T, torch.device(device), mask)
+    return mask
+
+
+def flex_block_mask(B: int, T: int, device, segments: torch.Tensor | None = None, window: int | None = None):
+    """FlexAttention's block mask for causal attention within each run of `segments` and `window`."""
     from torch.nn.attention.flex_attention import create_block_mask
-    from torch.nn.attention.flex_attention import flex_attention as flex
 
-    B, T = q.size(0), q.size(2)
     r = None if segments is None else runs(segments)
 
     def mask_mod(b, h, qi, ki):
@@ -71,7 +101,18 @@ def flex_attention(q, k, v, scale=None, softcap=None, window=None, segments=None
             ok = ok & (r[b, qi] == r[b, ki])
         return ok
 
-    block_mask = create_block_mask(mask_mod, None if r is None else B, None, T, T, device=q.device)
+    return create_block_mask(mask_mod, None if r is None else B, None, T, T, device=device)
+
+
+def flex_attention(q, k, v, scale=None, softcap=None, window=None, segments=None, compiled: bool = True, block_mask=None) -> torch.Tensor:
+    """The same attention through FlexAttention: a block mask skips the blocks no query may read
+    (other examples, outside the window), which SDPA's dense mask computes and discards. Compiled
+    on CUDA (eager FlexAttention is a slow reference, and forward only on the CPU). `block_mask`:
+    one built beforehand by `flex_block_mask` (else built from segments and window, once per batch)."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if block_mask is None:
+        block_mask = _batch_block_mask(q.size(0), q.size(2), q.device, segments, window)
     score_mod = None if softcap is None else (lambda s, b, h, qi, ki: torch.tanh(s / softcap) * softcap)
     if compiled and "flex" not in _COMPILED:
         _COMPILED["flex"] = torch.compile(flex, dynamic=False)
@@ -98,11 +139,12 @@ def causal_attention(
     flex: bool = False,
 ) -> torch.Tensor:
     """q: (B, H, T, hd); k, v: (B, H_kv, T, hd) with H a multiple of H_kv. scale None: 1/sqrt(hd).
-    flex: FlexAttention on CUDA for masked attention (packed rows, windows); SDPA elsewhere."""
+    flex: FlexAttention on CUDA for masked attention (packed rows, windows) with heads of at least
+    FLEX_MIN_HEAD_DIM; SDPA elsewhere."""
     T = q.size(2)
     if window is not None and window >= T:
         window = None  # a window longer than the sequence masks nothing
-    if flex and q.is_cuda and (window is not None or segments is not None):
+    if flex and q.is_cuda and q.size(-1) >= FLEX_MIN_HEAD_DIM and (window is not None or segments is not None):
         return flex_attention(q, k, v, scale, softcap, window, segments)
     if softcap is not None:
         k, v = _repeat_kv(q, k, v)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
-from rptrain.models.attention import causal_attention, positions
+from rptrain.models.attention import causal_attention, positions, uses_flex
 from rptrain.models.decoder_config import DecoderConfig
 from rptrain.models.llama_loss import LinearCrossEntropy
 from rptrain.models.rope import apply_rotary, rotary_cos_sin
@@ -58,7 +58,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.rope, self.window = cfg.layer_rope(layer), cfg.window(layer)
-        self.scale, self.softcap, self.flex = cfg.attn_scale, cfg.attn_softcap, cfg.attention == "flex"
+        self.scale, self.softcap, self.flex = cfg.attn_scale, cfg.attn_softcap, uses_flex(cfg.attention)
         q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.splits = (q_out, kv_out, kv_out)
         if cfg.fused_qkv:

@@ -42,7 +42,7 @@ class DecoderConfig:
     tie_embeddings: bool = False
     padding_idx: int | None = None  # transformers' pad_token_id: that embedding row gets no gradient
     max_seq_len: int = 2048
-    attention: str = "sdpa"  # sdpa | flex: FlexAttention block masks on CUDA for packed rows and windows
+    attention: str = "auto"  # auto | sdpa | flex: FlexAttention block masks on CUDA for packed rows and windows (auto: rptrain.models.attention.AUTO_FLEX_ON_CUDA)
     init_std: float = 0.02
     loss_chunk_tokens: int = 4096  # tokens per logits chunk in the fused LM-head loss
 
@@ -55,8 +55,8 @@ class DecoderConfig:
             raise ValueError(f"activation {self.activation!r}: use one of {', '.join(ACTIVATIONS)}")
         if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
             raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.n_layers} layers")
-        if self.attention not in ("sdpa", "flex"):
-            raise ValueError(f"attention {self.attention!r}: use sdpa or flex")
+        if self.attention not in ("auto", "sdpa", "flex"):
+            raise ValueError(f"attention {self.attention!r}: use auto, sdpa or flex")
         if self.loss_chunk_tokens < 1:
             raise ValueError("loss_chunk_tokens must be positive")
 

@@ -198,7 +198,7 @@ def _activation(f: _Fields) -> str:
 
 
 def decoder_config(raw: dict[str, Any], where: str = "config.json", max_seq_len: int | None = None,
-                   loss_chunk_tokens: int = 4096, attention: str = "sdpa") -> DecoderConfig:
+                   loss_chunk_tokens: int = 4096, attention: str = "auto") -> DecoderConfig:
     """Raise HFModelError (one line) for anything rptrain would not compute as transformers does."""
     family = raw.get("model_type")
     if family not in FAMILIES:

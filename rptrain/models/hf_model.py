@@ -100,14 +100,14 @@ def load_hf_weights(model: nn.Sequential, files: dict[str, Path], plan: dict[str
 
 @register_model("hf")
 def build_hf(path: str, device: Device = None, dtype: torch.dtype | None = None, max_seq_len: int | None = None,
-             loss_chunk_tokens: int = 4096, attention: str = "sdpa", vocab_size: int | None = None) -> nn.Sequential:
+             loss_chunk_tokens: int = 4096, attention: str = "auto", vocab_size: int | None = None) -> nn.Sequential:
     """The decoder of the folder `path`, with its weights (device="meta": checked, nothing loaded).
 
     max_seq_len None: config.json's max_position_embeddings. vocab_size (passed by the trainer) is
     the data's vocabulary, which the model's embedding must cover.
     """
-    if attention not in ("sdpa", "flex"):
-        raise HFModelError(f"model.attention={attention}: use sdpa or flex")
+    if attention not in ("auto", "sdpa", "flex"):
+        raise HFModelError(f"model.attention={attention}: use auto, sdpa or flex")
     folder = Path(path).expanduser()
     cfg = decoder_config(read_config_json(folder), f"{folder / 'config.json'}", max_seq_len, loss_chunk_tokens, attention)
     if vocab_size is not None and vocab_size > cfg.vocab_size:

@@ -5,6 +5,7 @@ Every message names the config key or file at fault and says how to fix it.
 from __future__ import annotations
 
 from rptrain.data import DataError
+from rptrain.engine.fit import DoesNotFit
 
 
 class ConfigError(ValueError):
@@ -23,8 +24,9 @@ class NonFiniteLoss(ValueError):
     """A NaN/inf training loss without a GradScaler, with trainer.on_nonfinite=stop."""
 
 
-# DataError comes from rptrain.data (missing dataset, bad text corpus, ...).
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, DataError, OutputError, NonFiniteLoss)
+# DataError comes from rptrain.data (missing dataset, bad text corpus, ...), DoesNotFit from the engine
+# (the training state needs more memory than engine.max_host_memory / max_gpu_memory allow).
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, DataError, OutputError, NonFiniteLoss, DoesNotFit)
 
 
 def one_line(text: str) -> str:

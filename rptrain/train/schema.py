@@ -157,7 +157,7 @@ class HFModelConfig:
     path: str = MISSING  # folder with config.json and *.safetensors (model.safetensors.index.json when sharded)
     max_seq_len: Optional[int] = None  # None: config.json's max_position_embeddings (x factor for dynamic rope)
     loss_chunk_tokens: int = 4096
-    attention: str = "sdpa"  # sdpa | flex (FlexAttention block masks on CUDA for packed rows and sliding windows)
+    attention: str = "auto"  # auto | sdpa | flex (FlexAttention block masks on CUDA for packed rows and sliding windows)
     weights: Optional[str] = None  # another checkpoint of this model to load after the folder's weights
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -348,6 +348,8 @@ class EngineConfig:
     optimizer_threads: Optional[int] = None  # None: the engine's default
     channels_last: Optional[bool] = None  # None: on for convolution models on CUDA (train/memory_format.py)
     cudnn_benchmark: bool = True  # torch.backends.cudnn.benchmark while the run trains (train/kernels.py)
+    max_host_memory: Optional[str] = None  # bytes or e.g. "96GiB"; None: physical memory less a reserve (engine/fit.py)
+    max_gpu_memory: Optional[str] = None  # None: the GPU's free memory
 
 
 # ----------------------------------------------------------------------------- logger

@@ -70,6 +70,7 @@ def build_engine(cfg: DictConfig, model: torch.nn.Sequential, d: Dist) -> RoundP
         return RoundPipe(model, torch_dtype(cfg.precision.optim_dtype), build_run_config(cfg.run_config, len(model)),
                          devices=d.devices, process_group=d.group, cuda_graphs=cfg.engine.cuda_graphs,
                          optimizer_threads=cfg.engine.optimizer_threads,
+                         max_host_memory=cfg.engine.max_host_memory, max_gpu_memory=cfg.engine.max_gpu_memory,
                          memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices))
 
 

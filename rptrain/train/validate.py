@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rptrain.data import DataError
+from rptrain.engine.fit import parse_size
 from rptrain.models.hf_presets import QWEN3_PRESETS
 
 from . import dist, schema
@@ -106,6 +107,11 @@ def validate_config(cfg: DictConfig) -> None:
     micro = micro or default_microbatches()
     source = "run_config.num_microbatch" if cfg.run_config.num_microbatch else "the default num_microbatch (GPUs + 1)"
     _positive("engine.optimizer_threads", cfg.engine.optimizer_threads)
+    for key in ("max_host_memory", "max_gpu_memory"):
+        try:
+            parse_size(cfg.engine[key], f"engine.{key}")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if not cfg.dist.timeout_s > 0:
         raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s} must be > 0 seconds")
     world = dist.world_size()

@@ -1,0 +1,169 @@
+"""Will the training state fit? Checked before the engine allocates anything, so a model too big for
+the machine gets one error with the numbers instead of a kill by the operating system.
+
+The prediction is the engine's own accounting (``RoundPipe.memory_report``, host.py), made from the
+flat layouts alone: master, two gradient buffers (async steps), two compute copies, frozen weights
+and buffers; the optimizer's state is not known yet (the optimizer is made after the engine), so
+Adam's two moments in the master's dtype are assumed, the optimizers rptrain ships. On top of that,
+pinned host blocks are rounded up to a power of two by PyTorch's caching host allocator (every page
+of the block is locked), which ``memory_report`` does not show but the machine pays.
+
+Today's engine keeps every byte of state on the host (placement with ``gpu_state=False``); the GPU
+only has to hold the largest layer (or, resident, two versions of the whole model).
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .device import Device
+from .layout import FlatLayout
+from .placement import GPU, HOST, GiB, Placement, Run, StateBytes, fmt_bytes, place
+from .tuning import Tuning
+
+# The host budget's default: physical memory (or the cgroup's limit) less max(10%, 4 GiB). The rest of
+# the process lives there too: Python, the torch and CUDA libraries and the CUDA context's host side
+# (a few GiB), the data pipeline, the model's own weights while the engine copies them, the OS.
+# Under torchrun the ranks on one host (LOCAL_WORLD_SIZE) split it: each holds the whole state.
+HOST_RESERVE_SHARE = 0.1
+HOST_RESERVE_MIN = 4 * GiB
+Size = Union[int, float, str, None]
+
+
+class DoesNotFit(MemoryError):
+    """The training state needs more memory than the budgets allow (raised before allocating)."""
+
+    def __init__(self, message: str, placement: Placement):
+        super().__init__(message)
+        self.placement = placement
+
+
+def physical_memory() -> int:
+    """Bytes of RAM this process may use: the machine's, or its cgroup's limit if lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: Size, name: str = "size") -> Optional[int]:
+    """Bytes from an int, a float or a string such as "96GiB", "100 GB" or "1.5e11" (None stays None)."""
+    if value is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([a-z]*)\s*", str(value).lower())
+    if not isinstance(value, bool) and match and match.group(2) in _UNITS and float(match.group(1)) > 0:
+        return int(float(match.group(1)) * _UNITS[match.group(2)])
+    raise ValueError(f"{name}={value!r} is not a size: give bytes or a positive number with a unit, e.g. 96GiB or 100GB")
+
+
+def host_budget(max_host_memory: Size) -> tuple[int, str]:
+    """(bytes, where they come from)."""
+    if max_host_memory is not None:
+        return parse_size(max_host_memory, "max_host_memory"), "max_host_memory"
+    physical = physical_memory()
+    reserve = max(HOST_RESERVE_MIN, int(HOST_RESERVE_SHARE * physical))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # torchrun's ranks on this host share its memory
+    shared = f", shared by {ranks} ranks on this host" if ranks > 1 else ""
+    return (physical - reserve) // ranks, f"physical {fmt_bytes(physical)} less a {fmt_bytes(reserve)} reserve{shared}; max_host_memory sets another"
+
+
+def gpu_budget(devices: Sequence[Device], max_gpu_memory: Size) -> tuple[int, str]:
+    """(bytes, where they come from): the least free memory of the engine's GPUs, capped by ``max_gpu_memory``."""
+    cuda = [d for d in devices if d.is_cuda]
+    if not cuda:
+        return 0, "no GPU"
+    free = min(d.free_memory() for d in cuda)
+    cap = parse_size(max_gpu_memory, "max_gpu_memory")
+    if cap is not None and cap < free:
+        return cap, "max_gpu_memory"
+    return free, "free on the GPU"
+
+
+def runs_of(layout: FlatLayout) -> list[Run]:
+    """One run per layer and dtype: its owned tensors and the padding up to the next run, as the
+    flat tensors are allocated (the master's alignment of the next dtype is the last run's ``master_pad``)."""
+    keys = list(layout.sizes)
+    trainable = any(s.requires_grad for s in layout.slots)
+    runs = []
+    for i, key in enumerate(keys):
+        starts: dict[int, int] = {}
+        for slot in layout.slots:
+            if slot.key == key:
+                starts.setdefault(slot.owner, slot.offset)
+        size = layout.sizes[key]
+        region = (layout.base[keys[i + 1]] if i + 1 < len(keys) else layout.total) - layout.base[key]
+        owners = sorted(starts, key=starts.get)
+        for owner, stop in zip(owners, [starts[o] for o in owners[1:]] + [size]):
+            if stop > starts[owner]:
+                pad = region - size if trainable and stop == size else 0
+                runs.append(Run(owner, key, stop - starts[owner], layout.dtypes[key].itemsize, trainable, pad))
+    return runs
+
+
+def _round_up(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Sequence[Device], resident: bool,
+              max_host_memory: Size = None, max_gpu_memory: Size = None, pin_frozen_share: float = Tuning.pin_frozen_share) -> Placement:
+    """Today's engine's placement (everything on the host) with its budgets; raises DoesNotFit if it does not fit."""
+    params, frozen, buffers = FlatLayout.of_parameters(layers, True), FlatLayout.of_parameters(layers, False), FlatLayout.of_buffers(layers)
+    pin = any(d.is_cuda and getattr(d, "pins_memory", True) for d in devices)  # as host.py pins (a simulated GPU does not)
+    state = StateBytes(master=optim_dtype.itemsize, optimizer=2 * optim_dtype.itemsize)
+    flat = lambda layout: [n * layout.dtypes[k].itemsize for k, n in layout.sizes.items()]
+    frozen_bytes = sum(flat(frozen))
+    # host.py's pinned allocations: two compute copies, two gradient buffers, the buffers, the frozen
+    # weights up to a share of the machine, and the master when the GPU casts its resident copy from it.
+    pinned = [*flat(params), *flat(params), params.total * 4, params.total * 4, *flat(buffers)] if pin else []
+    if pin and frozen_bytes <= pin_frozen_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+        pinned += flat(frozen)
+    if resident:
+        pinned.append(params.total * optim_dtype.itemsize)
+    host, host_from = host_budget(max_host_memory)
+    gpu, gpu_from = gpu_budget(devices, max_gpu_memory)
+    weights = [params.nbytes(i, i + 1) + frozen.nbytes(i, i + 1) for i in range(len(layers))]
+    grads = [params.nbytes(i, i + 1) for i in range(len(layers))]  # in the compute dtype, as plan.LayerCost counts them
+    need_gpu = (2 * sum(weights) if resident else max(2 * w + 3 * g for w, g in zip(weights, grads))) if gpu else 0
+    plan = place(runs_of(params) + runs_of(frozen), state, gpu_free=gpu, host_budget=host, gpu_compute=need_gpu,
+                 buffers=sum(flat(buffers)), pinned_rounding=sum(_round_up(n) - n for n in pinned), gpu_state=False,
+                 sources={HOST: host_from, GPU: gpu_from},
+                 notes=("optimizer state: Adam's two moments in the master's dtype, assumed (the optimizer comes after the engine)",
+                        "GPU: the largest layer's weights and gradients (or the resident model); activations are measured by the first call"))
+    if not plan.fits:
+        raise DoesNotFit(_message(plan, optim_dtype), plan)
+    return plan
+
+
+def _message(plan: Placement, optim_dtype: torch.dtype) -> str:
+    parts = []
+    for where in plan.short():
+        kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.totals[where].items() if v)
+        parts.append(f"{where} memory needed {fmt_bytes(plan.total(where))} ({kinds}) but {fmt_bytes(plan.available(where))} "
+                     f"available ({plan.sources.get(where, 'budget')})")
+    host = plan.totals[HOST]
+    trainable = sum(p.run.numel for p in plan.runs if p.run.trainable)
+    options = []
+    if optim_dtype.itemsize > 2:  # master and moments in bf16: 2 + 4 bytes a parameter instead of 4 + 8
+        saved = trainable * (optim_dtype.itemsize - 2) * 3
+        options.append(f"optim_dtype=torch.bfloat16 (CLI: precision.optim_dtype=bfloat16) needs about {fmt_bytes(plan.total(HOST) - saved)} of host memory")
+    lora = sum(p.run.numel * p.run.itemsize for p in plan.runs) + host["buffers"]
+    options.append(f"LoRA (CLI: model.lora.rank=16) stores the weights once, about {fmt_bytes(lora)} of host memory")
+    need = -(-plan.total(HOST) // GiB)
+    options.append(f"max_host_memory={need}GiB (CLI: engine.max_host_memory={need}GiB) if the machine has the memory "
+                   f"(physical: {fmt_bytes(physical_memory())})")
+    options.append("more GPUs do not help yet: every rank keeps the whole state on its host (GPU-resident optimizer shares: issue 21)")
+    return f"the training state does not fit: {'; '.join(parts)}. Options: {'; '.join(options)}"

@@ -1,0 +1,178 @@
+"""Where the training state lives: a placement plan per flat run of parameters. Pure data, no torch.
+
+A run is one layer's parameters of one dtype, contiguous in the engine's flat layout (layout.py), so
+it moves, steps and is addressed as one piece. A trainable run has a master copy, gradients and
+optimizer state; they live together (GPU or host) and its optimizer step runs where they are. A
+frozen run has only its weights, stored once.
+
+Policy (``place``): keep as much state on the GPU as fits, the rest on the host. The GPU's budget
+for state is its free memory less what the schedule needs there anyway (the compute copy and the
+activations, ``gpu_working_set``). Runs go to the GPU in layer order while they fit, first fit:
+the backward produces the earliest layers' gradients last, so the host keeps the later layers,
+whose gradients arrive first, and its (slower) step starts while the backward still runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+GPU, HOST = "gpu", "host"
+PLACES = (GPU, HOST)
+# master: fp32 weights; grads: fp32 gradient buffers; optimizer: its state (Adam: two moments);
+# compute: the weights in the model's dtype that layers compute with (and, on the GPU, the gradients
+# staged for download); frozen: requires_grad=False weights; buffers: BatchNorm statistics and such;
+# activations: what the schedule keeps on the GPU; pinned_rounding: pinned host blocks are rounded
+# up to a power of two by PyTorch's caching host allocator, and those pages are committed too.
+KINDS = ("master", "grads", "optimizer", "compute", "frozen", "buffers", "activations", "pinned_rounding")
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Run:
+    """One flat run: layer ``layer``'s parameters of one dtype, ``numel`` elements of ``itemsize`` bytes
+    (alignment padding included: it is allocated like the rest). ``master_pad``: elements the master
+    layout adds after it (and so the gradient buffers and the optimizer state), to align the next dtype."""
+
+    layer: int
+    dtype: str
+    numel: int
+    itemsize: int
+    trainable: bool
+    master_pad: int = 0
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per trainable parameter of each kind of state, and how many copies each place keeps."""
+
+    master: int = 4  # the optimizer's dtype (fp32)
+    optimizer: int = 8  # AdamW: two fp32 moments
+    grad: int = 4  # one fp32 gradient buffer
+    host_grad_buffers: int = 2  # the optimizer reads one while the next backward fills the other (async steps)
+    gpu_grad_buffers: int = 1  # a GPU step takes milliseconds: it runs before the next backward needs the buffer
+    host_compute_copies: int = 2  # versions v and v+1, for runs the host steps (a GPU casts its own)
+
+
+@dataclass(frozen=True)
+class RunPlace:
+    """Where run ``run``'s master, gradients and optimizer state live and its step runs (None: frozen)."""
+
+    run: Run
+    state: Optional[str]
+
+    @property
+    def step(self) -> Optional[str]:
+        return self.state
+
+
+@dataclass(frozen=True)
+class Placement:
+    runs: tuple[RunPlace, ...]
+    totals: dict[str, dict[str, int]]  # place -> kind -> bytes
+    gpu_free: int  # measured free GPU memory (0: no GPU)
+    host_budget: int
+    sources: dict[str, str] = field(default_factory=dict)  # place -> where its budget comes from
+    notes: tuple[str, ...] = ()  # assumptions worth printing
+
+    def total(self, place: str) -> int:
+        return sum(self.totals[place].values())
+
+    def available(self, place: str) -> int:
+        return self.gpu_free if place == GPU else self.host_budget
+
+    def short(self) -> dict[str, int]:
+        """Bytes missing per place (only places that do not fit)."""
+        return {p: self.total(p) - self.available(p) for p in PLACES if self.total(p) > self.available(p)}
+
+    @property
+    def fits(self) -> bool:
+        return not self.short()
+
+    def params_on(self, place: str) -> int:
+        return sum(p.run.numel for p in self.runs if p.state == place)
+
+    def __str__(self) -> str:
+        lines = [f"placement{'' if self.fits else ' (DOES NOT FIT)'}: GPU {fmt_bytes(self.total(GPU))} of {fmt_bytes(self.gpu_free)} "
+                 f"({self.sources.get(GPU, 'free')}), host {fmt_bytes(self.total(HOST))} of {fmt_bytes(self.host_budget)} ({self.sources.get(HOST, 'budget')})"]
+        lines += [f"  {n}" for n in self.notes]
+        for (first, last), dtype, state in _groups(self.runs):
+            what = f"master, grads, optimizer state on the {state.upper()}, step on the {state.upper()}" if state else "frozen weights on the HOST"
+            lines.append(f"  layers {first}-{last} {dtype}: {what}")
+        lines.append(f"  {'bytes':<16}{'GPU':>12}{'host':>12}")
+        for kind in KINDS:
+            if self.totals[GPU][kind] or self.totals[HOST][kind]:
+                lines.append(f"  {kind:<16}{fmt_bytes(self.totals[GPU][kind]):>12}{fmt_bytes(self.totals[HOST][kind]):>12}")
+        return "\n".join(lines)
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes in the largest binary unit that keeps a digit before the point."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _groups(runs: Sequence[RunPlace]) -> list[tuple[tuple[int, int], str, Optional[str]]]:
+    """Consecutive runs of one dtype and one place, as (first layer, last layer), dtype, place."""
+    out: list[list] = []
+    for p in runs:
+        if out and out[-1][1] == p.run.dtype and out[-1][2] == p.state and out[-1][3] == p.run.trainable:
+            out[-1][0][1] = p.run.layer
+        else:
+            out.append([[p.run.layer, p.run.layer], p.run.dtype, p.state, p.run.trainable])
+    return [((a, b), d, s) for (a, b), d, s, _ in out]
+
+
+def place(runs: Iterable[Run], state: StateBytes, *, gpu_free: int, host_budget: int, gpu_compute: int = 0,
+          gpu_activations: int = 0, buffers: int = 0, pinned_rounding: int = 0, gpu_state: bool = True,
+          sources: Optional[dict[str, str]] = None, notes: Sequence[str] = ()) -> Placement:
+    """The placement of ``runs``: trainable runs on the GPU in order while their state fits in
+    ``gpu_free - gpu_compute - gpu_activations`` (never with ``gpu_state=False``, the engine of today),
+    the rest on the host. ``buffers`` and ``pinned_rounding`` are host bytes outside the runs."""
+    runs = list(runs)
+    totals = {p: dict.fromkeys(KINDS, 0) for p in PLACES}
+    totals[GPU].update(compute=gpu_compute, activations=gpu_activations)
+    totals[HOST].update(buffers=buffers, pinned_rounding=pinned_rounding)
+    room = gpu_free - gpu_compute - gpu_activations if gpu_state else 0
+    placed = []
+    for run in runs:
+        if not run.trainable:
+            totals[HOST]["frozen"] += run.numel * run.itemsize
+            placed.append(RunPlace(run, None))
+            continue
+        on_gpu = (run.numel + run.master_pad) * (state.master + state.optimizer + state.grad * state.gpu_grad_buffers)
+        where = GPU if on_gpu <= room else HOST
+        n = run.numel + run.master_pad
+        if where == GPU:
+            room -= on_gpu
+            totals[GPU]["grads"] += n * state.grad * state.gpu_grad_buffers
+        else:
+            totals[HOST]["grads"] += n * state.grad * state.host_grad_buffers
+            totals[HOST]["compute"] += run.numel * run.itemsize * state.host_compute_copies
+        totals[where]["master"] += n * state.master
+        totals[where]["optimizer"] += n * state.optimizer
+        placed.append(RunPlace(run, where))
+    return Placement(tuple(placed), totals, gpu_free, host_budget, dict(sources or {}), tuple(notes))
+
+
+def gpu_working_set(costs: Sequence, plan, num_microbatch: int, resident: bool) -> tuple[int, int]:
+    """(compute bytes, activation bytes) the schedule keeps on one GPU, estimated from the plan and
+    the layer costs (plan.LayerCost; sizes are known before the first call, activations after it).
+
+    compute: resident, two versions of every weight (the live copy and the upload slot); otherwise
+    the largest stage's weights twice (it runs while the next one uploads). Either way plus the
+    largest backward stage's gradients three times (the gradient, its fp32 copy for download, and
+    the accumulator), as plan.backward_memory counts them.
+    activations: each forward stage's output (except the last's) for every microbatch, kept for
+    the backward stages' recompute, plus the largest backward stage's autograd graph for one
+    microbatch (the stage's saved tensors and outputs; microbatches run its backward one by one)."""
+    weights = lambda a, b: sum(c.param_bytes for c in costs[a:b])
+    if resident:
+        compute = 2 * weights(0, len(costs))
+    else:
+        compute = 2 * max(weights(a, b) for a, b in (*plan.forward, *plan.backward))
+    compute += 3 * max(sum(c.grad_bytes for c in costs[a:b]) for a, b in plan.backward)
+    kept = sum(costs[b - 1].activation_bytes for _, b in plan.forward[:-1]) * num_microbatch
+    graph = max(sum(c.saved_bytes + c.activation_bytes for c in costs[a:b]) for a, b in plan.backward)
+    return compute, kept + graph

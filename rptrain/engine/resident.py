@@ -1,0 +1,151 @@
+"""``ResidentStore``: the whole compute copy stays on every GPU (weights.py says when).
+
+Each version is staged once per GPU into an upload slot (by the optimizer thread, from the master:
+refresh.py); jobs read a "live" copy that is always the same memory (CUDA graphs rely on it),
+refreshed from the slot when the version changes. Frozen weights go up once per GPU. A fused stage
+replayed as CUDA graphs also keeps its buffers and gradient tensors in static memory.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import refresh
+from .device import Device
+from .host import HostState
+from .layout import Range
+from .schedule import Job
+from .tuning import Tuning
+from .weights import StageTensors, StreamedStore, _whole
+
+
+class _Resident:
+    """The whole compute copy on one GPU: upload slots by version, and the live copy jobs read."""
+
+    def __init__(self) -> None:
+        self.staged: dict[int, StageTensors] = {}
+        self.live: Optional[list[tuple[Range, Tensor]]] = None
+        self.live_version: Optional[int] = None
+
+    def publish(self, version: int, staged: StageTensors) -> None:
+        """Keep ``staged`` as ``version`` and forget versions no call can ask for any more."""
+        self.staged[version] = staged
+        for old in [v for v in self.staged if v < version - 1]:
+            del self.staged[old]
+
+
+class ResidentStore(StreamedStore):
+    def __init__(self, host: HostState, tuning: Tuning, devices: Sequence[Device]):
+        super().__init__(host, tuning)
+        self.devices = devices
+        self.resident: dict[int, _Resident] = {}
+        self._frozen_copies: dict[int, StageTensors] = {}  # device index -> the frozen weights, whole
+        self._lock = threading.Lock()
+        self._static_buffers: dict[tuple[int, int, int], StageTensors] = {}
+        self._static_grads: dict[tuple[int, int, int], StageTensors] = {}
+        self._refresh_plan: Optional[tuple[list[Range], list[Range]]] = None
+
+    # ----------------------------------------------------------------------------- weights
+    def weights(self, device: Device, job: Job, version: int) -> tuple[StageTensors, StageTensors]:
+        return self._live(device, version), self._frozen(device, job)
+
+    def _frozen(self, device: Device, job: Job) -> StageTensors:
+        with self._lock:
+            found = self._frozen_copies.get(device.index)
+            if found is None:
+                with device.stream("upload"):
+                    pieces = [(r, device.upload(t)) for r, t in _whole(self.host.frozen_layout, self.host.frozen)]
+                    found = self._frozen_copies[device.index] = StageTensors(self.host.frozen_layout, pieces, device.record("upload"))
+            return found
+
+    def frozen_changed(self) -> None:
+        with self._lock:
+            for index, found in self._frozen_copies.items():
+                device = self.devices[index]
+                with device.stream("upload"):
+                    for r, t in found.pieces:
+                        t.copy_(self.host.frozen[r.key], non_blocking=True)
+                    found.event = device.record("upload")
+
+    def copy(self, device: Device, version: int) -> StageTensors:
+        """Compute copy ``version`` uploaded to ``device`` (the optimizer thread calls this as soon
+        as it has written the version, so the upload overlaps the running call)."""
+        with self._lock:
+            resident = self.resident.setdefault(device.index, _Resident())
+            found = resident.staged.get(version)
+            if found is None:
+                with device.stream("upload"):
+                    pieces = [(r, device.upload(t)) for r, t in _whole(self.host.params, self.host.compute[version % 2])]
+                    found = StageTensors(self.host.params, pieces, device.record("upload"))
+                resident.publish(version, found)
+            return found
+
+    def _live(self, device: Device, version: int) -> StageTensors:
+        staged = self.copy(device, version)
+        resident = self.resident[device.index]
+        if resident.live is None:
+            resident.live = [(r, torch.empty_like(t)) for r, t in staged.pieces]
+        if resident.live_version != version:
+            with device.stream("compute"):
+                device.wait("compute", staged.event)
+                device.check_ready("compute", (t for _, t in staged.pieces))
+                for (_, live), (_, t) in zip(resident.live, staged.pieces):
+                    live.copy_(t)
+                    device.keep_alive(t, "compute")
+            resident.live_version = version
+        return StageTensors(self.host.params, resident.live)
+
+    def prefetch_version(self, version: int) -> None:
+        for device in self.devices:
+            self.copy(device, version)
+
+    def publish(self, version: int) -> None:
+        """Version ``version`` on every GPU, cast partly there from the master (refresh.py); the
+        host compute copy gets only the host's share. Returns once the master may change again."""
+        try:
+            if self._refresh_plan is None:
+                self._refresh_plan = refresh.split(self.host.params, self.host.master.dtype, self.tuning.refresh_gpu_share,
+                                                   self.tuning.refresh_chunk)
+            staged = refresh.stage_version(self.host, self.devices, version, self._refresh_plan)
+        except BaseException:  # not staged: a call that needs it uploads it from the host copy
+            self.host.write_compute(version)
+            raise
+        with self._lock:  # held only to publish: a running call looks up its own version here
+            for index, (pieces, event) in staged.items():
+                self.resident.setdefault(index, _Resident()).publish(version, StageTensors(self.host.params, pieces, event))
+
+    def drop(self) -> None:
+        with self._lock:
+            self.resident.clear()
+            self._frozen_copies.clear()
+        self._static_buffers.clear()
+        self._static_grads.clear()
+
+    # ----------------------------------------------------------------------------- static tensors of a graphed stage
+    def _buffer_pieces(self, device: Device, job: Job, static: bool) -> list[tuple[Range, Tensor]]:
+        if not static:
+            return super()._buffer_pieces(device, job, static)
+        key = (device.index, job.start, job.stop)  # a recorded graph reads and updates these very tensors
+        if key not in self._static_buffers:
+            self._static_buffers[key] = StageTensors(self.host.buffer_layout, super()._buffer_pieces(device, job, static))
+        pieces = self._static_buffers[key].pieces
+        for r, t in pieces:
+            t.copy_(self.host.buffer_range(r), non_blocking=True)
+        return pieces
+
+    def grads(self, device: Device, job: Job, static: bool) -> StageTensors:
+        """The same memory every call when a recorded graph accumulates into it (the call's end
+        synchronizes, so the last download is done)."""
+        if not static:
+            return super().grads(device, job, static)
+        key = (device.index, job.start, job.stop)
+        grads = self._static_grads.get(key)
+        if grads is None:
+            grads = self._static_grads[key] = super().grads(device, job, static)
+        else:
+            for _, t in grads.pieces:
+                t.zero_()
+        return grads

@@ -1,0 +1,63 @@
+"""Every measured threshold of the engine in one value: ``RoundPipe(..., tuning=Tuning(...))``.
+
+Each default says where it came from. Tests pass values here instead of patching modules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Tuning:
+    # Keep the whole model on every GPU (uploaded once per version, not once per stage) when two
+    # versions of the trainable weights and one of the frozen take at most this share of the GPU.
+    resident_share: float = 0.2
+    # Move saved activations to pinned host memory when one call's would take over this share of
+    # the GPU: GPU memory then bounds one layer's activations, not the whole sequence's.
+    offload_share: float = 0.25
+    # True or False forces activation offloading on or off (GPU engines); None: decided by offload_share.
+    offload_activations: Optional[bool] = None
+    # Runs before recording a CUDA graph: lazy initialisation and cudnn's algorithm search happen there.
+    graph_warmup: int = 2
+    # Each input shape keeps its own graphs and activation memory: shapes past this run eagerly.
+    max_recorded_graphs: int = 8
+    # A graph's activations live in a private memory pool that eager work can never reuse. Stages
+    # whose forward keeps more than this share of the GPU run eagerly: their kernels are long
+    # enough that launch costs do not matter, and the memory is worth more to the other stages.
+    max_graph_memory_share: float = 0.25
+    # A replayed backward hands all the stage's gradients over at its end; eager autograd hands each
+    # over as soon as it is accumulated, so its download overlaps the rest of the backward. Past this
+    # many parameters that overlap is worth more than the launches a graph saves (3 B params on an
+    # H200: the call took 0.85 s eager, 1.05 s replayed; ResNet-34's 21 M: 1.5 ms of downloads
+    # against a step that launches cost most of).
+    max_graph_params: int = 100_000_000
+    # Of physical memory: frozen weights past this stay pageable. Pinned pages cannot be swapped or
+    # reclaimed, and more would starve the rest of the process; pageable memory uploads through the
+    # driver's staging buffer, about half as fast.
+    pin_frozen_share: float = 0.5
+    # Fraction of each flat tensor of a resident version that goes up as fp32 and is cast on the GPU
+    # (refresh.py): balances the copy engine (the fp32 share, then bf16 of the rest) against the
+    # host's casting pass. Measured on the H200 at 990 M fp16 parameters (bench/optimizer.py
+    # --gpu-shares): 96, 60, 58, 61 and 73 ms to stage a version at shares 0, 0.3, 0.45, 0.6 and 1.
+    refresh_gpu_share: float = 0.4
+    # Elements per staging copy: bounds the GPU's fp32 scratch and lets uploads follow the host's pass.
+    refresh_chunk: int = 1 << 25
+    # Without a GPU the optimizer and the compute share the cores, and a second thread of OpenMP
+    # work makes every small op pay a thread wake-up (3x slower on 2 cores): there the step runs
+    # inline when submitted unless this is True. The staleness rules are the same either way.
+    cpu_optimizer_thread: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "Optional[bool]" and value is None:
+                continue
+            if f.type in ("bool", "Optional[bool]"):
+                if not isinstance(value, bool):
+                    raise TypeError(f"Tuning.{f.name} must be True or False, got {value!r}")
+            elif f.type == "int":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"Tuning.{f.name} must be a positive int, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"Tuning.{f.name} must be a share in [0, 1], got {value!r}")

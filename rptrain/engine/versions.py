@@ -1,0 +1,189 @@
+"""The version/window protocol and the optimizer-thread task.
+
+Versions of the weights are numbered in the order the optimizer thread writes them: every
+``step()`` and every ``synchronize()`` writes one. After ``step(is_async=True)`` the next call uses
+the weights written by the step before it (iteration k's gradient is computed at the weights after
+max(k-1, 0) steps); after ``step(is_async=False)`` or ``synchronize()`` it uses the newest.
+
+Gradients go to one of two fp32 buffers: the open window's. A step hands the window's buffer to
+the optimizer thread (as the master parameters' ``.grad``) and the next call opens the other one,
+so the next iteration's backward overlaps the optimizer step. A step that fails, or a step function
+that keeps a ``.grad``, leaves the buffer ``held`` until the next step lets it go.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+from torch import Tensor
+
+from .executor import Executor
+from .host import GradBuffer, HostState
+from .scaler import step_context
+from .trace import span
+from .worker import TaskThread, Ticket
+
+
+def same_storage(t: Optional[Tensor], flat: Tensor) -> bool:
+    return t is not None and t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+class Versions:
+    def __init__(self, host: HostState, executor: Executor, thread: TaskThread, optimizer_ctx: Callable[[], Any]):
+        """``optimizer_ctx``: the context step functions run in (``OptimizerCtx``)."""
+        self.host, self.executor, self.thread, self.optimizer_ctx = host, executor, thread, optimizer_ctx
+        self.tickets: dict[int, Ticket] = {}  # version -> the task writing it
+        self.written = 0  # newest version submitted
+        self.required = 0  # version the next call uses
+        self.shown = 0  # version the user's model parameters point at
+        self.last_step = 0  # version the newest step writes
+        self.window = 0  # which gradient buffer the open window accumulates into
+        self.window_open = False
+        self.window_scalers: dict = {}  # GradScaler -> (scale used, an inf/NaN seen) in this window
+
+    def step(self, step_fn: Callable[[], Any], is_async: bool) -> None:
+        """Submit ``step_fn`` with the window's gradients bound, and do the bookkeeping."""
+        buffer, scalers = self.close_window()
+        version = self.submit(functools.partial(self.run_step, step_fn, buffer, scalers))
+        self.stepped(version, buffer, is_async)
+
+    def synchronize(self) -> None:
+        self.drain()
+        version = self.submit(self.host_refresh)
+        self.wait(version)
+        self.required = self.last_step = version
+        self.use()
+
+    def wait_all(self) -> None:
+        """Wait for queued optimizer work without raising its errors."""
+        for ticket in list(self.tickets.values()):
+            ticket.wait()
+
+    def open_buffer(self) -> Optional[GradBuffer]:
+        """The open window's gradient buffer (None: no call since the last step)."""
+        return self.host.grads[self.window] if self.window_open else None
+
+    def observe(self, scalers: dict, found_inf: bool) -> None:
+        """A call's GradScalers and whether its gradients had an inf/NaN: kept for the window's step."""
+        for scaler, scale in scalers.items():
+            scaler._observe(found_inf)
+            _, earlier = self.window_scalers.get(scaler, (scale, False))
+            self.window_scalers[scaler] = (scale, earlier or found_inf)
+
+    def close_window(self) -> tuple[Optional[GradBuffer], dict]:
+        """The open window's gradient buffer (None: no call since the last step) and scalers."""
+        buffer = self.host.grads[self.window] if self.window_open else None
+        scalers, self.window_scalers = self.window_scalers, {}
+        self.window_open = False
+        return buffer, scalers
+
+    def stepped(self, version: int, buffer: Optional[GradBuffer], is_async: bool) -> None:
+        """Bookkeeping after submitting the step that writes ``version``."""
+        previous, self.last_step = self.last_step, version
+        if is_async:
+            self.required = max(self.required, previous)
+            if buffer is not None:
+                self.window = 1 - self.window
+        else:
+            try:
+                self.wait(version)
+            finally:  # a failed step still wrote its version; the buffer its .grad holds stays out of use
+                self.required = version
+                if buffer is not None and not buffer.free.is_set():
+                    self.window = 1 - self.window
+
+    def submit(self, task: Callable[[int], None]) -> int:
+        version = self.claim()
+        self.tickets[version] = self.thread.submit(functools.partial(task, version))
+        return version
+
+    def claim(self) -> int:
+        self.written += 1
+        return self.written
+
+    def wait(self, version: int) -> None:
+        ticket = self.tickets.get(version)
+        if ticket is not None:
+            ticket.wait()
+            self.raise_errors()
+
+    def raise_errors(self) -> None:
+        for version, ticket in sorted(self.tickets.items()):
+            if ticket.done():
+                del self.tickets[version]
+                error, ticket.error = ticket.error, None  # reported once, also where engines share a ticket
+                if error is not None:
+                    raise RuntimeError(f"the optimizer step failed on the optimizer thread: {error!r}") from error
+
+    def drain(self) -> None:
+        self.wait_all()
+        self.raise_errors()
+
+    def use(self) -> int:
+        version = self.required
+        with span("wait_weights"):
+            self.wait(version)
+        if self.shown != version:
+            self.host.show_version(version)
+            self.shown = version
+        return version
+
+    # ----------------------------------------------------------------------------- the optimizer thread
+    def run_step(self, step_fn: Callable[[], Any], buffer: Optional[GradBuffer], scalers: dict, version: int) -> None:
+        try:
+            with span("bind_grads"):
+                self.bind_master_grads(buffer)
+            with step_context(scalers), self.optimizer_ctx(), span("step_fn"):
+                step_fn()
+        finally:
+            if buffer is not None:
+                buffer.held = any(same_storage(p.grad, buffer.flat) for p in self.host.master_params)
+                if not buffer.held:
+                    buffer.free.set()
+            with span("stage_from_master" if self.executor.resident else "write_compute_copy"):
+                self.executor.publish(version)
+
+    def host_refresh(self, version: int) -> None:
+        """Compute copy ``version`` := the master, whole on the host (and staged on resident GPUs)."""
+        with span("write_compute_copy"):
+            self.host.write_compute(version)
+        with span("upload_resident"):
+            self.executor.store.prefetch_version(version)
+
+    def bind_master_grads(self, buffer: Optional[GradBuffer]) -> None:
+        """Master ``.grad`` := views of ``buffer`` for every slot that got a gradient this window."""
+        layout = self.host.params
+        held = [b for b in self.host.grads if b is not buffer and b.held]
+        for slot, p in zip(layout.slots, self.host.master_params):
+            if not slot.requires_grad:
+                continue
+            if buffer is not None and buffer.written[slot.index]:
+                view = buffer.views[slot.index]
+                if p.grad is not None:
+                    view.add_(p.grad)  # zero_grad() was not called: gradients keep accumulating
+                p.grad = view
+            elif any(same_storage(p.grad, b.flat) for b in held):
+                p.grad = p.grad.clone()  # keep the user's gradient but let its buffer go
+        for b in held:
+            b.held = False
+            b.free.set()
+
+    def release(self, buffer: GradBuffer) -> None:
+        """Master gradients keep their values in their own memory; ``buffer`` is free again."""
+        for p in self.host.master_params:
+            if same_storage(p.grad, buffer.flat):
+                p.grad = p.grad.clone()
+        buffer.held = False
+        buffer.free.set()
+
+    def open_window(self) -> GradBuffer:
+        buffer = self.host.grad_buffer(self.window)
+        if not self.window_open:
+            while not buffer.free.wait(timeout=0.5):
+                self.raise_errors()
+                if not self.tickets:  # no step left that would let it go (one failed holding it)
+                    self.release(buffer)
+            buffer.free.clear()
+            buffer.reset()
+            self.window_open = True
+        return buffer
