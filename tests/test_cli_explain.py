@@ -18,8 +18,10 @@ def test_explain_prints_the_stages_and_trains_nothing(tmp_path, monkeypatch, cap
     code, out, err = run_main(["--explain", *LM, f"hydra.run.dir={run}"], capsys)
     assert code == 0 and err == "", (code, err)
     assert "model llama_tiny: 4 layers" in out and "((int64[8, 32], int64[8, 32]),)" in out  # the batch it explains
-    for a, b in ((0, 1), (1, 3), (3, 4)):  # every stage, whatever the engine's notation ([a, b), (a, b), a:b, a-b)
-        assert re.search(rf"\b{a}\s*(,|:|-|\.\.)\s*{b}\b", out), (a, b, out)
+    # every stage, as RoundPipe.explain names them (first-last layer), then the actions of both microbatches
+    stages = [("forward", "0-0"), ("forward", "1-2"), ("fused", "3-3"), ("backward", "1-2"), ("backward", "0-0")]
+    assert [(m[1], m[2]) for m in re.finditer(r"s\d (\w+) +layers (\d+-\d+) ", out)] == stages, out
+    assert "d0 F s0 m1" in out and "d0 L s2 m0" in out
     assert not run.exists() and not (tmp_path / "outputs").exists()  # no run directory, so no checkpoint
 
 

@@ -12,11 +12,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from rptrain import ExecutePlan, RoundPipe
-from rptrain.engine.schedule import JobKind, training_schedule
 
 from .dist import Dist
-from .run_config import build_run_config
 from .setup import build_data_and_model, build_engine
 from .tasks import make_task
 from .validate import check_inputs, num_microbatch, validate_config
@@ -37,9 +34,7 @@ def explain_config(cfg: DictConfig) -> str:
             batches.close()
         inputs = make_task(data.kind, num_microbatch(cfg), dtype).inputs(batch)
         head = f"model {cfg.model.name}: {num_layers} layers; one training call on inputs {shapes(inputs)}"
-        if hasattr(engine, "explain"):
-            return f"{head}\n{engine.explain(*inputs)}"
-        return f"{head}\n{_plan_of(engine, cfg, num_layers)}"
+        return f"{head}\n{engine.explain(*inputs)}"
     finally:
         engine.close()
 
@@ -53,22 +48,3 @@ def shapes(value: Any) -> str:
         return f"({inner},)" if len(value) == 1 else f"({inner})"
     return repr(value)
 
-
-def _plan_of(engine: RoundPipe, cfg: DictConfig, num_layers: int) -> str:
-    """The plan and the jobs of one training call, for an engine without RoundPipe.explain: the
-    config's plan, else the one the engine chose, else the planner's from the layer sizes."""
-    run_config = build_run_config(cfg.run_config, num_layers)
-    plan = run_config.execute_plan or engine.plan or ExecutePlan.auto("train", engine)
-    devices = [str(d) for d in engine.devices]
-    grain = run_config.recompute_grain or "stage"
-    lines = [
-        f"plan over {len(devices)} device(s) ({', '.join(devices)}), {num_microbatch(cfg)} microbatch(es) a call, recompute_grain={grain}",
-        "  forward stages:  " + " ".join(f"[{a}, {b})" for a, b in plan.forward),
-        "  backward stages: " + " ".join(f"[{a}, {b})" for a, b in plan.backward),
-        "jobs of one training call:",
-    ]
-    for job in training_schedule(plan, len(devices), grain):
-        what = "saves the inputs of layers" if job.kind is JobKind.FORWARD else "recomputes from layers"
-        checkpoints = f", {what} {list(job.checkpoints)}" if job.checkpoints else ""
-        lines.append(f"  {job.index}: {job.kind.value} stage [{job.start}, {job.stop}) on {devices[job.device]}{checkpoints}")
-    return "\n".join(lines)
