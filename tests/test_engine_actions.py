@@ -97,7 +97,8 @@ def test_a_wrapped_model_explains_every_engine():
             return self.blocks[1](self.blocks[0](x))
 
     text = wrap_model(Net()).explain()
-    assert "blocks.0:\nRoundPipe: 1 layer on cpu" in text and "blocks.1:" in text
+    where = "cuda:0" if torch.cuda.is_available() else "cpu"  # the engine runs on the GPU when there is one
+    assert f"blocks.0:\nRoundPipe: 1 layer on {where}" in text and "blocks.1:" in text
     assert "d0 SEND s0 288B" in text  # 8 x 8 + 8 fp32 gradients
 
 
