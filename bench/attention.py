@@ -168,10 +168,10 @@ def run_attention(args, name: str, cfg, dist: str, seg: torch.Tensor, dtype) -> 
 
 
 def run_layer(args, name: str, cfg, dist: str, seg: torch.Tensor, dtype) -> None:
-    """One rptrain DecoderBlock, fwd+bwd, model.attention=sdpa vs flex (flex on CUDA only: the CPU takes SDPA)."""
+    """One rptrain DecoderBlock, fwd+bwd, per model.attention in --layers (flex on CUDA only: the CPU takes SDPA)."""
     B, T = seg.shape
     base = expected = None
-    for attention in ("sdpa", "flex"):
+    for attention in args.layers:
         rec = dict(bench="attention_layer", model=name, dist=dist, attention=attention, batch=B, seq=T, dtype=str(dtype).removeprefix("torch."))
         try:
             torch.manual_seed(0)
@@ -198,6 +198,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-layer", dest="layer", action="store_false", help="skip the whole-DecoderBlock timing")
+    p.add_argument("--layers", nargs="+", choices=["sdpa", "flex"], default=["sdpa", "flex"],
+                   help="model.attention settings of the DecoderBlock timing (rel_err: against the first)")
     args = p.parse_args()
     if args.tiny or args.device == "cpu":
         args.model, args.seq, args.batch, args.steps, args.warmup = ["llama_tiny"], 64, 2, 2, 1

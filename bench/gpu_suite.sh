@@ -112,6 +112,12 @@ fi
 if [[ $what == attention ]]; then  # issue 17: packed attention, SDPA's dense mask vs FlexAttention vs varlen (about 3 minutes)
   run 150 python3 bench/attention.py --model llama_8b
   run 110 python3 bench/attention.py --model llama_3b
+  # The two sides of the headline ratio again, each in its own process (SDPA's dense mask alone; flex with SDPA first
+  # as its rel_err reference): packed rows of 128-1024-token documents.
+  for model in llama_8b llama_3b; do
+    run 60 python3 bench/attention.py --model $model --dist uniform --impls sdpa_mask --layers sdpa
+    run 80 python3 bench/attention.py --model $model --dist uniform --impls sdpa_mask flex_prebuilt --layers sdpa flex
+  done
   grep '^{"bench": "attention' "$out/suite.log" | tee "$out/attention.jsonl" | grep -c . | sed 's/$/ records in attention.jsonl/'
 fi
 if [[ $what == engine-ab ]]; then  # issue 20: the engine before the refactor (OLD: a folder holding its rptrain/) against this one

@@ -54,11 +54,11 @@ def attention_mask(T: int, device, segments: torch.Tensor | None, window: int | 
 _COMPILED: dict[str, object] = {}
 
 # model.attention=auto: FlexAttention for packed or windowed rows on CUDA, SDPA's dense mask elsewhere.
-# Measured on the H200 (2026-12-03, one call of `bash bench/gpu_suite.sh attention`), Llama-8B heads
-# (32/8 x 128), bf16, 4 x 4096, forward + backward per layer: documents of 128-1024 tokens, compiled
-# FlexAttention 2.39 ms against SDPA's dense mask 13.5 ms; its block mask costs 8.2 ms once per batch
-# (all layers of a stage share it); one whole decoder layer 44.4 ms against 52.6 (1.19x; 1.30x with
-# Llama-3B heads). Even with one document per row flex won (6.05 ms + 6.5 ms mask against 13.7).
+# Measured on the H200 (2026-12-03, one device call, SDPA and flex each in its own bench/attention.py
+# process), Llama-8B heads (32/8 x 128), bf16, 4 x 4096, documents of 128-1024 tokens, forward + backward
+# per layer: compiled FlexAttention 2.40 ms against SDPA's dense mask 13.57 ms; its block mask costs 7.5 ms
+# once per batch (all layers of a stage share it); one whole decoder layer, the mask built in every call,
+# 45.0 ms against 54.1 (1.20x; 1.28x with Llama-3B heads).
 AUTO_FLEX_ON_CUDA = True
 # The CPU always takes SDPA: FlexAttention has no CPU backward (torch 2.14), and eager it is a slow reference.
 # Nor do heads narrower than this: inductor's FlexAttention kernel refuses them (NotImplementedError, torch 2.11).
