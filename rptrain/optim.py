@@ -45,6 +45,11 @@ def _dense(t: Tensor) -> bool:
     return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
 
 
+def _same_order(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` lay out their elements in one order (strides of size-1 dims do not matter)."""
+    return all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
 def _like(flat: Tensor, offset: int, p: Tensor) -> Tensor:
     """``p.numel()`` elements of ``flat`` from ``offset``, viewed with ``p``'s shape and order."""
     return flat.as_strided(p.shape, p.stride(), offset)
@@ -67,7 +72,7 @@ def _follows(prev: Tensor, t: Tensor) -> bool:
     """``t`` continues ``prev``'s run, gradients laid out alike. Padding inside a run holds zero
     weights and zero gradients, so Adam leaves it at zero."""
     gap = _gap(prev, t)
-    return gap >= 0 and _gap(prev.grad, t.grad) == gap and t.grad.stride() == t.stride()
+    return gap >= 0 and _gap(prev.grad, t.grad) == gap and _same_order(t, t.grad)
 
 
 class _FlatRuns:
@@ -106,7 +111,7 @@ class _FlatRuns:
                 continue
             if runs and _follows(runs[-1][-1], p):
                 runs[-1].append(p)
-            elif _dense(p) and p.grad.stride() == p.stride():
+            elif _dense(p) and _dense(p.grad) and _same_order(p, p.grad):
                 runs.append([p])
             else:
                 return []  # let torch handle the unusual case
