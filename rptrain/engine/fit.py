@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .device import Device
+from .host import pins_frozen
 from .layout import FlatLayout
 from .placement import GPU, HOST, GiB, Placement, Run, StateBytes, fmt_bytes, place
 from .tuning import Tuning
@@ -129,7 +130,7 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
     # host.py's pinned allocations: two compute copies, two gradient buffers, the buffers, the frozen
     # weights up to a share of the machine, and the master when the GPU casts its resident copy from it.
     pinned = [*flat(params), *flat(params), params.total * 4, params.total * 4, *flat(buffers)] if pin else []
-    if pin and frozen_bytes <= pin_frozen_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+    if pin and pins_frozen(frozen_bytes, pin_frozen_share):
         pinned += flat(frozen)
     if resident:
         pinned.append(params.total * optim_dtype.itemsize)

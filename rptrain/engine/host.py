@@ -27,6 +27,12 @@ from torch import Tensor, nn
 from .layout import FlatLayout, Range
 
 
+def pins_frozen(nbytes: int, pin_share: float) -> bool:
+    """Whether frozen weights of ``nbytes`` are pinned on a GPU engine: at most ``pin_share`` of the
+    machine's physical memory (fit.py predicts the same)."""
+    return nbytes <= pin_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class GradBuffer:
     """One fp32 gradient buffer and which slots of it hold this window's gradients."""
 
@@ -88,7 +94,7 @@ class HostState:
         machine's memory (tuning.py says why)."""
         layout = self.frozen_layout
         nbytes = sum(n * layout.dtypes[k].itemsize for k, n in layout.sizes.items())
-        pin = pin_memory and nbytes <= pin_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        pin = pin_memory and pins_frozen(nbytes, pin_share)
         flats = {k: torch.empty(n, dtype=layout.dtypes[k], pin_memory=pin) for k, n in layout.sizes.items()}
         ends = dict.fromkeys(flats, 0)
         with torch.no_grad():
