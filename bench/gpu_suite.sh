@@ -122,11 +122,13 @@ if [[ $what == attention ]]; then  # issue 17: packed attention, SDPA's dense ma
 fi
 if [[ $what == engine-ab ]]; then  # issue 20: the engine before the refactor (OLD: a folder holding its rptrain/) against this one
   # Same bench scripts, each run in its own process, alternated; the ratio is new/old per pair (speed unchanged: within 3%).
-  for i in 1 2; do
+  for i in $(seq "${AB_RESNET_PAIRS:-2}"); do
     for side in "$OLD" "$PWD"; do run 60 env PYTHONPATH="$side:/tmp/site" python3 bench/resnet.py --impl rptrain --steps 40 --warmup 10; done
   done
-  for side in "$OLD" "$PWD"; do
-    run 140 env PYTHONPATH="$side:/tmp/site" python3 bench/llm.py --model llama_3b --impl rptrain --seq 4096 --batch 4 --steps 6 --warmup 2 --trace-steps 0
+  for i in $(seq "${AB_LLM_PAIRS:-1}"); do  # seeded weights: both sides' losses should agree to bf16 noise
+    for side in "$OLD" "$PWD"; do
+      run 140 env PYTHONPATH="$side:/tmp/site" python3 bench/llm.py --model llama_3b --impl rptrain --seq 4096 --batch 4 --steps 6 --warmup 2 --trace-steps "${AB_TRACE:-0}"
+    done
   done
 fi
 if [[ $what == llm || $what == all ]]; then

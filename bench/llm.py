@@ -84,6 +84,7 @@ def forward_flops(cfg, seq: int) -> float:
 def host_model(args, name: str, dtype: torch.dtype) -> nn.Module:
     """The model in host memory, as the engines and FSDP2's CPU offload take it. On a GPU machine the
     random init runs there and the weights are copied down: CPU normal_ is single-threaded (3B: ~90 s)."""
+    torch.manual_seed(0)  # the same initial weights in every process: losses compare across implementations and runs
     if args.device != "cuda":
         return build_model(name, dtype=dtype, **args.overrides)
     model = build_model(name, device="cuda", dtype=dtype, **args.overrides).to("cpu")
