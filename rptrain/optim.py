@@ -7,8 +7,9 @@ kernel once per parameter tensor: for a ResNet's hundred-odd small tensors most 
 small to spread over the cores. The engine keeps master weights and gradients in flat buffers, so
 here the kernel runs once per contiguous run of parameters instead: the moments live in flat
 buffers too, viewed per parameter in ``optimizer.state`` so state dicts look exactly like
-torch's. Anything the flat path does not cover (amsgrad, maximize, non-contiguous parameters,
-CUDA tensors, ...) takes torch's own step.
+torch's. Parameters on a GPU (the engine's GPU share) get the same treatment there, stepped first.
+Anything the flat path does not cover (amsgrad, maximize, non-contiguous parameters, ...) takes
+torch's own step.
 """
 from __future__ import annotations
 
@@ -127,11 +128,11 @@ class _FlatRuns:
             if all(state[p].get("exp_avg") is mv and state[p].get("exp_avg_sq") is vv and state[p].get("step") is step
                    for p, mv, vv in zip(run, m_views, v_views)):
                 return m, v, step
-        numel = _span(run)
-        m = torch.zeros(numel, dtype=run[0].dtype)
-        v = torch.zeros(numel, dtype=run[0].dtype)
+        numel, device = _span(run), run[0].device  # a GPU share's moments live on its GPU (engine/gpushare.py)
+        m = torch.zeros(numel, dtype=run[0].dtype, device=device)
+        v = torch.zeros(numel, dtype=run[0].dtype, device=device)
         steps = [state[p]["step"] for p in run if "step" in state[p]]
-        step = torch.tensor(float(steps[0]) if steps else 0.0, dtype=torch.float32)
+        step = torch.tensor(float(steps[0]) if steps else 0.0, dtype=torch.float32, device=device)
         m_views, v_views = [], []
         for p in run:
             offset = p.storage_offset() - run[0].storage_offset()
@@ -164,7 +165,7 @@ class _FlatStepMixin:
         d = self.defaults
         if not d.get("fused") or d.get("amsgrad") or d.get("maximize") or d.get("capturable") or d.get("differentiable"):
             return False
-        return all(p.device.type == "cpu" for g in self.param_groups for p in g["params"])
+        return all(p.device.type in ("cpu", "cuda") for g in self.param_groups for p in g["params"])
 
     def _torch_step(self, closure: Optional[Callable]) -> Any:
         if self.defaults.get("fused"):
@@ -189,19 +190,26 @@ class _FlatStepMixin:
         for group, runs in zip(self.param_groups, all_runs):
             if not runs and any(p.grad is not None for p in group["params"]):
                 return self._torch_step(None)  # some group cannot be flattened: torch's path for all
-        for group, runs in zip(self.param_groups, all_runs):
+        # GPU runs first: their kernels are queued in microseconds and run while the CPU grinds through
+        # the host runs (the engine's GPU share holds the first layers; torch's own grouping by device
+        # follows a hash map's order).
+        work = [(group, run) for group, runs in zip(self.param_groups, all_runs) for run in runs]
+        work.sort(key=lambda item: item[1][0].device.type != "cuda")
+        scales: dict[torch.device, Optional[Tensor]] = {}
+        for group, run in work:
             beta1, beta2 = group["betas"]
             # torch.optim.Adam(decoupled_weight_decay=True) is AdamW (the original library documents it).
             kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else self._kernel
-            for run in runs:
-                m, v, step = self._flat_runs.state(run)
-                step += 1
-                numel = m.numel()
-                kernel(
-                    [_flat(run[0], numel)], [_flat(run[0].grad, numel)], [m], [v], [], [step],
-                    lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                    amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None,
-                )
+            m, v, step = self._flat_runs.state(run)
+            step += 1
+            numel, device = m.numel(), m.device
+            if device not in scales:
+                scales[device] = None if grad_scale is None else grad_scale.to(device)
+            kernel(
+                [_flat(run[0], numel)], [_flat(run[0].grad, numel)], [m], [v], [], [step],
+                lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                amsgrad=False, maximize=False, grad_scale=scales[device], found_inf=None,
+            )
         return loss
 
 

@@ -18,7 +18,7 @@ from rptrain.models import build_model
 from rptrain.optim import AdamW
 
 # Three trainable runs of bf16 (2 bytes) and a frozen one. On the GPU a trainable parameter takes
-# master 4 + Adam 8 + one gradient buffer 4 = 16 bytes; on the host master 4 + Adam 8 + two gradient
+# master 4 + Adam 8 + two gradient buffers 8 = 20 bytes; on the host master 4 + Adam 8 + two gradient
 # buffers 8 + two compute copies 4 = 24 bytes.
 RUNS = [Run(0, "bfloat16", 100, 2, True), Run(1, "bfloat16", 400, 2, True), Run(2, "bfloat16", 200, 2, True),
         Run(3, "bfloat16", 50, 2, False)]
@@ -27,27 +27,30 @@ RUNS = [Run(0, "bfloat16", 100, 2, True), Run(1, "bfloat16", 400, 2, True), Run(
 def test_everything_on_the_gpu_when_it_fits():
     p = place(RUNS, StateBytes(), gpu_free=20_000, gpu_compute=1_000, gpu_activations=500, host_budget=1_000)
     assert [r.state for r in p.runs] == [GPU, GPU, GPU, None]
-    assert p.totals[GPU] == dict(master=2_800, grads=2_800, optimizer=5_600, compute=1_000, frozen=0, buffers=0,
+    assert p.totals[GPU] == dict(master=2_800, grads=5_600, optimizer=5_600, compute=1_000, frozen=0, buffers=0,
                                  activations=500, pinned_rounding=0)
     assert p.total(HOST) == 100 and p.totals[HOST]["frozen"] == 100  # frozen weights: stored once, 50 x 2 bytes
     assert p.fits and p.params_on(GPU) == 700 and p.params_on(HOST) == 0
 
 
-def test_split_first_fit_in_layer_order():
-    # room for state: 6_300 - 1_000 - 500 = 4_800 bytes. Run 0 takes 1_600 (3_200 left), run 1 needs
-    # 6_400 and stays on the host, run 2 needs 3_200 and fits exactly.
-    p = place(RUNS, StateBytes(), gpu_free=6_300, gpu_compute=1_000, gpu_activations=500, host_budget=10_000)
-    assert [r.state for r in p.runs] == [GPU, HOST, GPU, None]
-    assert [r.step for r in p.runs] == [GPU, HOST, GPU, None]
-    assert p.totals[GPU]["master"] == 1_200 and p.totals[GPU]["grads"] == 1_200 and p.totals[GPU]["optimizer"] == 2_400
-    assert p.total(GPU) == 6_300
+def test_split_is_a_prefix_of_the_layers():
+    # room for state: 6_300 - 1_000 - 500 = 4_800 bytes. Layer 0 takes 100 x 20 = 2_000 (2_800 left);
+    # layer 1 needs 8_000 and stays on the host, and so does layer 2 (its 4_000 would fit):
+    # the GPU share is a prefix of each flat tensor (gpushare.py).
+    p = place(RUNS, StateBytes(), gpu_free=6_300, gpu_compute=1_000, gpu_activations=500, host_budget=20_000)
+    assert [r.state for r in p.runs] == [GPU, HOST, HOST, None] and p.gpu_layers == 1
+    assert [r.step for r in p.runs] == [GPU, HOST, HOST, None]
+    assert p.totals[GPU]["master"] == 400 and p.totals[GPU]["grads"] == 800 and p.totals[GPU]["optimizer"] == 800
+    assert p.total(GPU) == 3_500
     host = {k: v for k, v in p.totals[HOST].items() if v}
-    assert host == dict(master=1_600, grads=3_200, optimizer=3_200, compute=1_600, frozen=100)
-    assert p.total(HOST) == 9_700 and p.fits
+    assert host == dict(master=2_400, grads=4_800, optimizer=4_800, compute=2_400, frozen=100)
+    assert p.total(HOST) == 14_500 and p.fits
     text = str(p)
     assert "layers 0-0 bfloat16: master, grads, optimizer state on the GPU" in text
-    assert "layers 1-1 bfloat16: master, grads, optimizer state on the HOST, step on the HOST" in text
+    assert "layers 1-2 bfloat16: master, grads, optimizer state on the HOST, step on the HOST" in text
     assert "layers 3-3 bfloat16: frozen weights on the HOST" in text
+    # a smaller later layer that would fit does not jump the queue
+    assert place(RUNS, StateBytes(), gpu_free=8_000, gpu_compute=0, host_budget=10**6).gpu_layers == 1
 
 
 def test_everything_on_the_host_and_the_budgets():

@@ -8,8 +8,10 @@ Adam's two moments in the master's dtype are assumed, the optimizers rptrain shi
 pinned host blocks are rounded up to a power of two by PyTorch's caching host allocator (every page
 of the block is locked), which ``memory_report`` does not show but the machine pays.
 
-Today's engine keeps every byte of state on the host (placement with ``gpu_state=False``); the GPU
-only has to hold the largest layer (or, resident, two versions of the whole model).
+With ``gpu_state`` (one GPU, the model resident) the leading layers' master, gradients and optimizer
+state go to the GPU as far as they fit (placement.py, gpushare.py); the rest, or everything
+otherwise, stays on the host, and the GPU holds the largest layer (or, resident, two versions of
+the whole model).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from .device import Device
+from .gpushare import cuts
 from .host import pins_frozen
 from .layout import FlatLayout
 from .placement import GPU, HOST, GiB, Placement, Run, StateBytes, fmt_bytes, place
@@ -120,30 +123,41 @@ def _round_up(n: int) -> int:
 
 
 def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Sequence[Device], resident: bool,
-              max_host_memory: Size = None, max_gpu_memory: Size = None, pin_frozen_share: float = Tuning.pin_frozen_share) -> Placement:
-    """Today's engine's placement (everything on the host) with its budgets; raises DoesNotFit if it does not fit."""
+              max_host_memory: Size = None, max_gpu_memory: Size = None, pin_frozen_share: float = Tuning.pin_frozen_share,
+              gpu_state: bool = False, gpu_reserve: float = 0.0, notes: Sequence[str] = ()) -> Placement:
+    """The engine's placement with its budgets; raises DoesNotFit if it does not fit. ``gpu_state``:
+    trainable state may go to the GPU (placement.py), keeping ``gpu_reserve`` of its free memory for
+    the activations the first call has yet to measure; ``notes``: why it may not, when it may not."""
     params, frozen, buffers = FlatLayout.of_parameters(layers, True), FlatLayout.of_parameters(layers, False), FlatLayout.of_buffers(layers)
     pin = any(d.is_cuda and getattr(d, "pins_memory", True) for d in devices)  # as host.py pins (a simulated GPU does not)
     state = StateBytes(master=optim_dtype.itemsize, optimizer=2 * optim_dtype.itemsize)
     flat = lambda layout: [n * layout.dtypes[k].itemsize for k, n in layout.sizes.items()]
     frozen_bytes = sum(flat(frozen))
-    # host.py's pinned allocations: two compute copies, two gradient buffers, the buffers, the frozen
-    # weights up to a share of the machine, and the master when the GPU casts its resident copy from it.
-    pinned = [*flat(params), *flat(params), params.total * 4, params.total * 4, *flat(buffers)] if pin else []
-    if pin and pins_frozen(frozen_bytes, pin_frozen_share):
-        pinned += flat(frozen)
-    if resident:
-        pinned.append(params.total * optim_dtype.itemsize)
     host, host_from = host_budget(max_host_memory)
     gpu, gpu_from = gpu_budget(devices, max_gpu_memory)
     weights = [params.nbytes(i, i + 1) + frozen.nbytes(i, i + 1) for i in range(len(layers))]
     grads = [params.nbytes(i, i + 1) for i in range(len(layers))]  # in the compute dtype, as plan.LayerCost counts them
     need_gpu = (2 * sum(weights) if resident else max(2 * w + 3 * g for w, g in zip(weights, grads))) if gpu else 0
-    plan = place(runs_of(params) + runs_of(frozen), state, gpu_free=gpu, host_budget=host, gpu_compute=need_gpu,
-                 buffers=sum(flat(buffers)), pinned_rounding=sum(_round_up(n) - n for n in pinned), gpu_state=False,
-                 sources={HOST: host_from, GPU: gpu_from},
-                 notes=("optimizer state: Adam's two moments in the master's dtype, assumed (the optimizer comes after the engine)",
-                        "GPU: the largest layer's weights and gradients (or the resident model); activations are measured by the first call"))
+    runs = runs_of(params) + runs_of(frozen)
+    notes = ("optimizer state: Adam's two moments in the master's dtype, assumed (the optimizer comes after the engine)",
+             "GPU: the largest layer's weights and gradients (or the resident model); activations are measured by the first call",
+             *([f"GPU: {fmt_bytes(int(gpu_reserve * gpu))} ({gpu_reserve:.0%} of free) kept for activations"] if gpu_state else []),
+             *notes)
+    kw = dict(gpu_free=gpu, host_budget=host, gpu_compute=need_gpu, gpu_activations=int(gpu_reserve * gpu) if gpu_state else 0,
+              buffers=sum(flat(buffers)), gpu_state=gpu_state, sources={HOST: host_from, GPU: gpu_from}, notes=notes)
+    plan = place(runs, state, **kw)
+    # host.py's pinned allocations: two compute copies and two gradient buffers of the host share, the
+    # buffers, the frozen weights up to a share of the machine, and the master's host share when the
+    # GPU casts its resident copy from it.
+    cut = cuts(params, plan.gpu_layers)
+    host_params = [(n - cut[k]) * params.dtypes[k].itemsize for k, n in params.sizes.items()]
+    host_master = params.total - sum(cut.values())  # the master layout, alignment included
+    pinned = [*host_params, *host_params, host_master * 4, host_master * 4, *flat(buffers)] if pin else []
+    if pin and pins_frozen(frozen_bytes, pin_frozen_share):
+        pinned += flat(frozen)
+    if resident:
+        pinned.append(host_master * optim_dtype.itemsize)
+    plan = place(runs, state, pinned_rounding=sum(_round_up(n) - n for n in pinned if n), **kw)
     if not plan.fits:
         raise DoesNotFit(_message(plan, optim_dtype), plan)
     return plan
@@ -166,5 +180,5 @@ def _message(plan: Placement, optim_dtype: torch.dtype) -> str:
     need = -(-plan.total(HOST) // GiB)
     options.append(f"max_host_memory={need}GiB (CLI: engine.max_host_memory={need}GiB) if the machine has the memory "
                    f"(physical: {fmt_bytes(physical_memory())})")
-    options.append("more GPUs do not help yet: every rank keeps the whole state on its host (GPU-resident optimizer shares: issue 21)")
+    options.append("more GPUs do not help yet: every rank keeps its host share of the whole state on its host")
     return f"the training state does not fit: {'; '.join(parts)}. Options: {'; '.join(options)}"

@@ -1,4 +1,4 @@
-"""The gradient sink: a job's gradients into the open window's fp32 host buffer.
+"""The gradient sink: a job's gradients into the open window's fp32 buffer (host, or GPU for the GPU share).
 
 Chosen once per engine: ``GradSink`` copies (a slot's first gradient of the window) or adds (later
 ones, after the call's work is done) and sends each gradient of the last microbatch's backward as
@@ -66,8 +66,15 @@ class GradSink:
                 with state.lock:
                     runs = _fresh_runs(layout, buffer, r)
                 for lo, hi, fresh in runs:
-                    dst = buffer.flat[layout.base[r.key] + lo : layout.base[r.key] + hi]
                     src = g32[lo - r.start : hi - r.start]
+                    cut = min(max(lo, len(buffer.gpu[r.key]) if r.key in buffer.gpu else 0), hi)
+                    if cut > lo:  # the GPU share's gradients stay on the GPU: copied or added there, in order
+                        gpu = buffer.gpu[r.key][lo:cut]
+                        gpu.copy_(src[: cut - lo]) if fresh else gpu.add_(src[: cut - lo])
+                    lo, src = cut, src[cut - lo :]
+                    if lo == hi:
+                        continue
+                    dst = buffer.flat[layout.base[r.key] + lo : layout.base[r.key] + hi]
                     if fresh:
                         device.copy_to_host(dst, src)
                     else:

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from .gpushare import GpuShare
 from .layout import FlatLayout, Range
 
 
@@ -34,11 +35,14 @@ def pins_frozen(nbytes: int, pin_share: float) -> bool:
 
 
 class GradBuffer:
-    """One fp32 gradient buffer and which slots of it hold this window's gradients."""
+    """One fp32 gradient buffer and which slots of it hold this window's gradients: on the host, and
+    on the GPU for the GPU share (``gpu``, one tensor per dtype; gpushare.py)."""
 
-    def __init__(self, layout: FlatLayout, pin_memory: bool):
+    def __init__(self, layout: FlatLayout, pin_memory: bool, share: Optional[GpuShare] = None):
         self.flat = torch.zeros(layout.total, dtype=torch.float32, pin_memory=pin_memory)
-        self.views = [layout.master_view(self.flat, slot) for slot in layout.slots]  # master .grad per slot
+        self.gpu = share.allocate(torch.float32) if share is not None else {}
+        self.views = [share.view(self.gpu, slot) if share is not None and share.holds(slot) else layout.master_view(self.flat, slot)
+                      for slot in layout.slots]  # master .grad per slot
         self.written = [False] * len(layout.slots)
         self.free = threading.Event()  # set when nothing (optimizer .grad views) refers to it
         self.free.set()
@@ -47,10 +51,18 @@ class GradBuffer:
     def reset(self) -> None:
         self.written = [False] * len(self.written)
 
+    def owns(self, t: Optional[Tensor]) -> bool:
+        """Whether ``t`` is a view of this buffer (host or GPU part)."""
+        if t is None:
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        return any(ptr == f.untyped_storage().data_ptr() for f in (self.flat, *self.gpu.values()))
+
 
 class HostState:
     def __init__(self, layers: Sequence[nn.Module], optim_dtype: torch.dtype, pin_memory: bool, pin_master: bool = False,
-                 pin_frozen_share: float = 0.5, channels_last: bool = False):
+                 pin_frozen_share: float = 0.5, channels_last: bool = False, gpu_layers: int = 0, gpu_device: Any = None):
+        """``gpu_layers``: how many leading layers keep master and gradients on ``gpu_device`` (gpushare.py)."""
         for layer in layers:
             for name, p in layer.named_parameters():
                 if not p.is_floating_point():
@@ -71,10 +83,13 @@ class HostState:
             for slot, p in zip(self.params.slots, originals):
                 self.params.view(self.compute[0], slot).copy_(p.detach())
                 self.params.master_view(self.master, slot).copy_(p.detach())
-        self.master_params = [
-            nn.Parameter(self.params.master_view(self.master, slot), requires_grad=slot.requires_grad)
-            for slot in self.params.slots
-        ]
+        self.gpu = GpuShare(self.params, gpu_layers, gpu_device, optim_dtype) if gpu_layers else None
+        self.master_params = [nn.Parameter(self._master_view(slot), requires_grad=slot.requires_grad) for slot in self.params.slots]
+        if self.gpu is not None:
+            with torch.no_grad():
+                for slot, p, m in zip(self.params.slots, originals, self.master_params):
+                    if self.gpu.holds(slot):
+                        m.copy_(p.detach())
 
         self.buffers = self.buffer_layout.allocate(pin_memory)
         with torch.no_grad():
@@ -85,7 +100,7 @@ class HostState:
                 b.data = self.buffer_layout.view(self.buffers, slot)
         self.user_params = originals
         self.show_version(0)
-        self.grads: list[GradBuffer] = [GradBuffer(self.params, pin_memory)]
+        self.grads: list[GradBuffer] = [GradBuffer(self.params, pin_memory, self.gpu)]
 
     def _store_frozen(self, pin_memory: bool, pin_share: float) -> dict[str, Tensor]:
         """One flat copy of the frozen parameters; each original is let go as soon as it is copied,
@@ -152,17 +167,34 @@ class HostState:
 
     def grad_buffer(self, index: int) -> GradBuffer:
         while len(self.grads) <= index:  # the second buffer only when training runs asynchronously
-            self.grads.append(GradBuffer(self.params, self.pin_memory))
+            self.grads.append(GradBuffer(self.params, self.pin_memory, self.gpu))
         return self.grads[index]
+
+    def _master_view(self, slot) -> Tensor:
+        if self.gpu is not None and self.gpu.holds(slot):
+            return self.gpu.view(self.gpu.master, slot)
+        return self.params.master_view(self.master, slot)
+
+    def master_range(self, r: Range) -> Tensor:
+        """Range ``r`` of the master, where it lives (``r`` lies on one side of the GPU share's cut)."""
+        if self.gpu is not None and r.start < self.gpu.cut[r.key]:
+            return self.gpu.master[r.key][r.start : r.stop]
+        return self.params.master_range(self.master, r)
+
+    def split(self, r: Range) -> list[Range]:
+        """``r`` cut where the GPU share ends."""
+        return [r] if self.gpu is None else [part for part in self.gpu.split(r) if part is not None]
 
     def write_compute(self, version: int) -> None:
         """Compute copy ``version`` := master cast to the model's dtype (one pass per dtype)."""
         for key, flat in self.compute[version % 2].items():
-            self.write_compute_range(version, Range(key, 0, flat.numel()))
+            for r in self.split(Range(key, 0, flat.numel())):
+                self.write_compute_range(version, r)
 
     def write_compute_range(self, version: int, r: Range) -> None:
-        """One range of compute copy ``version`` := the master's, cast."""
-        self.compute_range(version, r).copy_(self.params.master_range(self.master, r))
+        """One range of compute copy ``version`` := the master's, cast (where the master lives)."""
+        dst, src = self.compute_range(version, r), self.master_range(r)
+        dst.copy_(src if src.device == dst.device else src.to(dst.dtype))  # a GPU share is cast there, then copied
 
     def compute_range(self, version: int, r: Range) -> Tensor:
         return self.compute[version % 2][r.key][r.start : r.stop]

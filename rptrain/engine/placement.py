@@ -7,9 +7,10 @@ frozen run has only its weights, stored once.
 
 Policy (``place``): keep as much state on the GPU as fits, the rest on the host. The GPU's budget
 for state is its free memory less what the schedule needs there anyway (the compute copy and the
-activations, ``gpu_working_set``). Runs go to the GPU in layer order while they fit, first fit:
-the backward produces the earliest layers' gradients last, so the host keeps the later layers,
-whose gradients arrive first, and its (slower) step starts while the backward still runs.
+activations, ``gpu_working_set``). Layers go to the GPU in layer order while their runs fit, and the
+first that does not fit ends the GPU share: the engine keeps the GPU share as one prefix of each flat
+tensor (gpushare.py). The backward produces the earliest layers' gradients last, so the host keeps
+the later layers, whose gradients arrive first.
 """
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ class StateBytes:
     optimizer: int = 8  # AdamW: two fp32 moments
     grad: int = 4  # one fp32 gradient buffer
     host_grad_buffers: int = 2  # the optimizer reads one while the next backward fills the other (async steps)
-    gpu_grad_buffers: int = 1  # a GPU step takes milliseconds: it runs before the next backward needs the buffer
+    # Two as on the host: the window's buffer alternates (versions.py), and a buffer is reused only after
+    # the step that read it has finished on the GPU. One would do if the next backward waited on an event
+    # recorded after the GPU share's kernels, which the user's step_fn does not expose.
+    gpu_grad_buffers: int = 2
     host_compute_copies: int = 2  # versions v and v+1, for runs the host steps (a GPU casts its own)
 
 
@@ -87,6 +91,13 @@ class Placement:
     @property
     def fits(self) -> bool:
         return not self.short()
+
+    @property
+    def gpu_layers(self) -> int:
+        """How many leading layers keep their trainable state on the GPU (0: none)."""
+        host = [p.run.layer for p in self.runs if p.state == HOST]
+        gpu = [p.run.layer for p in self.runs if p.state == GPU]
+        return min(host) if host else max(gpu) + 1 if gpu else 0
 
     def params_on(self, place: str) -> int:
         return sum(p.run.numel for p in self.runs if p.state == place)
@@ -127,7 +138,7 @@ def _groups(runs: Sequence[RunPlace]) -> list[tuple[tuple[int, int], str, Option
 def place(runs: Iterable[Run], state: StateBytes, *, gpu_free: int, host_budget: int, gpu_compute: int = 0,
           gpu_activations: int = 0, buffers: int = 0, pinned_rounding: int = 0, gpu_state: bool = True,
           sources: Optional[dict[str, str]] = None, notes: Sequence[str] = ()) -> Placement:
-    """The placement of ``runs``: trainable runs on the GPU in order while their state fits in
+    """The placement of ``runs``: trainable runs on the GPU, layer by layer, while their state fits in
     ``gpu_free - gpu_compute - gpu_activations`` (never with ``gpu_state=False``, the engine of today),
     the rest on the host. ``buffers`` and ``pinned_rounding`` are host bytes outside the runs."""
     runs = list(runs)
@@ -135,17 +146,26 @@ def place(runs: Iterable[Run], state: StateBytes, *, gpu_free: int, host_budget:
     totals[GPU].update(compute=gpu_compute, activations=gpu_activations)
     totals[HOST].update(buffers=buffers, pinned_rounding=pinned_rounding)
     room = gpu_free - gpu_compute - gpu_activations if gpu_state else 0
+    on_gpu = lambda run: (run.numel + run.master_pad) * (state.master + state.optimizer + state.grad * state.gpu_grad_buffers)
+    need: dict[int, int] = {}
+    for run in runs:
+        if run.trainable:
+            need[run.layer] = need.get(run.layer, 0) + on_gpu(run)
+    gpu_layers = 0
+    for layer in sorted(need):  # a prefix of the layers: the first that does not fit ends it
+        if need[layer] > room:
+            break
+        room -= need[layer]
+        gpu_layers = layer + 1
     placed = []
     for run in runs:
         if not run.trainable:
             totals[HOST]["frozen"] += run.numel * run.itemsize
             placed.append(RunPlace(run, None))
             continue
-        on_gpu = (run.numel + run.master_pad) * (state.master + state.optimizer + state.grad * state.gpu_grad_buffers)
-        where = GPU if on_gpu <= room else HOST
+        where = GPU if run.layer < gpu_layers else HOST
         n = run.numel + run.master_pad
         if where == GPU:
-            room -= on_gpu
             totals[GPU]["grads"] += n * state.grad * state.gpu_grad_buffers
         else:
             totals[HOST]["grads"] += n * state.grad * state.host_grad_buffers

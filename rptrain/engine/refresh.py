@@ -11,11 +11,12 @@ run at the same time, on the copy engine and on the CPU cores.
 Only the ranges cast on the host are written into the host compute copy, so between steps that
 copy (which the wrapped model's parameters show) is partly stale; ``synchronize()`` writes it whole.
 The call returns when every copy out of host memory has finished: only then may the next optimizer
-step change the master.
+step change the master. The GPU share of the master (gpushare.py) is on the GPU already: its
+ranges are cast there, with no upload and no host pass.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -28,9 +29,11 @@ from .tuning import Tuning
 _ALIGN = 1024  # elements: keeps every chunk boundary aligned for vector loads
 
 
-def split(layout: FlatLayout, master_dtype: torch.dtype, gpu_share: float, chunk: int = Tuning.refresh_chunk) -> tuple[list[Range], list[Range]]:
-    """(ranges uploaded from the master and cast on the GPU, ranges cast on the host), in chunks of
-    ``chunk`` elements; ``gpu_share`` of each cast tensor goes up as fp32 (``Tuning.refresh_gpu_share``).
+def split(layout: FlatLayout, master_dtype: torch.dtype, gpu_share: float, chunk: int = Tuning.refresh_chunk,
+          cut: Optional[dict[str, int]] = None) -> tuple[list[Range], list[Range]]:
+    """(ranges cast on the GPU, ranges cast on the host), in chunks of ``chunk`` elements. ``cut``:
+    where each flat tensor's GPU share of the master ends (gpushare.py): that prefix is on the GPU
+    already and is cast there. Of the rest, ``gpu_share`` goes up as fp32 (``Tuning.refresh_gpu_share``).
 
     A flat tensor at least as wide as the master goes up whole from the master: casting it on the
     host would save no bytes.
@@ -40,12 +43,13 @@ def split(layout: FlatLayout, master_dtype: torch.dtype, gpu_share: float, chunk
     on_gpu: list[Range] = []
     on_host: list[Range] = []
     for key, size in layout.sizes.items():
+        resident = (cut or {}).get(key, 0)
         if master_dtype.itemsize <= layout.dtypes[key].itemsize or gpu_share == 1.0:
-            cut = size
+            upload = size
         else:
-            cut = min(size, int(size * gpu_share) // _ALIGN * _ALIGN)
-        on_gpu += _chunks(key, 0, cut, chunk)
-        on_host += _chunks(key, cut, size, chunk)
+            upload = min(size, resident + int((size - resident) * gpu_share) // _ALIGN * _ALIGN)
+        on_gpu += _chunks(key, 0, resident, chunk) + _chunks(key, resident, upload, chunk)
+        on_host += _chunks(key, upload, size, chunk)
     return on_gpu, on_host
 
 
@@ -67,8 +71,10 @@ def stage_version(host: HostState, devices: Sequence[Device], version: int, plan
                 flats = {k: torch.empty(n, dtype=layout.dtypes[k], device=device.torch_device) for k, n in layout.sizes.items()}
                 staged[device.index] = flats
                 for r in on_gpu:
-                    source = layout.master_range(host.master, r)
-                    if source.dtype == flats[r.key].dtype:
+                    source = host.master_range(r)
+                    if host.gpu is not None and r.start < host.gpu.cut[r.key]:  # the GPU share: cast where it lives
+                        flats[r.key][r.start : r.stop].copy_(source)
+                    elif source.dtype == flats[r.key].dtype:
                         flats[r.key][r.start : r.stop].copy_(source, non_blocking=True)
                     else:  # copy_ across devices would cast on the host: upload as is, then cast here
                         flats[r.key][r.start : r.stop].copy_(device.upload(source))

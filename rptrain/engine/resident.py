@@ -108,7 +108,7 @@ class ResidentStore(StreamedStore):
         try:
             if self._refresh_plan is None:
                 self._refresh_plan = refresh.split(self.host.params, self.host.master.dtype, self.tuning.refresh_gpu_share,
-                                                   self.tuning.refresh_chunk)
+                                                   self.tuning.refresh_chunk, self.host.gpu.cut if self.host.gpu else None)
             staged = refresh.stage_version(self.host, self.devices, version, self._refresh_plan)
         except BaseException:  # not staged: a call that needs it uploads it from the host copy
             self.host.write_compute(version)

@@ -23,6 +23,7 @@ from .config import RoundPipeRunConfig, ResolvedRunConfig, resolve
 from .device import make_devices
 from .executor import Executor
 from .fit import Size, check_fit
+from .gpushare import gpu_state_allowed
 from .passstate import Args, PassState, float_tensors
 from .host import HostState
 from .memory_format import check_memory_format
@@ -62,7 +63,9 @@ class RoundPipe(nn.Module):
     ``tuning``: the engine's measured thresholds (tuning.py); None: the defaults.
     ``max_host_memory``, ``max_gpu_memory``: budgets in bytes (or "96GiB"); None: physical memory
     less a reserve, and the GPU's free memory. A model whose state does not fit raises
-    ``DoesNotFit`` before anything is allocated (fit.py); ``.placement`` says where the state lives."""
+    ``DoesNotFit`` before anything is allocated (fit.py); ``.placement`` says where the state lives.
+    ``gpu_state``: the leading layers' master, gradients and optimizer state on the GPU as far as they
+    fit, stepped there (one GPU, model resident: gpushare.py); False: everything on the host."""
 
     def __init__(
         self,
@@ -80,6 +83,7 @@ class RoundPipe(nn.Module):
         tuning: Optional[Tuning] = None,
         max_host_memory: Size = None,
         max_gpu_memory: Size = None,
+        gpu_state: bool = True,
     ):
         super().__init__()
         check_args(model, optim_dtype, model_run_config, cuda_graphs, pin_model, tuning, optimizer_threads)
@@ -94,13 +98,14 @@ class RoundPipe(nn.Module):
         self._devices = make_devices(devices)
         self._cuda = self._devices[0].is_cuda
         self._reducer = _reducer(process_group)
-        resident = self._cuda and self._fits_resident(model)
+        resident = self._cuda and self._fits_resident(model, gpu_state)
         self.placement = check_fit(self._layers, optim_dtype, self._devices, resident, max_host_memory, max_gpu_memory,
-                                   self._tuning.pin_frozen_share)
+                                   self._tuning.pin_frozen_share, *gpu_state_allowed(gpu_state, self._devices, resident, self._tuning))
         pins = self._devices[0].pins_memory
         memory_format = check_memory_format(memory_format)
         self._host = HostState(self._layers, optim_dtype, pin_memory=pins, pin_master=resident and pins,
-                               pin_frozen_share=self._tuning.pin_frozen_share, channels_last=memory_format is torch.channels_last)
+                               pin_frozen_share=self._tuning.pin_frozen_share, channels_last=memory_format is torch.channels_last,
+                               gpu_layers=self.placement.gpu_layers, gpu_device=self._devices[0])
         self._executor = Executor(self._layers, self._host, self._devices, self._tuning, resident=resident,
                                   cuda_graphs=cuda_graphs, reducer=self._reducer, memory_format=memory_format)
         if self._reducer is not None:
@@ -109,12 +114,13 @@ class RoundPipe(nn.Module):
         self._versions = Versions(self._host, self._executor, self._optimizer_thread(optimizer_threads), OptimizerCtx)
         register_step_queue(self)
 
-    def _fits_resident(self, model: nn.Module) -> bool:
-        """Small models stay on every GPU (uploaded once per version, not once per stage)."""
-        cap = min(d.memory_cap() or 0 for d in self._devices)
+    def _fits_resident(self, model: nn.Module, gpu_state: bool) -> bool:
+        """Small models stay on every GPU (uploaded once per version, not per stage); larger with GPU state."""
+        cap, tuning = min(d.memory_cap() or 0 for d in self._devices), self._tuning
+        share = tuning.resident_share_gpu_state if gpu_state and len(self._devices) == 1 else tuning.resident_share
         # Two versions of the trainable weights (upload slot and live copy), one of the frozen.
         weights = sum((2 if p.requires_grad else 1) * p.numel() * p.element_size() for p in model.parameters())
-        return same_on_all_ranks(self._reducer, weights <= self._tuning.resident_share * cap)
+        return same_on_all_ranks(self._reducer, weights <= share * cap)
 
     def _optimizer_thread(self, threads: Optional[int]) -> TaskThread:
         inline = not self._cuda and not self._tuning.cpu_optimizer_thread  # tuning.py says why
@@ -277,7 +283,7 @@ class RoundPipe(nn.Module):
         buffer = self._versions.open_buffer()
         for slot, p in zip(self._host.params.slots, self._host.user_params):
             written = buffer is not None and buffer.written[slot.index]
-            p.grad = buffer.views[slot.index].to(p.dtype, copy=True) if written else None
+            p.grad = buffer.views[slot.index].to(p.device, p.dtype, copy=True) if written else None
 
     def wait_for_steps(self) -> None:
         """Wait for queued optimizer work without raising its errors (GradScaler.update uses it)."""
@@ -307,7 +313,7 @@ class RoundPipe(nn.Module):
         """Master weights (``optim_dtype``) and buffers under the wrapped Sequential's names."""
         self._versions.drain()
         master = self._host.master_of()
-        return {k: master.get(id(t), t).detach() for k, t in self.model.state_dict(keep_vars=True).items()}
+        return {k: master.get(id(t), t).detach().cpu() for k, t in self.model.state_dict(keep_vars=True).items()}
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False) -> IncompatibleKeys:
         self._versions.drain()

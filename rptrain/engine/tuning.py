@@ -13,6 +13,13 @@ class Tuning:
     # Keep the whole model on every GPU (uploaded once per version, not once per stage) when two
     # versions of the trainable weights and one of the frozen take at most this share of the GPU.
     resident_share: float = 0.2
+    # With GPU-resident optimizer state (RoundPipe(gpu_state=True)) the compute copy stays on the GPU
+    # up to this share instead: the host then holds no compute copies of the GPU share and casts none.
+    resident_share_gpu_state: float = 0.5
+    # Of the GPU's free memory: kept for activations and the schedule's working set when placing the
+    # optimizer state before the first call has measured them (Llama-3B at 4 x 4096 peaks at about 45
+    # GiB of activations and working set on the H200); max_gpu_memory lowers the budget further.
+    gpu_state_reserve: float = 0.3
     # Move saved activations to pinned host memory when one call's would take over this share of
     # the GPU: GPU memory then bounds one layer's activations, not the whole sequence's.
     offload_share: float = 0.25

@@ -15,17 +15,12 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-from torch import Tensor
 
 from .executor import Executor
 from .host import GradBuffer, HostState
 from .scaler import step_context
 from .trace import span
 from .worker import TaskThread, Ticket
-
-
-def same_storage(t: Optional[Tensor], flat: Tensor) -> bool:
-    return t is not None and t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
 
 
 class Versions:
@@ -136,8 +131,11 @@ class Versions:
             with step_context(scalers), self.optimizer_ctx(), span("step_fn"):
                 step_fn()
         finally:
+            if self.host.gpu is not None:  # the GPU share's kernels: done before its buffer is reused
+                with span("finish_gpu_step"):
+                    self.host.gpu.finish_step()
             if buffer is not None:
-                buffer.held = any(same_storage(p.grad, buffer.flat) for p in self.host.master_params)
+                buffer.held = any(buffer.owns(p.grad) for p in self.host.master_params)
                 if not buffer.held:
                     buffer.free.set()
             with span("stage_from_master" if self.executor.resident else "write_compute_copy"):
@@ -162,7 +160,7 @@ class Versions:
                 if p.grad is not None:
                     view.add_(p.grad)  # zero_grad() was not called: gradients keep accumulating
                 p.grad = view
-            elif any(same_storage(p.grad, b.flat) for b in held):
+            elif any(b.owns(p.grad) for b in held):
                 p.grad = p.grad.clone()  # keep the user's gradient but let its buffer go
         for b in held:
             b.held = False
@@ -171,7 +169,7 @@ class Versions:
     def release(self, buffer: GradBuffer) -> None:
         """Master gradients keep their values in their own memory; ``buffer`` is free again."""
         for p in self.host.master_params:
-            if same_storage(p.grad, buffer.flat):
+            if buffer.owns(p.grad):
                 p.grad = p.grad.clone()
         buffer.held = False
         buffer.free.set()
