@@ -55,6 +55,15 @@ def check_placement(engine: RoundPipe, where: str) -> None:
     assert sum(on_gpu) == {"host": 0, "split": 4, "gpu": len(masters)}[where]  # weight and bias of layers 0 and 2
     if CUDA:
         assert [m.device.type == "cuda" for m in masters] == on_gpu
+    # The host allocates no master, gradients or compute copies for the GPU share (one fp32 flat tensor
+    # here: the host keeps elements [cut, total) of it).
+    cut = host.gpu.cut["float32"] if host.gpu else 0
+    n = host.params.sizes["float32"] - cut
+    assert (n == 0) == (where == "gpu") and (cut == 0) == (where == "host")
+    report = engine.memory_report()
+    assert report["compute"] == 2 * 4 * n
+    assert report["master"] == 4 * (-(-n // 64) * 64)  # aligned to 256 bytes, as layout.py aligns
+    assert report["grads"] == len(host.grads) * report["master"]
 
 
 @pytest.mark.parametrize("delayed", [False, True], ids=["sync", "async"])
@@ -66,6 +75,8 @@ def test_each_placement_matches_pytorch(where, delayed):
     state = engine.state_dict()
     assert all(t.device.type == "cpu" for t in state.values())  # checkpoints hold host tensors wherever the state lives
     assert_state_close(state, ref.state())
+    for name, p in engine.model.named_parameters():  # after synchronize() the model shows the master (fp32: exactly)
+        assert torch.equal(p.detach().cpu(), state[name]), name
     if where != "host":
         last = {"split": 2, "gpu": 6}[where]  # the last layer with parameters on the GPU
         assert f"layers 0-{last} float32: master, grads, optimizer state on the GPU" in str(engine.placement)

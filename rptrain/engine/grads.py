@@ -74,7 +74,7 @@ class GradSink:
                     lo, src = cut, src[cut - lo :]
                     if lo == hi:
                         continue
-                    dst = buffer.flat[layout.base[r.key] + lo : layout.base[r.key] + hi]
+                    dst = buffer.host.master_range(buffer.flat, Range(r.key, lo, hi))
                     if fresh:
                         device.copy_to_host(dst, src)
                     else:

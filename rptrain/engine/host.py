@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from .gpushare import GpuShare
-from .layout import FlatLayout, Range
+from .layout import FlatLayout, Range, Slot, _align, shaped
 
 
 def pins_frozen(nbytes: int, pin_share: float) -> bool:
@@ -34,16 +34,52 @@ def pins_frozen(nbytes: int, pin_share: float) -> bool:
     return nbytes <= pin_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+class HostShare:
+    """What the host keeps of each flat tensor of a layout: elements ``[cut[key], size)`` (all of them
+    without a GPU share; gpushare.py). Host flats of the model's dtype start at ``cut[key]``; the
+    master and the gradient buffers concatenate every dtype's host part, each aligned like layout.py's."""
+
+    def __init__(self, layout: FlatLayout, cut: dict[str, int]):
+        self.layout, self.cut = layout, cut
+        self.sizes = {k: n - cut[k] for k, n in layout.sizes.items()}
+        self.base: dict[str, int] = {}
+        total = 0
+        for key, n in self.sizes.items():
+            self.base[key] = total
+            total += _align(n, torch.float32)
+        self.total = total
+
+    def allocate(self, pin_memory: bool) -> dict[str, Tensor]:
+        return {k: torch.zeros(n, dtype=self.layout.dtypes[k], pin_memory=pin_memory) for k, n in self.sizes.items()}
+
+    def view(self, flats: dict[str, Tensor], slot: Slot) -> Tensor:
+        return self.layout.view(flats, slot, self.cut[slot.key])
+
+    def range(self, flats: dict[str, Tensor], r: Range) -> Tensor:
+        return flats[r.key][r.start - self.cut[r.key] : r.stop - self.cut[r.key]]
+
+    def master_range(self, master: Tensor, r: Range) -> Tensor:
+        start = self.base[r.key] + r.start - self.cut[r.key]
+        return master[start : start + r.numel]
+
+    def master_view(self, master: Tensor, slot: Slot) -> Tensor:
+        return shaped(self.master_range(master, Range(slot.key, slot.offset, slot.offset + slot.numel)), slot)
+
+    def ranges(self) -> list[Range]:
+        return [Range(k, self.cut[k], self.cut[k] + n) for k, n in self.sizes.items() if n]
+
+
 class GradBuffer:
     """One fp32 gradient buffer and which slots of it hold this window's gradients: on the host, and
     on the GPU for the GPU share (``gpu``, one tensor per dtype; gpushare.py)."""
 
-    def __init__(self, layout: FlatLayout, pin_memory: bool, share: Optional[GpuShare] = None):
-        self.flat = torch.zeros(layout.total, dtype=torch.float32, pin_memory=pin_memory)
+    def __init__(self, host: HostShare, pin_memory: bool, share: Optional[GpuShare] = None):
+        self.host = host
+        self.flat = torch.zeros(host.total, dtype=torch.float32, pin_memory=pin_memory)
         self.gpu = share.allocate(torch.float32) if share is not None else {}
-        self.views = [share.view(self.gpu, slot) if share is not None and share.holds(slot) else layout.master_view(self.flat, slot)
-                      for slot in layout.slots]  # master .grad per slot
-        self.written = [False] * len(layout.slots)
+        self.views = [share.view(self.gpu, slot) if share is not None and share.holds(slot) else host.master_view(self.flat, slot)
+                      for slot in host.layout.slots]  # master .grad per slot
+        self.written = [False] * len(host.layout.slots)
         self.free = threading.Event()  # set when nothing (optimizer .grad views) refers to it
         self.free.set()
         self.held = False  # a failed or partial step left master .grad views into it (roundpipe.py)
@@ -76,20 +112,19 @@ class HostState:
         self.frozen_params = [p for p in self._unique_tensors(layers, "parameters") if not p.requires_grad]
         self.frozen = self._store_frozen(pin_memory, pin_frozen_share)
 
-        self.compute = [self.params.allocate(pin_memory), self.params.allocate(pin_memory)]
-        # Pinned when GPUs cast their resident copy from it (refresh.py): DMA reads it directly.
-        self.master = torch.zeros(self.params.total, dtype=optim_dtype, pin_memory=pin_master)
-        with torch.no_grad():
-            for slot, p in zip(self.params.slots, originals):
-                self.params.view(self.compute[0], slot).copy_(p.detach())
-                self.params.master_view(self.master, slot).copy_(p.detach())
+        # The GPU share (gpushare.py) has its master and gradients on the GPU and its compute copy in
+        # the resident store: the host allocates none of them.
         self.gpu = GpuShare(self.params, gpu_layers, gpu_device, optim_dtype) if gpu_layers else None
+        self.host = HostShare(self.params, self.gpu.cut if self.gpu else dict.fromkeys(self.params.sizes, 0))
+        self.compute = [self.host.allocate(pin_memory), self.host.allocate(pin_memory)]
+        # Pinned when GPUs cast their resident copy from it (refresh.py): DMA reads it directly.
+        self.master = torch.zeros(self.host.total, dtype=optim_dtype, pin_memory=pin_master)
         self.master_params = [nn.Parameter(self._master_view(slot), requires_grad=slot.requires_grad) for slot in self.params.slots]
-        if self.gpu is not None:
-            with torch.no_grad():
-                for slot, p, m in zip(self.params.slots, originals, self.master_params):
-                    if self.gpu.holds(slot):
-                        m.copy_(p.detach())
+        with torch.no_grad():
+            for slot, p, m in zip(self.params.slots, originals, self.master_params):
+                m.copy_(p.detach())
+                if not self.on_gpu(slot):
+                    self.host.view(self.compute[0], slot).copy_(p.detach())
 
         self.buffers = self.buffer_layout.allocate(pin_memory)
         with torch.no_grad():
@@ -99,8 +134,9 @@ class HostState:
             for slot, b in zip(self.buffer_layout.slots, self._unique_tensors(layers, "buffers")):
                 b.data = self.buffer_layout.view(self.buffers, slot)
         self.user_params = originals
+        self.gpu_live: Optional[Any] = None  # version -> the resident store's live copy (resident.py), for the GPU share
         self.show_version(0)
-        self.grads: list[GradBuffer] = [GradBuffer(self.params, pin_memory, self.gpu)]
+        self.grads: list[GradBuffer] = [GradBuffer(self.host, pin_memory, self.gpu)]
 
     def _store_frozen(self, pin_memory: bool, pin_share: float) -> dict[str, Tensor]:
         """One flat copy of the frozen parameters; each original is let go as soon as it is copied,
@@ -160,44 +196,44 @@ class HostState:
         return out
 
     def show_version(self, version: int) -> None:
-        """Point the user's model parameters at compute copy ``version``."""
+        """Point the user's model parameters at compute copy ``version``: the host's, and for the GPU
+        share the resident store's live copy once it exists (the originals until then)."""
         flats = self.compute[version % 2]
+        live = self.gpu_live(version) if self.gpu is not None and self.gpu_live is not None else None
         for slot, p in zip(self.params.slots, self.user_params):
-            p.data = self.params.view(flats, slot)
+            if not self.on_gpu(slot):
+                p.data = self.host.view(flats, slot)
+            elif live is not None:
+                p.data = live.view(slot)
+
+    def on_gpu(self, slot: Slot) -> bool:
+        return self.gpu is not None and self.gpu.holds(slot)
 
     def grad_buffer(self, index: int) -> GradBuffer:
         while len(self.grads) <= index:  # the second buffer only when training runs asynchronously
-            self.grads.append(GradBuffer(self.params, self.pin_memory, self.gpu))
+            self.grads.append(GradBuffer(self.host, self.pin_memory, self.gpu))
         return self.grads[index]
 
-    def _master_view(self, slot) -> Tensor:
-        if self.gpu is not None and self.gpu.holds(slot):
-            return self.gpu.view(self.gpu.master, slot)
-        return self.params.master_view(self.master, slot)
+    def _master_view(self, slot: Slot) -> Tensor:
+        return self.gpu.view(self.gpu.master, slot) if self.on_gpu(slot) else self.host.master_view(self.master, slot)
 
     def master_range(self, r: Range) -> Tensor:
         """Range ``r`` of the master, where it lives (``r`` lies on one side of the GPU share's cut)."""
         if self.gpu is not None and r.start < self.gpu.cut[r.key]:
             return self.gpu.master[r.key][r.start : r.stop]
-        return self.params.master_range(self.master, r)
-
-    def split(self, r: Range) -> list[Range]:
-        """``r`` cut where the GPU share ends."""
-        return [r] if self.gpu is None else [part for part in self.gpu.split(r) if part is not None]
+        return self.host.master_range(self.master, r)
 
     def write_compute(self, version: int) -> None:
-        """Compute copy ``version`` := master cast to the model's dtype (one pass per dtype)."""
-        for key, flat in self.compute[version % 2].items():
-            for r in self.split(Range(key, 0, flat.numel())):
-                self.write_compute_range(version, r)
+        """The host's compute copy ``version`` := its master cast to the model's dtype (one pass per dtype)."""
+        for r in self.host.ranges():
+            self.write_compute_range(version, r)
 
     def write_compute_range(self, version: int, r: Range) -> None:
-        """One range of compute copy ``version`` := the master's, cast (where the master lives)."""
-        dst, src = self.compute_range(version, r), self.master_range(r)
-        dst.copy_(src if src.device == dst.device else src.to(dst.dtype))  # a GPU share is cast there, then copied
+        """One range of the host's compute copy ``version`` := the master's, cast."""
+        self.compute_range(version, r).copy_(self.master_range(r))
 
     def compute_range(self, version: int, r: Range) -> Tensor:
-        return self.compute[version % 2][r.key][r.start : r.stop]
+        return self.host.range(self.compute[version % 2], r)
 
     def buffer_range(self, r: Range) -> Tensor:
         return self.buffers[r.key][r.start : r.stop]

@@ -47,6 +47,9 @@ class ResidentStore(StreamedStore):
         self._static_buffers: dict[tuple[int, int, int], StageTensors] = {}
         self._static_grads: dict[tuple[int, int, int], StageTensors] = {}
         self._refresh_plan: Optional[tuple[list[Range], list[Range]]] = None
+        if host.gpu is not None:  # the user's parameters of the GPU share show the live copy
+            host.gpu_live = self._shown
+            host.show_version(0)
 
     # ----------------------------------------------------------------------------- weights
     def weights(self, device: Device, job: Job, version: int) -> tuple[StageTensors, StageTensors]:
@@ -78,10 +81,33 @@ class ResidentStore(StreamedStore):
             found = resident.staged.get(version)
             if found is None:
                 with device.stream("upload"):
-                    pieces = [(r, device.upload(t)) for r, t in _whole(self.host.params, self.host.compute[version % 2])]
-                    found = StageTensors(self.host.params, pieces, device.record("upload"))
+                    found = StageTensors(self.host.params, self._version_pieces(device, version), device.record("upload"))
                 resident.publish(version, found)
             return found
+
+    def _version_pieces(self, device: Device, version: int) -> list[tuple[Range, Tensor]]:
+        """Compute copy ``version`` uploaded from the host's; the GPU share's part is cast from its
+        master, which holds this version whenever a version is not staged by its step (the first,
+        and after synchronize())."""
+        host = self.host
+        if host.gpu is None:
+            return [(r, device.upload(t)) for r, t in _whole(host.params, host.compute[version % 2])]
+        pieces = []
+        for key, size in host.params.sizes.items():
+            flat, cut = torch.empty(size, dtype=host.params.dtypes[key], device=device.torch_device), host.gpu.cut[key]
+            if cut:
+                flat[:cut].copy_(host.gpu.master[key])
+            if size > cut:
+                flat[cut:].copy_(device.upload(host.compute_range(version, Range(key, cut, size))))
+            pieces.append((Range(key, 0, size), flat))
+        return pieces
+
+    def _shown(self, version: int) -> StageTensors:
+        """The live copy at ``version``, complete, for the user's parameters (HostState.show_version)."""
+        device = self.devices[0]
+        live = self._live(device, version)
+        device.record("compute").synchronize()
+        return live
 
     def _live(self, device: Device, version: int) -> StageTensors:
         staged = self.copy(device, version)
