@@ -124,7 +124,7 @@ def test_prediction_matches_memory_report(name):
     (The optimizer's flat state stops at the last parameter, the master at the next 256-byte boundary:
     tensors of fewer than 64 elements at the end of a dtype would cost more than 1% in a model this small.)"""
     model = build_model("llama_tiny") if name == "llama_tiny" else _mixed_model()
-    engine = RoundPipe(model)
+    engine = RoundPipe(model, gpu_state=False)  # everything on the host, also on a GPU (test_engine_gpu_state.py: the split)
     predicted = engine.placement.totals[HOST]
     with OptimizerCtx():
         opt = AdamW(engine.parameters(), lr=1e-3)

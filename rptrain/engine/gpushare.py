@@ -53,9 +53,10 @@ class GpuShare:
     def numel(self) -> int:
         return sum(self.cut.values())
 
-    def finish_step(self) -> None:
-        """Wait for the GPU work the calling thread queued (the optimizer's kernels on the GPU share):
-        after this, the gradient buffer it read may be written again and the master read elsewhere."""
+    def wait_queued(self) -> None:
+        """Wait for the GPU work queued on the device's current stream (the optimizer's kernels on the
+        GPU share, a load_state_dict's copies into its master): after this, the gradient buffer they
+        read may be written again and the master read on other streams."""
         if self.device.torch_device.type == "cuda":
             torch.cuda.current_stream(self.device.torch_device).synchronize()
 

@@ -26,6 +26,8 @@ from .weights import StageTensors
 
 
 class GradSink:
+    lands_as_is = True
+
     def __init__(self, layout: FlatLayout):
         self.layout = layout
 
@@ -51,8 +53,8 @@ class GradSink:
             device.wait("download", ready)
             device.check_ready("download", (g for _, g in pieces))
             converted = []
-            for r, g in pieces:
-                converted.append((r, g.float()))
+            for r, g in pieces:  # the GPU share's gradients are cast as they land (not when reduced: averaged in fp32)
+                converted.append((r, g if self.lands_as_is and state.grad_buffer.on_gpu(r) else g.float()))
                 device.keep_alive(g, "download")
             self._deliver(device, job, converted, state)
 
@@ -87,6 +89,7 @@ class GradSink:
 
 
 class ReducingSink(GradSink):
+    lands_as_is = False
     def __init__(self, layout: FlatLayout, reducer: Any):
         super().__init__(layout)
         self.reducer = reducer

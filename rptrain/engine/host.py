@@ -87,6 +87,10 @@ class GradBuffer:
     def reset(self) -> None:
         self.written = [False] * len(self.written)
 
+    def on_gpu(self, r: Range) -> bool:
+        """Whether range ``r`` lies in the GPU share."""
+        return r.key in self.gpu and r.stop <= self.gpu[r.key].numel()
+
     def owns(self, t: Optional[Tensor]) -> bool:
         """Whether ``t`` is a view of this buffer (host or GPU part)."""
         if t is None:
@@ -125,6 +129,8 @@ class HostState:
                 m.copy_(p.detach())
                 if not self.on_gpu(slot):
                     self.host.view(self.compute[0], slot).copy_(p.detach())
+        if self.gpu is not None:
+            self.gpu.wait_queued()  # the uploads into its master are done before other streams read it
 
         self.buffers = self.buffer_layout.allocate(pin_memory)
         with torch.no_grad():

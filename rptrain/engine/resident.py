@@ -92,6 +92,7 @@ class ResidentStore(StreamedStore):
         host = self.host
         if host.gpu is None:
             return [(r, device.upload(t)) for r, t in _whole(host.params, host.compute[version % 2])]
+        host.gpu.wait_queued()  # e.g. load_state_dict's copies into the GPU master
         pieces = []
         for key, size in host.params.sizes.items():
             flat, cut = torch.empty(size, dtype=host.params.dtypes[key], device=device.torch_device), host.gpu.cut[key]

@@ -133,7 +133,7 @@ class Versions:
         finally:
             if self.host.gpu is not None:  # the GPU share's kernels: done before its buffer is reused
                 with span("finish_gpu_step"):
-                    self.host.gpu.finish_step()
+                    self.host.gpu.wait_queued()
             if buffer is not None:
                 buffer.held = any(buffer.owns(p.grad) for p in self.host.master_params)
                 if not buffer.held:
