@@ -97,8 +97,9 @@ def host_model(args, name: str, dtype: torch.dtype) -> nn.Module:
 def run_rptrain(args, cfg, name):
     model = host_model(args, name, torch.bfloat16)
     note(f"{name} built")
-    engine = RoundPipe(model, cuda_graphs=args.cuda_graphs)
+    engine = RoundPipe(model, cuda_graphs=args.cuda_graphs, gpu_state=args.gpu_state, max_gpu_memory=args.max_gpu_memory)
     note(str(engine.placement))
+    on_gpu = engine.placement.params_on("gpu")  # trainable parameters whose state and step are on the GPU
     with OptimizerCtx():
         opt = AdamW(engine.parameters(), lr=1e-4)
     note("engine and optimizer ready")
@@ -114,7 +115,7 @@ def run_rptrain(args, cfg, name):
     layers = len(model)
     engine.close()
     stages = dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
-    return timing, recomputed / max(layers - 2, 1), {**stages, **split}
+    return timing, recomputed / max(layers - 2, 1), {**stages, **split, "gpu_state_params": on_gpu}
 
 
 def pipeline_step(engine, opt, batch, run_cfg):
@@ -348,6 +349,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace-steps", type=int, default=2, help="extra engine steps traced to split GPU and optimizer time")
     p.add_argument("--busy-steps", type=int, default=0, help="extra steps under a CUDA profiler: the share of time a kernel runs")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help="the engine's cuda_graphs option")
+    p.add_argument("--gpu-state", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's gpu_state option: the leading layers' optimizer state on the GPU (--no-gpu-state: all on the host)")
+    p.add_argument("--max-gpu-memory", default=None, help="the engine's max_gpu_memory, e.g. 100GiB: caps the GPU state's budget")
     p.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
                    help="activation checkpointing per block for plain, fsdp2 and deepspeed")
     p.add_argument("--ds-ratio", type=float, default=None,

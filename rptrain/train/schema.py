@@ -350,6 +350,7 @@ class EngineConfig:
     cudnn_benchmark: bool = True  # torch.backends.cudnn.benchmark while the run trains (train/kernels.py)
     max_host_memory: Optional[str] = None  # bytes or e.g. "96GiB"; None: physical memory less a reserve (engine/fit.py)
     max_gpu_memory: Optional[str] = None  # None: the GPU's free memory
+    gpu_state: bool = True  # the leading layers' optimizer state on the GPU where it fits (engine/gpushare.py)
 
 
 # ----------------------------------------------------------------------------- logger
