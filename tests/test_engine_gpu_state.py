@@ -30,10 +30,10 @@ def device():
 
 
 def split_budget(model: nn.Sequential, layers: int) -> int:
-    """GPU bytes for two resident versions of the weights plus the first ``layers`` layers' state
+    """GPU bytes for three resident copies of the weights (fit.py) plus the first ``layers`` layers' state
     (fp32 master 4 + Adam 8 + two gradient buffers 8 = 20 bytes a parameter, padding included)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return 2 * weights + 20 * sum(cuts(FlatLayout.of_parameters(list(model)), layers).values()) + 16
+    return 3 * weights + 20 * sum(cuts(FlatLayout.of_parameters(list(model)), layers).values()) + 16
 
 
 def placement_kw(where: str, model: nn.Sequential) -> dict:

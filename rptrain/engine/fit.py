@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from .device import Device
-from .gpushare import cuts
 from .host import pins_frozen
 from .layout import FlatLayout
 from .placement import GPU, HOST, GiB, Placement, Run, StateBytes, fmt_bytes, place
@@ -137,7 +136,10 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
     gpu, gpu_from = gpu_budget(devices, max_gpu_memory)
     weights = [params.nbytes(i, i + 1) + frozen.nbytes(i, i + 1) for i in range(len(layers))]
     grads = [params.nbytes(i, i + 1) for i in range(len(layers))]  # in the compute dtype, as plan.LayerCost counts them
-    need_gpu = (2 * sum(weights) if resident else max(2 * w + 3 * g for w, g in zip(weights, grads))) if gpu else 0
+    # Resident (resident.py): the live copy and the upload slots of the last version and of the one being
+    # staged, the frozen weights once; streamed: the largest layer twice, its gradients three times.
+    resident_bytes = 3 * sum(grads) + sum(weights) - sum(grads)
+    need_gpu = (resident_bytes if resident else max(2 * w + 3 * g for w, g in zip(weights, grads))) if gpu else 0
     runs = runs_of(params) + runs_of(frozen)
     notes = ("optimizer state: Adam's two moments in the master's dtype, assumed (the optimizer comes after the engine)",
              "GPU: the largest layer's weights and gradients (or the resident model); activations are measured by the first call",
@@ -145,18 +147,11 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
              *notes)
     kw = dict(gpu_free=gpu, host_budget=host, gpu_compute=need_gpu, gpu_activations=int(gpu_reserve * gpu) if gpu_state else 0,
               buffers=sum(flat(buffers)), gpu_state=gpu_state, sources={HOST: host_from, GPU: gpu_from}, notes=notes)
-    plan = place(runs, state, **kw)
-    # host.py's pinned allocations: two compute copies and two gradient buffers of the host share, the
-    # buffers, the frozen weights up to a share of the machine, and the master's host share when the
-    # GPU casts its resident copy from it.
-    cut = cuts(params, plan.gpu_layers)
-    host_params = [(n - cut[k]) * params.dtypes[k].itemsize for k, n in params.sizes.items()]
-    host_master = params.total - sum(cut.values())  # the master layout, alignment included
-    pinned = [*host_params, *host_params, host_master * 4, host_master * 4, *flat(buffers)] if pin else []
+    # host.py's allocations through PyTorch's pinned allocator: the buffers and the frozen weights up to
+    # a share of the machine (master, compute copies and gradient buffers are registered: no rounding).
+    pinned = flat(buffers) if pin else []
     if pin and pins_frozen(frozen_bytes, pin_frozen_share):
         pinned += flat(frozen)
-    if resident:
-        pinned.append(host_master * optim_dtype.itemsize)
     plan = place(runs, state, pinned_rounding=sum(_round_up(n) - n for n in pinned if n), **kw)
     if not plan.fits:
         raise DoesNotFit(_message(plan, optim_dtype), plan)

@@ -132,6 +132,10 @@ class ResidentStore(StreamedStore):
     def publish(self, version: int) -> None:
         """Version ``version`` on every GPU, cast partly there from the master (refresh.py); the
         host compute copy gets only the host's share. Returns once the master may change again."""
+        with self._lock:  # no call asks for versions before version - 1: free them before staging a new one
+            for resident in self.resident.values():
+                for old in [v for v in resident.staged if v < version - 1]:
+                    del resident.staged[old]
         try:
             if self._refresh_plan is None:
                 self._refresh_plan = refresh.split(self.host.params, self.host.master.dtype, self.tuning.refresh_gpu_share,
