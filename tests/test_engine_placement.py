@@ -146,9 +146,9 @@ def test_prediction_matches_memory_report(name):
 
 
 def test_pinned_blocks_round_up_to_powers_of_two(monkeypatch):
-    """On a GPU machine host.py pins its buffers and frozen weights with PyTorch's caching host allocator,
-    which rounds each block up to a power of two: the check counts those pages too. The master, compute
-    copies and gradient buffers are registered instead (host.host_zeros): no rounding."""
+    """On a GPU machine host.py pins its flat tensors, and PyTorch's caching host allocator rounds each
+    block up to a power of two: the check counts those pages too. Master, compute copies and gradient
+    buffers of at least host.REGISTER_MIN_BYTES are registered with CUDA instead: no rounding."""
     from rptrain.engine import fit
 
     class FakeGpu:
@@ -156,16 +156,21 @@ def test_pinned_blocks_round_up_to_powers_of_two(monkeypatch):
 
     monkeypatch.setattr(fit, "gpu_budget", lambda devices, cap: (10 * 2**30, "free on the GPU"))
     # weight 1,000,000 + bias 1,000 fp32 (trainable), a frozen fp16 layer and BatchNorm's buffers
-    layers = [nn.Linear(1000, 1000), nn.Linear(1000, 1000).half().requires_grad_(False), nn.BatchNorm1d(1000)]
+    layers = [nn.Linear(1000, 1000), nn.Linear(1000, 1000).half().requires_grad_(False), nn.BatchNorm1d(1000, affine=False)]
     p = fit.check_fit(layers[:1], torch.float32, [FakeGpu()], resident=True, max_host_memory="1GiB")
-    assert p.totals[HOST]["pinned_rounding"] == 0
+    compute, grads = 1_001_000 * 4, 1_001_024 * 4  # the master's region aligned to 1,001,024 elements
+    # two compute copies, two gradient buffers and the master (resident: the GPU casts from it), each up to 2**22 bytes
+    assert p.totals[HOST]["pinned_rounding"] == 2 * (2**22 - compute) + 3 * (2**22 - grads)
     assert p.totals[GPU]["compute"] == 3 * 4_004_000  # resident: the live copy and two upload slots
     p = fit.check_fit(layers, torch.float32, [FakeGpu()], resident=False, max_host_memory="1GiB")
     # flat tensors (layout.py aligns each tensor to 256 bytes): frozen fp16 weight + bias at 1,000,064;
     # fp32 buffers running mean + var at 1,024; int64 num_batches_tracked, 8 bytes (a power of two)
     frozen, buffers = 1_001_064 * 2, 2_024 * 4
-    assert p.totals[HOST]["pinned_rounding"] == (2**21 - frozen) + (2**13 - buffers)
+    assert p.totals[HOST]["pinned_rounding"] == 2 * (2**22 - compute) + 2 * (2**22 - grads) + (2**21 - frozen) + (2**13 - buffers)
     assert p.totals[GPU]["compute"] == 2 * 4_004_000 + 3 * 4_004_000  # the largest layer (0) twice, its gradients three times
+    monkeypatch.setattr(fit, "REGISTER_MIN_BYTES", 1)  # every flat of the trainable state registered
+    p = fit.check_fit(layers, torch.float32, [FakeGpu()], resident=False, max_host_memory="1GiB")
+    assert p.totals[HOST]["pinned_rounding"] == (2**21 - frozen) + (2**13 - buffers)
 
 
 def test_does_not_fit_before_allocating():

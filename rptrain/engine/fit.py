@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from .device import Device
-from .host import pins_frozen
+from .gpushare import cuts
+from .host import REGISTER_MIN_BYTES, pins_frozen
 from .layout import FlatLayout
 from .placement import GPU, HOST, GiB, Placement, Run, StateBytes, fmt_bytes, place
 from .tuning import Tuning
@@ -147,9 +148,15 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
              *notes)
     kw = dict(gpu_free=gpu, host_budget=host, gpu_compute=need_gpu, gpu_activations=int(gpu_reserve * gpu) if gpu_state else 0,
               buffers=sum(flat(buffers)), gpu_state=gpu_state, sources={HOST: host_from, GPU: gpu_from}, notes=notes)
-    # host.py's allocations through PyTorch's pinned allocator: the buffers and the frozen weights up to
-    # a share of the machine (master, compute copies and gradient buffers are registered: no rounding).
-    pinned = flat(buffers) if pin else []
+    # host.py's allocations through PyTorch's pinned allocator: the buffers, the frozen weights up to a
+    # share of the machine, and the host share's master (when the GPU casts its resident copy from it),
+    # compute copies and gradient buffers below host.REGISTER_MIN_BYTES (larger ones are registered).
+    plan = place(runs, state, **kw)
+    cut = cuts(params, plan.gpu_layers)
+    host_params = [(n - cut[k]) * params.dtypes[k].itemsize for k, n in params.sizes.items()]
+    host_master = params.total - sum(cut.values())  # the master layout, alignment included
+    registered = [*host_params, *host_params, host_master * 4, host_master * 4, *([host_master * optim_dtype.itemsize] if resident else [])]
+    pinned = [*flat(buffers), *(n for n in registered if n < REGISTER_MIN_BYTES)] if pin else []
     if pin and pins_frozen(frozen_bytes, pin_frozen_share):
         pinned += flat(frozen)
     plan = place(runs, state, pinned_rounding=sum(_round_up(n) - n for n in pinned if n), **kw)

@@ -35,13 +35,22 @@ def pins_frozen(nbytes: int, pin_share: float) -> bool:
     return nbytes <= pin_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# Host tensors of at least this many bytes are pinned by registration (host_zeros). The C allocator
+# maps blocks this large (glibc's threshold tops out at 32 MiB) on pages of their own; smaller ones
+# may share a page with another block, which CUDA refuses to register twice.
+REGISTER_MIN_BYTES = 64 << 20
+
+
 def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> Tensor:
-    """A zeroed host tensor, page-locked if ``pin`` by registering it with CUDA (cudaHostRegister)
-    rather than through PyTorch's caching host allocator, which rounds each block up to a power of
-    two and locks the whole block: a 17 GiB master would lock 32 GiB (Llama-8B's host share lost 58
-    GiB so). Unregistered when the tensor object goes (views left then read pageable memory)."""
+    """A zeroed host tensor, page-locked if ``pin``: large ones by registering them with CUDA
+    (cudaHostRegister) rather than through PyTorch's caching host allocator, which rounds each block
+    up to a power of two and locks the whole block (a 17 GiB master would lock 32 GiB; Llama-8B's
+    host share lost 58 GiB so). Unregistered when the tensor object goes (views left then read
+    pageable memory)."""
+    if numel * dtype.itemsize < REGISTER_MIN_BYTES:
+        return torch.zeros(numel, dtype=dtype, pin_memory=pin)
     t = torch.zeros(numel, dtype=dtype)
-    if pin and t.numel():
+    if pin:
         cudart = torch.cuda.cudart()
         error = cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0)
         if int(error) != 0:
