@@ -50,8 +50,9 @@ class GpuShare:
         cut = min(max(self.cut[r.key], r.start), r.stop)
         return (Range(r.key, r.start, cut) if cut > r.start else None, Range(r.key, cut, r.stop) if r.stop > cut else None)
 
-    def numel(self) -> int:
-        return sum(self.cut.values())
+    def state_bytes(self) -> int:
+        """GPU bytes of the share's state: master, two gradient buffers, Adam's two moments (assumed)."""
+        return sum(self.cut.values()) * (3 * self.optim_dtype.itemsize + 2 * 4)
 
     def wait_queued(self) -> None:
         """Wait for the GPU work queued on the device's current stream (the optimizer's kernels on the

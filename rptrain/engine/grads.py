@@ -72,7 +72,10 @@ class GradSink:
                     cut = min(max(lo, len(buffer.gpu[r.key]) if r.key in buffer.gpu else 0), hi)
                     if cut > lo:  # the GPU share's gradients stay on the GPU: copied or added there, in order
                         gpu = buffer.gpu[r.key][lo:cut]
-                        gpu.copy_(src[: cut - lo]) if fresh else gpu.add_(src[: cut - lo])
+                        if fresh:
+                            gpu.copy_(src[: cut - lo])
+                        else:
+                            gpu.add_(src[: cut - lo])
                     lo, src = cut, src[cut - lo :]
                     if lo == hi:
                         continue
@@ -90,6 +93,7 @@ class GradSink:
 
 class ReducingSink(GradSink):
     lands_as_is = False
+
     def __init__(self, layout: FlatLayout, reducer: Any):
         super().__init__(layout)
         self.reducer = reducer

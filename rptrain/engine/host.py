@@ -248,6 +248,13 @@ class HostState:
     def _master_view(self, slot: Slot) -> Tensor:
         return self.gpu.view(self.gpu.master, slot) if self.on_gpu(slot) else self.host.master_view(self.master, slot)
 
+    def master_sample(self, size: int = 100_000) -> Tensor:
+        """About ``size`` evenly spaced master elements from the host and the GPU share, on the host
+        (data-parallel ranks compare a fingerprint of them: reduce.py)."""
+        parts = [self.master, *(self.gpu.master.values() if self.gpu is not None else ())]
+        step = max(1, sum(t.numel() for t in parts) // size)
+        return torch.cat([t[::step].cpu() for t in parts])
+
     def master_range(self, r: Range) -> Tensor:
         """Range ``r`` of the master, where it lives (``r`` lies on one side of the GPU share's cut)."""
         if self.gpu is not None and r.start < self.gpu.cut[r.key]:

@@ -46,8 +46,14 @@ class Planner:
 
     def auto(self, min_stages: Optional[int], memory_cap: Optional[int]) -> ExecutePlan:
         """``ExecutePlan.auto``: the measured costs when a call has measured them, else the sizes."""
-        cap = memory_cap or (min(d.memory_cap() or 0 for d in self.devices) or None)
+        cap = memory_cap or self._cap()
         return plan_stages(self.costs or self.static_costs(), max(1, min_stages or len(self.devices)), cap)
+
+    def _cap(self) -> Optional[int]:
+        """Bytes a device may use for a stage: its cap less the GPU share's optimizer state (gpushare.py)."""
+        cap = min(d.memory_cap() or 0 for d in self.devices)
+        state = self.host.gpu.state_bytes() if self.host.gpu is not None else 0
+        return max(cap - state, 1) if cap else None
 
     def forward(self, cfg: "ResolvedRunConfig") -> ExecutePlan:
         if cfg.execute_plan is not None:
@@ -88,7 +94,7 @@ class Planner:
             )
             for i, c in enumerate(base)
         ]
-        cap = min(d.memory_cap() or 0 for d in self.devices) or None
+        cap = self._cap()
         self.costs = costs
         self.plan = same_on_all_ranks(self.reducer, plan_stages(costs, len(self.devices), cap))
         self.activation_bytes, self.memory_cap = dict(state.activation_bytes), cap or 0

@@ -109,7 +109,7 @@ class RoundPipe(nn.Module):
         self._executor = Executor(self._layers, self._host, self._devices, self._tuning, resident=resident,
                                   cuda_graphs=cuda_graphs, reducer=self._reducer, memory_format=memory_format)
         if self._reducer is not None:
-            self._reducer.check_same(self._host.master, self._devices[0].torch_device)
+            self._reducer.check_same(self._host.master_sample(), self._devices[0].torch_device)
         self._planner = Planner(len(self._layers), self._host, self._devices, self._tuning, self._reducer)
         self._versions = Versions(self._host, self._executor, self._optimizer_thread(optimizer_threads), OptimizerCtx)
         register_step_queue(self)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-
 from .executor import Executor
 from .host import GradBuffer, HostState
 from .scaler import step_context
