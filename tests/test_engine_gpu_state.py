@@ -80,6 +80,7 @@ def test_each_placement_matches_pytorch(where, delayed):
     if where != "host":
         last = {"split": 2, "gpu": 6}[where]  # the last layer with parameters on the GPU
         assert f"layers 0-{last} float32: master, grads, optimizer state on the GPU" in str(engine.placement)
+        assert str(engine.placement) in engine.explain(vector_batches(count=1)[0][0])
     engine.close()
 
 

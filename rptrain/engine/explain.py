@@ -51,7 +51,7 @@ def _header(engine: "RoundPipe", cfg: Any, profile: bool, offload: bool) -> list
     ]
     if profile:
         lines.append("this call measures every layer (one layer per stage); later calls run the plan made from it")
-    return lines
+    return lines + str(engine.placement).splitlines()  # where master, gradients and optimizer state live (gpushare.py)
 
 
 def _stage(engine: "RoundPipe", item: Lowered) -> str:
