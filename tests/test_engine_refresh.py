@@ -68,18 +68,21 @@ def test_staged_copy_is_the_master_cast_and_host_gets_its_share():
         assert torch.equal(host.compute_range(1, r), before[r.key][r.start : r.stop])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="resident weights need a GPU")
+@pytest.mark.parametrize("gpu_state", [False, True], ids=["host_master", "gpu_master"])
 @pytest.mark.parametrize("share", [0.0, 0.4, 1.0])
-def test_resident_gpu_weights_are_the_master_cast_after_every_step(share):
-    """fp16 model, async steps: the GPU's copy of each version equals the fp32 master cast, and
-    training matches plain PyTorch one step stale."""
+def test_resident_gpu_weights_are_the_master_cast_after_every_step(share, gpu_state):
+    """fp16 model, async steps: the GPU's copy of each version equals the fp32 master cast (from the
+    host, or for the GPU share from its master there), and training matches plain PyTorch one step
+    stale. On the GPU when there is one, else on a SimulatedDevice."""
     model = mixed_model()
-    engine = RoundPipe(copy.deepcopy(model), tuning=Tuning(refresh_gpu_share=share))
-    assert engine._executor.resident
+    device = "cuda:0" if torch.cuda.is_available() else SimulatedDevice(0)
+    engine = RoundPipe(copy.deepcopy(model), tuning=Tuning(refresh_gpu_share=share), devices=[device], gpu_state=gpu_state)
+    assert engine._executor.resident and (engine._host.gpu is not None) == gpu_state
     with OptimizerCtx():
         opt = Adam(engine.parameters(), lr=1e-2)
-    ref = Reference(model, lr=1e-2, delayed=True, device="cuda")
+    ref = Reference(model, lr=1e-2, delayed=True, device=engine.devices[0].type)
     loss_fn = lambda out, y: nn.functional.cross_entropy(out.float(), y)
+    host = engine._host
     torch.manual_seed(1)
     for _ in range(4):
         x, y = torch.randn(8, 40).half(), torch.randint(0, 5, (8,))
@@ -90,11 +93,12 @@ def test_resident_gpu_weights_are_the_master_cast_after_every_step(share):
         engine.wait_for_steps()
         newest = max(engine._executor.store.resident[0].staged)
         for r, t in engine._executor.store.resident[0].staged[newest].pieces:
-            master = engine._host.params.master_range(engine._host.master, r)
+            parts = host.gpu.split(r) if host.gpu is not None else (r,)
+            master = torch.cat([host.master_range(part).cpu() for part in parts if part is not None])
             assert torch.equal(t.cpu(), master.to(t.dtype))
     engine.synchronize()
     assert_state_close(engine.state_dict(), ref.state(), rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(engine.model[0].weight, engine.state_dict()["0.weight"].half(), rtol=0, atol=0)
+    torch.testing.assert_close(engine.model[0].weight.cpu(), engine.state_dict()["0.weight"].half(), rtol=0, atol=0)
     engine.close()
 
 
