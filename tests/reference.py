@@ -88,7 +88,7 @@ def engine_gradients(model: nn.Module, batch: Any, run_config: Any) -> list[torc
         opt = torch.optim.SGD(masters, lr=0.0)
     grads: list[torch.Tensor] = []
     engine.forward_backward(input_args=(batch,), loss_fn=lambda out, _: out, run_config=run_config)
-    engine.step(lambda: (grads.extend(p.grad.clone() for p in masters), opt.zero_grad()), is_async=False)
+    engine.step(lambda: (grads.extend(p.grad.cpu().clone() for p in masters), opt.zero_grad()), is_async=False)  # on the GPU for its share
     engine.close()
     return grads
 

@@ -49,7 +49,7 @@ def test_channels_last_trains_like_plain_pytorch(plan, delayed):
         grads = []
 
         def step():
-            grads.extend(p.grad.clone() for p in engine._host.master_params)
+            grads.extend(p.grad.cpu().clone() for p in engine._host.master_params)  # on the GPU for its share
             for p in engine._host.master_params:
                 assert p.grad.stride() == p.stride()
                 assert p.is_contiguous(memory_format=torch.channels_last) if p.dim() == 4 else p.is_contiguous()
@@ -111,7 +111,7 @@ def test_channels_last_with_autograd_backward():
         x1 = x.clone().requires_grad_(True)
         loss = nn.functional.cross_entropy(engine(x1, run_config=cfg), y, reduction="sum")
         loss.backward()
-        engine.step(lambda: (grads.extend(p.grad.clone() for p in engine._host.master_params), opt.step(), opt.zero_grad()), is_async=False)
+        engine.step(lambda: (grads.extend(p.grad.cpu().clone() for p in engine._host.master_params), opt.step(), opt.zero_grad()), is_async=False)
         x2 = x.clone().requires_grad_(True)
         ref_loss = nn.functional.cross_entropy(channels_last(ref.compute, x2), y, reduction="sum")
         ref_loss.backward()

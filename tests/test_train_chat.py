@@ -36,7 +36,7 @@ def _engine_step(model, batch, num_microbatch: int = 2):
     n = count_tokens(batch[1])
     loss = engine.forward_backward(input_args=(batch,), loss_fn=lambda out, _: out / n,
                                    run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
-    engine.step(lambda: grads.update({k: p.grad.clone() for k, p in params.items()}), is_async=False)
+    engine.step(lambda: grads.update({k: p.grad.cpu().clone() for k, p in params.items()}), is_async=False)  # GPU share: on the GPU
     engine.close()
     return loss.item(), grads
 
