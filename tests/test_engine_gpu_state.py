@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from reference import assert_state_close
-from rptrain import ExecutePlan, GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
+from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.engine.gpushare import cuts
 from rptrain.engine.layout import FlatLayout
 from rptrain.engine.simulated import SimulatedDevice
 from rptrain.optim import Adam
 from test_engine_equivalence import mlp, train_both, vector_batches
-from test_engine_scaler import ScaledReference, batches, loss_fn, model16
+from test_engine_scaler import model16, train_scaled_against_reference
 
 CUDA = torch.cuda.is_available()
 NO_RESERVE = Tuning(gpu_state_reserve=0.0)  # budgets below are exact: nothing kept back for activations
@@ -121,29 +121,14 @@ def test_split_state_dicts_round_trip_exactly():
     b.close()
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
 @pytest.mark.parametrize("is_async", [False, True])
-def test_grad_scaler_skips_the_inf_step_on_both_shares(is_async):
-    """fp16 compute: the third iteration overflows; its step is skipped on the GPU and the host share."""
-    init_scale, interval = 2.0**10, 1
+def test_grad_scaler_skips_the_inf_step_on_both_shares(is_async, clip):
+    """fp16 compute: the third iteration overflows; its step is skipped on the GPU and the host share
+    (and clipping unscales and measures both)."""
     engine = RoundPipe(model16(), devices=[device()], max_gpu_memory=split_budget(model16(), 1), tuning=NO_RESERVE)
     assert engine.placement.gpu_layers == 2 and engine._host.gpu is not None  # layer 0 (1 has no parameters)
-    with OptimizerCtx():
-        opt = Adam(engine.parameters(), lr=1e-2)
-    scaler = GradScaler(init_scale=init_scale, growth_interval=interval)
-    ref = ScaledReference(model16(), is_async, init_scale, interval)
-    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=ExecutePlan.from_cuts(5, [2], [2]))
-    skipped = []
-    for x, y in batches():
-        engine.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: scaler.scale(loss_fn(o, t)), run_config=cfg)
-        engine.step(lambda: (scaler.step(opt), opt.zero_grad()), is_async=is_async)
-        scaler.update()
-        skipped.append(ref.iteration(x, y, 2))
-    assert skipped[2] and not any(skipped[:2])
-    engine.synchronize()
-    state = engine.state_dict()
-    for name, p in ref.master.named_parameters():
-        torch.testing.assert_close(state[name], p.detach(), rtol=2e-3, atol=2e-3)
-    assert scaler.get_scale() == ref.scale
+    train_scaled_against_reference(engine, is_async, clip)
     engine.close()
 
 
