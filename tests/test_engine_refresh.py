@@ -17,7 +17,7 @@ from rptrain.engine import refresh
 from rptrain.engine.device import CpuDevice
 from rptrain.engine.simulated import SimulatedDevice
 from rptrain.engine.host import HostState
-from rptrain.engine.layout import FlatLayout, Range
+from rptrain.engine.layout import FlatLayout
 from rptrain.optim import Adam
 
 
