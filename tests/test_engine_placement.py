@@ -12,7 +12,7 @@ from torch import nn
 
 from rptrain import OptimizerCtx, RoundPipe
 from rptrain.engine import DoesNotFit, ExecutePlan, LayerCost
-from rptrain.engine.fit import _round_up, parse_size
+from rptrain.engine.fit import parse_size
 from rptrain.engine.placement import GPU, HOST, Run, StateBytes, gpu_working_set, place
 from rptrain.models import build_model
 from rptrain.optim import AdamW
@@ -98,7 +98,6 @@ def test_parse_size():
     for bad in ("lots", "-5", 0, True, "3 parsecs"):
         with pytest.raises(ValueError, match="is not a size"):
             parse_size(bad, "max_host_memory")
-    assert [_round_up(n) for n in (0, 1, 4097, 8192)] == [0, 1, 8192, 8192]  # pinned blocks: powers of two
 
 
 class Frozen(nn.Module):
@@ -147,9 +146,9 @@ def test_prediction_matches_memory_report(name):
 
 def test_pinned_blocks_round_up_to_powers_of_two(monkeypatch):
     """On a GPU machine host.py pins its flat tensors, and PyTorch's caching host allocator rounds each
-    block up to a power of two: the check counts those pages too. Master, compute copies and gradient
-    buffers of at least host.REGISTER_MIN_BYTES are registered with CUDA instead: no rounding."""
-    from rptrain.engine import fit
+    block up to a power of two: the check counts those pages too. Blocks of at least
+    pinned.EXACT_FROM_BYTES are mapped at their exact size instead: no rounding."""
+    from rptrain.engine import fit, pinned
 
     class FakeGpu:
         is_cuda = True
@@ -168,9 +167,9 @@ def test_pinned_blocks_round_up_to_powers_of_two(monkeypatch):
     frozen, buffers = 1_001_064 * 2, 2_024 * 4
     assert p.totals[HOST]["pinned_rounding"] == 2 * (2**22 - compute) + 2 * (2**22 - grads) + (2**21 - frozen) + (2**13 - buffers)
     assert p.totals[GPU]["compute"] == 2 * 4_004_000 + 3 * 4_004_000  # the largest layer (0) twice, its gradients three times
-    monkeypatch.setattr(fit, "REGISTER_MIN_BYTES", 1)  # every flat of the trainable state registered
+    monkeypatch.setattr(pinned, "EXACT_FROM_BYTES", 1)  # every block mapped at its exact size
     p = fit.check_fit(layers, torch.float32, [FakeGpu()], resident=False, max_host_memory="1GiB")
-    assert p.totals[HOST]["pinned_rounding"] == (2**21 - frozen) + (2**13 - buffers)
+    assert p.totals[HOST]["pinned_rounding"] == 0
 
 
 def test_does_not_fit_before_allocating():

@@ -5,8 +5,9 @@ The prediction is the engine's own accounting (``RoundPipe.memory_report``, host
 flat layouts alone: master, two gradient buffers (async steps), two compute copies, frozen weights
 and buffers; the optimizer's state is not known yet (the optimizer is made after the engine), so
 Adam's two moments in the master's dtype are assumed, the optimizers rptrain ships. On top of that,
-pinned host blocks are rounded up to a power of two by PyTorch's caching host allocator (every page
-of the block is locked), which ``memory_report`` does not show but the machine pays.
+small pinned host blocks are rounded up to a power of two by PyTorch's caching host allocator (every
+page of the block is locked; pinned.py maps large ones at their exact size), which ``memory_report``
+does not show but the machine pays.
 
 With ``gpu_state`` (one GPU, the model resident) the leading layers' master, gradients and optimizer
 state go to the GPU as far as they fit (placement.py, gpushare.py); the rest, or everything
@@ -25,7 +26,8 @@ from torch import nn
 
 from .device import Device
 from .gpushare import cuts
-from .host import REGISTER_MIN_BYTES, pins_frozen
+from .host import pins_frozen
+from .pinned import rounding
 from .layout import FlatLayout
 from .placement import GPU, HOST, GiB, Placement, Run, StateBytes, fmt_bytes, place
 from .tuning import Tuning
@@ -118,10 +120,6 @@ def runs_of(layout: FlatLayout) -> list[Run]:
     return runs
 
 
-def _round_up(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 0 else 0
-
-
 def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Sequence[Device], resident: bool,
               max_host_memory: Size = None, max_gpu_memory: Size = None, pin_frozen_share: float = Tuning.pin_frozen_share,
               gpu_state: bool = False, gpu_reserve: float = 0.0, notes: Sequence[str] = ()) -> Placement:
@@ -148,18 +146,19 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
              *notes)
     kw = dict(gpu_free=gpu, host_budget=host, gpu_compute=need_gpu, gpu_activations=int(gpu_reserve * gpu) if gpu_state else 0,
               buffers=sum(flat(buffers)), gpu_state=gpu_state, sources={HOST: host_from, GPU: gpu_from}, notes=notes)
-    # host.py's allocations through PyTorch's pinned allocator: the buffers, the frozen weights up to a
-    # share of the machine, and the host share's master (when the GPU casts its resident copy from it),
-    # compute copies and gradient buffers below host.REGISTER_MIN_BYTES (larger ones are registered).
+    # host.py's pinned allocations: the host share's two compute copies and two gradient buffers, its
+    # master when the GPU casts its resident copy from it, the buffers, and the frozen weights up to a
+    # share of the machine; pinned.py rounds the small ones up to a power of two.
     plan = place(runs, state, **kw)
     cut = cuts(params, plan.gpu_layers)
     host_params = [(n - cut[k]) * params.dtypes[k].itemsize for k, n in params.sizes.items()]
     host_master = params.total - sum(cut.values())  # the master layout, alignment included
-    registered = [*host_params, *host_params, host_master * 4, host_master * 4, *([host_master * optim_dtype.itemsize] if resident else [])]
-    pinned = [*flat(buffers), *(n for n in registered if n < REGISTER_MIN_BYTES)] if pin else []
+    pinned = [*host_params, *host_params, host_master * 4, host_master * 4, *flat(buffers)] if pin else []
     if pin and pins_frozen(frozen_bytes, pin_frozen_share):
         pinned += flat(frozen)
-    plan = place(runs, state, pinned_rounding=sum(_round_up(n) - n for n in pinned if n), **kw)
+    if resident:
+        pinned.append(host_master * optim_dtype.itemsize)
+    plan = place(runs, state, pinned_rounding=sum(rounding(n) for n in pinned), **kw)
     if not plan.fits:
         raise DoesNotFit(_message(plan, optim_dtype), plan)
     return plan

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from . import pinned
 from .gpushare import GpuShare
 from .layout import FlatLayout, Range, Slot, _align, shaped
 
@@ -33,30 +33,6 @@ def pins_frozen(nbytes: int, pin_share: float) -> bool:
     """Whether frozen weights of ``nbytes`` are pinned on a GPU engine: at most ``pin_share`` of the
     machine's physical memory (fit.py predicts the same)."""
     return nbytes <= pin_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-# Host tensors of at least this many bytes are pinned by registration (host_zeros). The C allocator
-# maps blocks this large (glibc's threshold tops out at 32 MiB) on pages of their own; smaller ones
-# may share a page with another block, which CUDA refuses to register twice.
-REGISTER_MIN_BYTES = 64 << 20
-
-
-def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> Tensor:
-    """A zeroed host tensor, page-locked if ``pin``: large ones by registering them with CUDA
-    (cudaHostRegister) rather than through PyTorch's caching host allocator, which rounds each block
-    up to a power of two and locks the whole block (a 17 GiB master would lock 32 GiB; Llama-8B's
-    host share lost 58 GiB so). Unregistered when the tensor object goes (views left then read
-    pageable memory)."""
-    if numel * dtype.itemsize < REGISTER_MIN_BYTES:
-        return torch.zeros(numel, dtype=dtype, pin_memory=pin)
-    t = torch.zeros(numel, dtype=dtype)
-    if pin:
-        cudart = torch.cuda.cudart()
-        error = cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0)
-        if int(error) != 0:
-            raise RuntimeError(f"cudaHostRegister of {t.untyped_storage().nbytes()} bytes failed with CUDA error {int(error)}")
-        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
-    return t
 
 
 class HostShare:
@@ -75,7 +51,7 @@ class HostShare:
         self.total = total
 
     def allocate(self, pin_memory: bool) -> dict[str, Tensor]:
-        return {k: host_zeros(n, self.layout.dtypes[k], pin_memory) for k, n in self.sizes.items()}
+        return {k: pinned.zeros(n, self.layout.dtypes[k], pin_memory) for k, n in self.sizes.items()}
 
     def view(self, flats: dict[str, Tensor], slot: Slot) -> Tensor:
         return self.layout.view(flats, slot, self.cut[slot.key])
@@ -100,7 +76,7 @@ class GradBuffer:
 
     def __init__(self, host: HostShare, pin_memory: bool, share: Optional[GpuShare] = None):
         self.host = host
-        self.flat = host_zeros(host.total, torch.float32, pin_memory)
+        self.flat = pinned.zeros(host.total, torch.float32, pin_memory)
         self.gpu = share.allocate(torch.float32) if share is not None else {}
         self.views = [share.view(self.gpu, slot) if share is not None and share.holds(slot) else host.master_view(self.flat, slot)
                       for slot in host.layout.slots]  # master .grad per slot
@@ -147,7 +123,7 @@ class HostState:
         self.host = HostShare(self.params, self.gpu.cut if self.gpu else dict.fromkeys(self.params.sizes, 0))
         self.compute = [self.host.allocate(pin_memory), self.host.allocate(pin_memory)]
         # Pinned when GPUs cast their resident copy from it (refresh.py): DMA reads it directly.
-        self.master = host_zeros(self.host.total, optim_dtype, pin_master)
+        self.master = pinned.zeros(self.host.total, optim_dtype, pin_master)
         self.master_params = [nn.Parameter(self._master_view(slot), requires_grad=slot.requires_grad) for slot in self.params.slots]
         with torch.no_grad():
             for slot, p, m in zip(self.params.slots, originals, self.master_params):
@@ -157,7 +133,7 @@ class HostState:
         if self.gpu is not None:
             self.gpu.wait_queued()  # the uploads into its master are done before other streams read it
 
-        self.buffers = self.buffer_layout.allocate(pin_memory)
+        self.buffers = {k: pinned.zeros(n, self.buffer_layout.dtypes[k], pin_memory) for k, n in self.buffer_layout.sizes.items()}
         with torch.no_grad():
             for slot, b in zip(self.buffer_layout.slots, self._unique_tensors(layers, "buffers")):
                 self.buffer_layout.view(self.buffers, slot).copy_(b.detach())
@@ -177,7 +153,7 @@ class HostState:
         layout = self.frozen_layout
         nbytes = sum(n * layout.dtypes[k].itemsize for k, n in layout.sizes.items())
         pin = pin_memory and pins_frozen(nbytes, pin_share)
-        flats = {k: torch.empty(n, dtype=layout.dtypes[k], pin_memory=pin) for k, n in layout.sizes.items()}
+        flats = {k: pinned.empty(n, layout.dtypes[k], pin) for k, n in layout.sizes.items()}
         ends = dict.fromkeys(flats, 0)
         with torch.no_grad():
             for slot, p in zip(layout.slots, self.frozen_params):
