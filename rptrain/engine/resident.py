@@ -98,8 +98,8 @@ class ResidentStore(StreamedStore):
             flat, cut = torch.empty(size, dtype=host.params.dtypes[key], device=device.torch_device), host.gpu.cut[key]
             if cut:
                 flat[:cut].copy_(host.gpu.master[key])
-            if size > cut:
-                flat[cut:].copy_(device.upload(host.compute_range(version, Range(key, cut, size))))
+            if size > cut:  # straight from the pinned host copy into place: no second GPU copy of it
+                flat[cut:].copy_(host.compute_range(version, Range(key, cut, size)), non_blocking=True)
             pieces.append((Range(key, 0, size), flat))
         return pieces
 
