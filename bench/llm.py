@@ -143,7 +143,7 @@ def traced_split(step, finish, steps: int) -> dict[str, float]:
     totals: dict[str, float] = {}
     for name, _, start, stop in trace.spans():
         totals[name] = totals.get(name, 0.0) + stop - start
-    parts = ("bind_grads", "step_fn", "write_compute_copy", "upload_resident", "stage_from_master")
+    parts = ("bind_grads", "step_fn", "write_compute_copy", "upload_resident", "stage_from_master", "finish_gpu_step")
     out = dict(forward_backward_s=totals.get("forward_backward", 0.0), wait_weights_s=totals.get("wait_weights", 0.0),
                optimizer_task_s=sum(totals.get(k, 0.0) for k in parts), **{f"{k}_s": totals.get(k, 0.0) for k in parts})
     return {k: round(v / steps, 4) for k, v in out.items()}
