@@ -17,6 +17,7 @@ from torch import nn
 
 from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.optim import Adam
+from rptrain.engine.simulated import SimulatedDevice
 
 GLOBAL_BATCH, STEPS = 8, 3
 
@@ -57,11 +58,13 @@ def main() -> None:
     p.add_argument("--die-at", type=int, default=None)
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     p.add_argument("--gpu-workers", type=int, default=1)
+    p.add_argument("--simulated", action="store_true", help="gloo with a SimulatedDevice: the GPU share's paths on the CPU")
     args = p.parse_args()
-    devices = gpu_devices(args.gpu_workers) if args.backend == "nccl" else ["cpu"]
+    devices = gpu_devices(args.gpu_workers) if args.backend == "nccl" else [SimulatedDevice(0)] if args.simulated else ["cpu"]
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=20))
     rank, world = dist.get_rank(), dist.get_world_size()
     engine = RoundPipe(model(), process_group=dist.group.WORLD, devices=devices)
+    assert not args.simulated or engine._host.gpu is not None  # master and gradients on the (simulated) GPU
     with OptimizerCtx():
         opt = Adam(engine.parameters(), lr=1e-2)
     try:

@@ -25,8 +25,11 @@ def torchrun(out: Path, *extra: str, nproc: int = 2, timeout: int = 180) -> subp
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
-    result = torchrun(tmp_path)
+@pytest.mark.parametrize("where", ["host", "gpu_state"])
+def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path, where):
+    """gpu_state: each rank's master, gradients and optimizer state on a SimulatedDevice (gpushare.py),
+    averaged by the same reduction."""
+    result = torchrun(tmp_path, *(["--simulated"] if where == "gpu_state" else []))
     assert result.returncode == 0, result.stderr[-3000:]
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     for name in rank0:
