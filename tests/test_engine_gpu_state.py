@@ -15,6 +15,7 @@ from reference import assert_state_close
 from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.engine.gpushare import cuts
 from rptrain.engine.layout import FlatLayout
+from rptrain.engine.placement import HOST
 from rptrain.engine.simulated import SimulatedDevice
 from rptrain.optim import Adam
 from test_engine_equivalence import mlp, train_both, vector_batches
@@ -64,6 +65,9 @@ def check_placement(engine: RoundPipe, where: str) -> None:
     assert report["compute"] == 2 * 4 * n
     assert report["master"] == 4 * (-(-n // 64) * 64)  # aligned to 256 bytes, as layout.py aligns
     assert report["grads"] == len(host.grads) * report["master"]
+    predicted = engine.placement.totals[HOST]  # fit.py's prediction of the same, before allocating
+    assert predicted["master"] == report["master"] and predicted["compute"] == report["compute"]
+    assert predicted["grads"] == 2 * report["master"]  # both buffers (async steps) counted
 
 
 @pytest.mark.parametrize("delayed", [False, True], ids=["sync", "async"])
