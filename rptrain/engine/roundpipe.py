@@ -1,11 +1,11 @@
 """RoundPipe: the user-facing engine object.
 
-Master weights live on the host in ``optim_dtype`` (host.py); the optimizer thread writes new versions
-of the compute copy while calls read the previous one (versions.py says which version a call uses and
-where its gradients go). A call is planned (planning.py), scheduled (schedule.py), lowered into
-actions and run (executor.py). The wrapped model's parameters show the host compute copy. It is
-whole after ``synchronize()``; on GPUs that keep the model resident a step writes only the host's
-share of it (refresh.py).
+Master weights (``optim_dtype``) live on the host (host.py), the leading layers' on a resident GPU
+(gpushare.py); the optimizer thread writes new versions of the compute copy while calls read the
+previous one (versions.py: which version a call uses, where its gradients go). Calls are planned
+(planning.py), scheduled (schedule.py), lowered into actions and run (executor.py). The wrapped
+model's parameters show the compute copy (the GPU share's on the GPU), whole after ``synchronize()``;
+with resident GPUs a step writes only the host's share of the host copy (refresh.py).
 """
 from __future__ import annotations
 
