@@ -14,6 +14,9 @@
 Bytes per parameter: trainable = compute dtype x 2 + optim dtype (master) + 4 x 1 or 2 (gradient
 buffers; the second only for async steps) + the optimizer's state (Adam: 2 x optim dtype); frozen =
 its own dtype x 1.
+
+With a GPU share (gpushare.py) the leading layers' master and gradients live on the GPU and their
+compute copy only there: the host's flat tensors of trainable state hold the rest (``HostShare``).
 """
 from __future__ import annotations
 
