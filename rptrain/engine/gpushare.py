@@ -7,6 +7,13 @@ per slot exactly like the host's. The master parameters the optimizer gets are t
 user's optimizer keeps the share's state on the GPU and steps it there; its gradients land there
 (grads.py) and the next compute copy is cast from it on the GPU (refresh.py). The host keeps the
 rest.
+
+Ordering: the step's kernels run on the optimizer thread's stream; its task waits for them
+(``wait_queued``) before it lets the window's gradient buffer go and stages the next version, so
+the backward that reuses the buffer two calls later, and the staging copies, come after them.
+Each gradient buffer has its own GPU part: the next call writes the other one while the step
+runs. rptrain.optim queues the GPU runs' kernels before grinding the host's, so both shares step
+at the same time (torch's own optimizers group devices in a hash map's order).
 """
 from __future__ import annotations
 
