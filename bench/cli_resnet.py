@@ -4,7 +4,9 @@ Each measurement runs in its own process (a fresh CUDA context; nothing one cach
 next), one after another (on the CPU, CI's size, the resnet.py runs share one process: --no-isolate):
 - cli: ``rptrain model=resnet34 data=synthetic data.num_train=25600 trainer.epochs=2``: the
   steady-state epoch throughput is the second epoch's samples/s over its wall time, evaluation
-  included (metrics.jsonl's epoch record); its step time is the median of that epoch's log windows.
+  included (metrics.jsonl's epoch record); its step time is the median of that epoch's log windows,
+  on the wall clock (step_wall_time: data, the loop's own work and logging included) and of its
+  engine calls alone (step_time).
 - engine: ``resnet.py --impl rptrain`` (the tutorial's semantics), memory_format=channels_last as
   the CLI runs it on CUDA (inputs converted, weights stored channels-last), and the standard layout.
 - plain PyTorch, AMP fp16 + fused Adam on the GPU: standard layout, channels-last (weights and
@@ -13,8 +15,8 @@ next), one after another (on the CPU, CI's size, the resnet.py runs share one pr
 The resnet.py runs read their loss every --log-interval steps, summed on the device, as the CLI
 does (the tutorial's loop reads it every step, a host sync per step; resnet.py's default).
 Prints one JSON line per run, then the ratios: the CLI's epoch throughput over the best plain
-setting's (goal: >= 1.2), and the engine's step over the CLI's (goal: >= 1, the engine at least
-as fast as the CLI's step).
+setting's (goal: >= 1.2), and the engine's step over the CLI's, both whole loop iterations on the
+wall clock (goal: >= 1, the engine at least as fast as the CLI's step).
 """
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ def run_cli(args, env: dict, variant: list[str] = ()) -> dict:
                 epoch_samples_per_s=round(last["epoch_samples_per_s"], 1), epoch_wall_s=round(last["epoch_wall_time"], 3),
                 train_samples_per_s=round(last["samples_per_s"], 1),
                 step_ms=round(1e3 * statistics.median(r["step_time"] for r in windows), 3),
+                wall_step_ms=round(1e3 * statistics.median(r["step_wall_time"] for r in windows), 3),
                 data_ms=round(1e3 * statistics.median(r["data_time"] for r in windows), 3), test_acc=last.get("test_acc"))
 
 
@@ -133,8 +136,10 @@ def main() -> None:
     same = "channels_last" if args.device == "cuda" else "contiguous"
     engine = next((r for r in engines if "error" not in r and r["memory_format"] == same), None)
     if engine is not None:
-        emit(bench="cli_resnet", what="engine_over_cli_step", ratio=round(cli["step_ms"] / engine["step_ms"], 3),
-             engine_memory_format=same, goal=1.0)
+        # resnet.py's step_ms is its whole loop on the wall clock: the CLI's counterpart is its log windows'
+        # wall clock per step (data, loop and logging included), not step_ms (the engine calls alone).
+        emit(bench="cli_resnet", what="engine_over_cli_step", ratio=round(cli["wall_step_ms"] / engine["step_ms"], 3),
+             engine_memory_format=same, goal=1.0, engine_over_cli_engine_calls=round(cli["step_ms"] / engine["step_ms"], 3))
 
 
 if __name__ == "__main__":

@@ -141,6 +141,9 @@ def test_epoch_throughput_counts_the_evaluation(run):
         # The wall clock spans the steps and the evaluation after them.
         assert r["epoch_wall_time"] > r["epoch_time"] > 0
         assert r["epoch_samples_per_s"] == pytest.approx(64 / r["epoch_wall_time"])
+    # A log window's wall clock per step holds its data and step times (and the loop's own work besides).
+    for r in (r for r in records if r["kind"] == "train"):
+        assert r["step_wall_time"] >= r["data_time"] + r["step_time"] > 0
 
 
 def test_channels_last_choice():
