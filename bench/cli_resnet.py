@@ -106,6 +106,8 @@ def main() -> None:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="each resnet.py configuration in its own process (default: on CUDA)")
     p.add_argument("--cli", nargs="*", default=[], help="extra CLI overrides, e.g. engine.channels_last=false")
+    p.add_argument("--quick", action="store_true",
+                   help="only what the two goals compare: the engine in the CLI's layout, plain standard and channels-last")
     p.add_argument("--cli-variant", action="append", default=[],
                    help="one more CLI run with these space-separated overrides (repeatable), e.g. 'run_config.num_microbatch=1'")
     args = p.parse_args()
@@ -119,9 +121,12 @@ def main() -> None:
     variants = [run_cli(args, env, v.split()) for v in args.cli_variant]
     for v in variants:
         emit(**v)
-    engines = run_all(args, env, "rptrain", ["channels_last", "contiguous"])
+    # The CLI runs the engine channels-last on CUDA (engine.channels_last auto), in the standard layout on the CPU.
+    same = "channels_last" if args.device == "cuda" else "contiguous"
+    engines = run_all(args, env, "rptrain", [same] if args.quick else ["channels_last", "contiguous"])
     # torch.compile traces and compiles during its first steps: 5 more warm-up steps for it.
-    plains = run_all(args, env, "plain", ["contiguous", "channels_last", "inputs"], ["channels_last"] if args.compile else [], warmup=5)
+    plain_formats = ["contiguous", "channels_last"] + ([] if args.quick else ["inputs"])
+    plains = run_all(args, env, "plain", plain_formats, ["channels_last"] if args.compile else [], warmup=5)
     for r in engines + plains:
         emit(**r)
     plains = [r for r in plains if "error" not in r]
@@ -132,8 +137,6 @@ def main() -> None:
         emit(bench="cli_resnet", what="cli_over_best_plain", variant=run["variant"], goal=1.2,
              ratio=round(run["epoch_samples_per_s"] / best["images_per_s"], 3),
              best_plain=f"{best['memory_format']}{' compiled' if best['compiled'] else ''}")
-    # The CLI runs the engine channels-last on CUDA (engine.channels_last auto), in the standard layout on the CPU.
-    same = "channels_last" if args.device == "cuda" else "contiguous"
     engine = next((r for r in engines if "error" not in r and r["memory_format"] == same), None)
     if engine is not None:
         # resnet.py's step_ms is its whole loop on the wall clock: the CLI's counterpart is its log windows'

@@ -61,6 +61,27 @@ class EngineClock:
         return call
 
 
+class Gaps:
+    """On a GPU the device has nothing queued from the end of one call's final wait for it until the
+    next call's first graph replay: the issuing thread's work in between (the engine's tail and
+    prologue, the loop's own work) is time the GPU idles. Summed here over a loop's timed steps."""
+
+    def __init__(self) -> None:
+        self.synced: float | None = None  # when the last call's device wait returned
+        self.idle = 0.0
+
+    def call_done(self) -> None:
+        self.synced = time.perf_counter()
+
+    def replay(self) -> None:
+        if self.synced is not None:
+            self.idle += time.perf_counter() - self.synced
+        self.synced = None
+
+
+GAPS = Gaps()
+
+
 class _NoGraph:
     def replay(self) -> None:
         pass
@@ -88,9 +109,18 @@ class NullGraphs(graphs.StageGraphs):
                                 out_spec, [None] * len(out_leaves))
 
 
+    def _replay(self, rec, modules, x, call):
+        GAPS.replay()
+        return super()._replay(rec, modules, x, call)
+
+
 class Device(SimulatedDevice):
     def graphs(self, tuning):
         return NullGraphs(self.torch_device, tuning)
+
+    def synchronize(self) -> None:  # the wait at the end of every call
+        super().synchronize()
+        GAPS.call_done()
 
 
 def engine_loop(args) -> tuple[dict, cProfile.Profile | None]:
@@ -123,14 +153,14 @@ def engine_loop(args) -> tuple[dict, cProfile.Profile | None]:
         step(i)
     model.wait_for_steps()
     prof = cProfile.Profile() if args.profile else None
-    start, cpu = time.perf_counter(), time.thread_time()
+    start, cpu, idle = time.perf_counter(), time.thread_time(), GAPS.idle
     with prof or _nothing(), EngineClock() as clock:
         for i in range(args.steps):
             step(args.warmup + i)
         model.wait_for_steps()
     seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
     model.close()
-    return _per_step(args.steps, seconds, cpu, clock.cpu), prof
+    return _per_step(args.steps, seconds, cpu, clock.cpu, GAPS.idle - idle), prof
 
 
 def cli_loop(args) -> tuple[dict, cProfile.Profile | None]:
@@ -160,7 +190,7 @@ def cli_loop(args) -> tuple[dict, cProfile.Profile | None]:
         return engine_class(*a, **{**kw, "devices": [Device(0)]})
 
     def marked(self, *a, **kw):
-        marks.append((time.perf_counter(), time.thread_time(), clock.cpu))
+        marks.append((time.perf_counter(), time.thread_time(), clock.cpu, GAPS.idle))
         if prof is not None and len(marks) == args.warmup:
             prof.enable()
         if prof is not None and len(marks) == args.warmup + args.steps:
@@ -173,15 +203,16 @@ def cli_loop(args) -> tuple[dict, cProfile.Profile | None]:
             summary = Trainer(cfg, Path(tmp), overrides, Console(quiet=True), "").fit(StopRequest())
     finally:
         setup.RoundPipe, Trainer._after_step = engine_class, after_step
-    (wall0, cpu0, inside0), (wall1, cpu1, inside1) = marks[args.warmup - 1], marks[args.warmup + args.steps - 1]
+    (wall0, cpu0, inside0, idle0), (wall1, cpu1, inside1, idle1) = marks[args.warmup - 1], marks[args.warmup + args.steps - 1]
     assert summary["steps"] == steps
-    return _per_step(args.steps, wall1 - wall0, cpu1 - cpu0, inside1 - inside0), prof
+    return _per_step(args.steps, wall1 - wall0, cpu1 - cpu0, inside1 - inside0, idle1 - idle0), prof
 
 
-def _per_step(steps: int, wall: float, cpu: float, engine_cpu: float) -> dict:
-    """µs per step: wall clock; the issuing thread's CPU time; of it, outside the engine's calls (the loop's own)."""
+def _per_step(steps: int, wall: float, cpu: float, engine_cpu: float, idle: float) -> dict:
+    """µs per step: wall clock; the issuing thread's CPU time; of it, outside the engine's calls (the
+    loop's own); the wall time between calls a GPU would idle (Gaps)."""
     return dict(step_us=round(wall / steps * 1e6, 1), main_thread_cpu_us=round(cpu / steps * 1e6, 1),
-                loop_cpu_us=round((cpu - engine_cpu) / steps * 1e6, 1))
+                loop_cpu_us=round((cpu - engine_cpu) / steps * 1e6, 1), gpu_idle_us=round(idle / steps * 1e6, 1))
 
 
 class _nothing:

@@ -25,8 +25,8 @@ from test_cli_helpers import TINY, read_jsonl
 # The loop and its data pipeline; the engine waits for its own devices at the end of each call, by design.
 PACKAGE = Path(__import__("rptrain").__file__).parent
 LOOP_DIRS = (str(PACKAGE / "train"), str(PACKAGE / "data"))
-# Every way a tensor's value reaches Python; each waits for the device that computes it.
-READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
+# Every way a tensor's value reaches Python or the host; each waits for the device that computes it.
+READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__", "cpu")
 
 
 def tiny_resnet() -> torch.nn.Sequential:
