@@ -6,7 +6,7 @@ next), one after another (on the CPU, CI's size, the resnet.py runs share one pr
   steady-state epoch throughput is the second epoch's samples/s over its wall time, evaluation
   included (metrics.jsonl's epoch record); its step time is the median of that epoch's log windows,
   on the wall clock (step_wall_time: data, the loop's own work and logging included) and of its
-  engine calls alone (step_time).
+  engine calls alone (step_time); eval_s: the epoch's evaluation (its share of the epoch's wall time).
 - engine: ``resnet.py --impl rptrain`` (the tutorial's semantics), memory_format=channels_last as
   the CLI runs it on CUDA (inputs converted, weights stored channels-last), and the standard layout.
 - plain PyTorch, AMP fp16 + fused Adam on the GPU: standard layout, channels-last (weights and
@@ -65,12 +65,14 @@ def run_cli(args, env: dict, variant: list[str] = ()) -> dict:
         return dict(bench="cli_resnet", impl="cli", variant=" ".join(variant), error=error or "no second epoch in metrics.jsonl")
     last = epochs[-1]
     windows = [r for r in records if r["kind"] == "train" and r["epoch"] == last["epoch"]]
+    evals = [r["eval_time"] for r in records if r["kind"] == "eval" and r["epoch"] == last["epoch"]]
     return dict(bench="cli_resnet", impl="cli", variant=" ".join(variant), args=" ".join(argv[4:]), epoch=last["epoch"],
                 epoch_samples_per_s=round(last["epoch_samples_per_s"], 1), epoch_wall_s=round(last["epoch_wall_time"], 3),
                 train_samples_per_s=round(last["samples_per_s"], 1),
                 step_ms=round(1e3 * statistics.median(r["step_time"] for r in windows), 3),
                 wall_step_ms=round(1e3 * statistics.median(r["step_wall_time"] for r in windows), 3),
-                data_ms=round(1e3 * statistics.median(r["data_time"] for r in windows), 3), test_acc=last.get("test_acc"))
+                data_ms=round(1e3 * statistics.median(r["data_time"] for r in windows), 3), test_acc=last.get("test_acc"),
+                eval_s=round(sum(evals), 3), eval_share_of_epoch=round(sum(evals) / last["epoch_wall_time"], 3))
 
 
 def run_resnet(args, env: dict, impl: str, formats: list[str], compiled: list[str] = (), warmup: int = 0) -> list[dict]:

@@ -141,6 +141,9 @@ def test_epoch_throughput_counts_the_evaluation(run):
         # The wall clock spans the steps and the evaluation after them.
         assert r["epoch_wall_time"] > r["epoch_time"] > 0
         assert r["epoch_samples_per_s"] == pytest.approx(64 / r["epoch_wall_time"])
+    # Each epoch's evaluation is timed, and the epoch's wall clock holds it.
+    evals = {r["epoch"]: r["eval_time"] for r in records if r["kind"] == "eval"}
+    assert set(evals) == {1, 2} and all(0 < evals[r["epoch"]] < r["epoch_wall_time"] for r in epochs)
     # A log window's wall clock per step holds its data and step times (and the loop's own work besides).
     for r in (r for r in records if r["kind"] == "train"):
         assert r["step_wall_time"] >= r["data_time"] + r["step_time"] > 0

@@ -183,7 +183,7 @@ class Trainer:
             raise Interrupted(stop, p.step, str(c.checkpoints.path))
 
     def _evaluate(self, epoch: int) -> None:
-        c, p = self.c, self.c.progress
+        c, p, start = self.c, self.c.progress, time.perf_counter()
         c.engine.synchronize()  # evaluate the newest weights, as the tutorial does (every rank: same weights)
         p.last_eval_step = p.step
         if not self.dist.main:  # rank 0 evaluates the whole eval set; the others wait at the next step
@@ -195,7 +195,7 @@ class Trainer:
                 write_samples(c.engine, c.sampler, p.step, self.run_dir, lambda line: say(self.console, line))
         c.engine.train()
         if result is not None:
-            c.report.evaluated(p, epoch, result)
+            c.report.evaluated(p, epoch, result, time.perf_counter() - start)
 
     def _checkpoint(self) -> None:
         c = self.c

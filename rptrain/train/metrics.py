@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 COLUMNS = (
     "kind", "step", "epoch", "loss", "acc", "ppl", "lr", "loss_scale", "samples_per_s", "tokens_per_s",
     "data_time", "step_time", "step_wall_time", "train_loss", "train_acc", "train_ppl", "test_loss", "test_acc", "test_ppl",
-    "epoch_time", "epoch_wall_time", "epoch_samples_per_s", "time",
+    "eval_time", "epoch_time", "epoch_wall_time", "epoch_samples_per_s", "time",
 )
 
 

@@ -80,9 +80,10 @@ class Report:
         return m if d.world == 1 else Meter.from_sums(d.sum(m.sums(), "the averaging of logged metrics"), m.steps, d.world)
 
     # ----------------------------------------------------------------------------- evaluations, epochs, files
-    def evaluated(self, p: RunProgress, epoch: int, result: dict[str, float]) -> None:
+    def evaluated(self, p: RunProgress, epoch: int, result: dict[str, float], seconds: float) -> None:
+        """`seconds`: the evaluation on the wall clock, the wait for the newest weights included."""
         p.last_eval, p.last_eval_step = result, p.step
-        self.metrics.add("eval", step=p.step, epoch=epoch + 1, **result, time=p.train_seconds)
+        self.metrics.add("eval", step=p.step, epoch=epoch + 1, **result, eval_time=seconds, time=p.train_seconds)
 
     def end_epoch(self, p: RunProgress, epoch: int) -> None:
         metric, m = self.task.metric, self._global(p.epoch_meter)
