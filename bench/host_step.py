@@ -10,8 +10,10 @@ Adam. With a GradScaler, as the CLI trains on a GPU, two loops run the same engi
   scaler.update, the loss and accuracy summed on the device and read every --log-interval steps);
 - cli: the CLI's loop (rptrain/train/loop.py, in process), the mean interval between steps over
   the steady part of one epoch, log steps included, data fetch included.
-cli_over_engine_us is what the CLI adds to a step on the host. --profile prints each loop's
-functions by self time per step (cProfile; on Python 3.12+ it sees the optimizer thread too).
+Per loop: step_us (wall), main_thread_cpu_us, loop_cpu_us (the loop's own part: outside the
+engine's calls) and gpu_idle_us (Gaps); cli_minus_engine_us is what the CLI adds. Always on the
+CPU (--device is ignored). --profile prints each loop's functions by self time per step
+(cProfile; on Python 3.12+ it sees the optimizer thread too).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from common import emit, parser
 from rptrain import GradScaler, OptimizerCtx, RoundPipe
@@ -92,8 +95,6 @@ class NullGraphs(graphs.StageGraphs):
     gradients exist) and whose graphs replay nothing: the replay's host cost without its compute."""
 
     def _record(self, modules, x, call):
-        from torch.utils import _pytree as pytree
-
         leaves, spec = pytree.tree_flatten(x)
         inputs = [v.detach().clone().requires_grad_(v.requires_grad) for v in leaves]
         with torch.enable_grad():
@@ -107,7 +108,6 @@ class NullGraphs(graphs.StageGraphs):
         self._anchor = torch.zeros((), requires_grad=True)
         return graphs._Recorded(_NoGraph(), _NoGraph(), inputs, [o.detach() for o in out_leaves], wanted, grad_outputs,
                                 out_spec, [None] * len(out_leaves))
-
 
     def _replay(self, rec, modules, x, call):
         GAPS.replay()
