@@ -201,6 +201,15 @@ def summarize_trace(spans) -> None:
         totals[key] = totals.get(key, 0.0) + (stop - start) * 1e3
     for (name, thread), ms in sorted(totals.items(), key=lambda kv: -kv[1]):
         emit(bench="resnet34_trace", span=name, thread=thread, total_ms=round(ms, 2))
+    # From one call's final wait for the GPU to the next call's first issued job, the GPU has nothing queued
+    # (the engine's tail and prologue, the loop's own work): per step, and as a share of the step.
+    waits = sorted(e for n, t, s, e in spans if n == "wait_devices")
+    issues = sorted(s for n, t, s, e in spans if n.startswith("issue"))
+    gaps = [min(i for i in issues if i > w) - w for w in waits if any(i > w for i in issues)]
+    if gaps:
+        steps = (max(issues) - min(issues)) / len(gaps)  # first-issue to first-issue, averaged
+        emit(bench="resnet34_trace", what="between_calls", ms_per_step=round(sum(gaps) / len(gaps) * 1e3, 3),
+             share_of_step=round(sum(gaps) / len(gaps) / steps, 3), steps=len(gaps))
     fb = [(s, e) for n, t, s, e in spans if n == "forward_backward"]
     opt = [(s, e) for n, t, s, e in spans if n == "step_fn"]
     overlap = sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in opt for s2, e2 in fb)

@@ -25,7 +25,7 @@ def run_tiny(script: str, *flags: str) -> list[dict]:
     return records
 
 
-@pytest.mark.parametrize("script", ["limits.py", "resnet.py", "optimizer.py", "llm.py", "data.py", "lora.py", "graph_frozen.py"])
+@pytest.mark.parametrize("script", ["limits.py", "resnet.py", "optimizer.py", "llm.py", "data.py", "lora.py", "graph_frozen.py", "host_step.py"])
 def test_bench_runs_tiny_and_prints_json_lines(script):
     run_tiny(script)
 
@@ -58,7 +58,8 @@ def test_cli_resnet_ratios():
     its layouts (one resnet.py process each here; one per layout on CUDA), then both ratios."""
     records = run_tiny("cli_resnet.py", "--no-compile")
     (cli,) = [r for r in records if r.get("impl") == "cli"]
-    assert cli["epoch"] == 2 and cli["epoch_samples_per_s"] > 0 and cli["step_ms"] > 0, cli
+    assert cli["epoch"] == 2 and cli["epoch_samples_per_s"] > 0 and cli["wall_step_ms"] >= cli["step_ms"] > 0, cli
+    assert 0 < cli["eval_share_of_epoch"] < 1, cli
     runs = {(r["impl"], r["memory_format"]) for r in records if r.get("impl") in ("plain", "rptrain") and "error" not in r}
     assert runs == {("rptrain", "channels_last"), ("rptrain", "contiguous"), ("plain", "contiguous"), ("plain", "channels_last"), ("plain", "inputs")}
     ratios = {r["what"]: r["ratio"] for r in records if "what" in r}

@@ -25,8 +25,8 @@ from test_cli_helpers import TINY, read_jsonl
 # The loop and its data pipeline; the engine waits for its own devices at the end of each call, by design.
 PACKAGE = Path(__import__("rptrain").__file__).parent
 LOOP_DIRS = (str(PACKAGE / "train"), str(PACKAGE / "data"))
-# Every way a tensor's value reaches Python; each waits for the device that computes it.
-READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
+# Every way a tensor's value reaches Python or the host; each waits for the device that computes it.
+READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__", "cpu")
 
 
 def tiny_resnet() -> torch.nn.Sequential:
@@ -141,6 +141,12 @@ def test_epoch_throughput_counts_the_evaluation(run):
         # The wall clock spans the steps and the evaluation after them.
         assert r["epoch_wall_time"] > r["epoch_time"] > 0
         assert r["epoch_samples_per_s"] == pytest.approx(64 / r["epoch_wall_time"])
+    # Each epoch's evaluation is timed, and the epoch's wall clock holds it.
+    evals = {r["epoch"]: r["eval_time"] for r in records if r["kind"] == "eval"}
+    assert set(evals) == {1, 2} and all(0 < evals[r["epoch"]] < r["epoch_wall_time"] for r in epochs)
+    # A log window's wall clock per step holds its data and step times (and the loop's own work besides).
+    for r in (r for r in records if r["kind"] == "train"):
+        assert r["step_wall_time"] >= r["data_time"] + r["step_time"] > 0
 
 
 def test_channels_last_choice():
@@ -167,3 +173,27 @@ def test_meter_folds_long_spans_without_reading(monkeypatch):
         assert len(m._losses) <= 4 and not reads
     assert m.mean_loss() == pytest.approx(expected, rel=1e-12)
     assert m.correct == sum(range(10)) + 10 and len(reads) == 2
+
+
+@pytest.mark.parametrize("eval_microbatch", [None, 1, 3])
+def test_image_evaluation_matches_plain_pytorch(eval_microbatch):
+    """trainer.eval_num_microbatch: an evaluation batch runs as that many microbatches (None: the
+    training count, 2 here) with the same loss and accuracy as the whole model in plain PyTorch
+    (eval-mode BatchNorm does not depend on the split); fp32, tolerance 1e-5, exact count."""
+    model, reference = tiny_resnet(), tiny_resnet()
+    engine = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    task = ImageTask(2, torch.float32, eval_microbatch=eval_microbatch)
+    calls = []
+    engine_call = engine.forward
+    engine.forward = lambda *a, run_config=None, **kw: calls.append(run_config.num_microbatch) or engine_call(*a, run_config=run_config, **kw)
+    batches = [(torch.randn(6, 3, 8, 8), torch.randint(0, 10, (6,))), (torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,)))]
+    engine.eval()
+    with torch.no_grad():
+        result = task.evaluate(engine, batches)
+        reference.to(engine.devices[0]).eval()  # the reference computes where the engine does
+        logits = torch.cat([reference(x.to(engine.devices[0])) for x, _ in batches]).cpu()
+    labels = torch.cat([y for _, y in batches])
+    assert result["loss"] == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-5)
+    assert result["acc"] == (logits.argmax(1) == labels).float().mean().item()
+    assert calls == ([None, None] if eval_microbatch is None else [min(eval_microbatch, 6), min(eval_microbatch, 2)])
+    engine.close()

@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterable, Optional
 # CSV column order; records only carry the keys that apply to them.
 COLUMNS = (
     "kind", "step", "epoch", "loss", "acc", "ppl", "lr", "loss_scale", "samples_per_s", "tokens_per_s",
-    "data_time", "step_time", "train_loss", "train_acc", "train_ppl", "test_loss", "test_acc", "test_ppl",
-    "epoch_time", "epoch_wall_time", "epoch_samples_per_s", "time",
+    "data_time", "step_time", "step_wall_time", "train_loss", "train_acc", "train_ppl", "test_loss", "test_acc", "test_ppl",
+    "eval_time", "epoch_time", "epoch_wall_time", "epoch_samples_per_s", "time",
 )
 
 

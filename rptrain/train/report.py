@@ -6,6 +6,7 @@ every rank sums its meters with the others' at the same steps; rank 0 alone prin
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -53,9 +54,13 @@ class Report:
     def _train_record(self, p: RunProgress, epoch: int, lr: float, scale: float, bar_on: bool) -> None:
         metric, w = self.task.metric, self._global(self.window)
         seconds = max(w.seconds(), 1e-9)
+        # The window on this process's wall clock: besides data and step time, the loop's own work,
+        # the logging, and an evaluation or checkpoint that fell into the window.
+        wall = time.perf_counter() - self.window._started
         values: dict[str, Any] = dict(
             step=p.step, epoch=epoch + 1, loss=w.mean_loss(), lr=lr, loss_scale=scale,
             samples_per_s=w.samples / seconds, data_time=w.data_time / w.steps, step_time=w.step_time / w.steps,
+            step_wall_time=wall / w.steps,
         )
         values[metric] = w.metric(metric)
         if metric == "ppl":
@@ -75,9 +80,10 @@ class Report:
         return m if d.world == 1 else Meter.from_sums(d.sum(m.sums(), "the averaging of logged metrics"), m.steps, d.world)
 
     # ----------------------------------------------------------------------------- evaluations, epochs, files
-    def evaluated(self, p: RunProgress, epoch: int, result: dict[str, float]) -> None:
+    def evaluated(self, p: RunProgress, epoch: int, result: dict[str, float], seconds: float) -> None:
+        """`seconds`: the evaluation on the wall clock, the wait for the newest weights included."""
         p.last_eval, p.last_eval_step = result, p.step
-        self.metrics.add("eval", step=p.step, epoch=epoch + 1, **result, time=p.train_seconds)
+        self.metrics.add("eval", step=p.step, epoch=epoch + 1, **result, eval_time=seconds, time=p.train_seconds)
 
     def end_epoch(self, p: RunProgress, epoch: int) -> None:
         metric, m = self.task.metric, self._global(p.epoch_meter)

@@ -312,6 +312,7 @@ class TrainerConfig:
     max_steps: Optional[int] = None  # stops after this many optimizer steps; wins over epochs
     batch_size: int = 128
     eval_batch_size: Optional[int] = None  # None: batch_size
+    eval_num_microbatch: Optional[int] = None  # microbatches of an evaluation batch; None: run_config.num_microbatch
     drop_last: bool = False
     eval_interval: Optional[int] = None  # steps; None: at the end of every epoch (and always at the end)
     log_interval: int = 50

@@ -121,7 +121,7 @@ def _train_parts(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     if state is not None:
         progress = rank_share(restore(state, resume, engine, optimizer, scheduler, scaler, data, console), d.main)
         checkpoints.last_step = progress.step
-    task, sampler = make_task(data.kind, num_microbatch(cfg), dtype, d.world), make_sampler(cfg, data)
+    task, sampler = make_task(data.kind, num_microbatch(cfg), dtype, d.world, t.eval_num_microbatch), make_sampler(cfg, data)
     metrics = MetricsLog(run_dir if d.main else None, state["history"] if state else None, on_record)  # opened last: nothing fails after it
     num_epochs = math.ceil(total_steps / len(data.train))
     steps = StepFunctions(optimizer, scheduler, scaler, cfg.optim.clip_grad_norm, t.on_nonfinite.value, d, checkpoints.kept)

@@ -45,8 +45,9 @@ class Task:
 
     metric = "acc"  # the second number next to the loss: accuracy or perplexity
 
-    def __init__(self, num_microbatch: int, dtype: torch.dtype, world: int = 1) -> None:
+    def __init__(self, num_microbatch: int, dtype: torch.dtype, world: int = 1, eval_microbatch: Optional[int] = None) -> None:
         self.num_microbatch = num_microbatch
+        self.eval_microbatch = eval_microbatch  # None: the run config's, as training
         self.dtype = dtype
         self.world = world
 
@@ -61,13 +62,15 @@ class Task:
         share = total / self.world
         return share, share / count  # 1.0 exactly when every rank holds the same count
 
-    def run_config(self, batch: int, output_device: Optional[torch.device] = None) -> Optional[RoundPipeRunConfig]:
+    def run_config(self, batch: int, output_device: Optional[torch.device] = None, evaluating: bool = False) -> Optional[RoundPipeRunConfig]:
         """A per-call override for a batch smaller than num_microbatch (e.g. the tutorial's last
-        batch), and where the outputs should land (None: the run config's choice)."""
-        small = batch < self.num_microbatch
-        if not small and output_device is None:
+        batch), for an evaluation's own microbatch count, and where the outputs should land (None:
+        the run config's choice)."""
+        wanted = self.eval_microbatch if evaluating and self.eval_microbatch else self.num_microbatch
+        count = min(batch, wanted) if batch < wanted or wanted != self.num_microbatch else None
+        if count is None and output_device is None:
             return None
-        return RoundPipeRunConfig(num_microbatch=batch if small else None, output_device=output_device)
+        return RoundPipeRunConfig(num_microbatch=count, output_device=output_device)
 
     def inputs(self, batch: tuple) -> tuple:
         """The engine's input arguments for this batch (the model's forward arguments)."""
@@ -107,7 +110,7 @@ class ImageTask(Task):
         loss_sums, corrects, total = [], [], 0
         for images, labels in batches:
             # The logits land where the labels are (the GPU for GPU-augmented data): nothing to read back.
-            logits = engine(images.to(self.dtype), run_config=self.run_config(len(labels), labels.device))
+            logits = engine(images.to(self.dtype), run_config=self.run_config(len(labels), labels.device, evaluating=True))
             loss_sums.append(F.cross_entropy(logits.float(), labels, reduction="sum").double())
             corrects.append((logits.argmax(1) == labels).sum())
             total += len(labels)
@@ -141,7 +144,7 @@ class LanguageTask(Task):
         loss_sums, total = [], 0
         for batch in batches:
             ids, targets = batch[:2]
-            loss_sums.append(engine(tuple(batch), run_config=self.run_config(len(ids))).double().sum())
+            loss_sums.append(engine(tuple(batch), run_config=self.run_config(len(ids), evaluating=True)).double().sum())
             total += count_tokens(targets)
         loss = (float(device_sum(loss_sums)) if loss_sums else 0.0) / max(total, 1)
         return {"loss": loss, "ppl": perplexity(loss)}
@@ -160,5 +163,5 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 80.0))  # capped: a diverged run should log a number, not inf
 
 
-def make_task(kind: str, num_microbatch: int, dtype: torch.dtype, world: int = 1) -> Task:
-    return (ImageTask if kind == IMAGE else LanguageTask)(num_microbatch, dtype, world)
+def make_task(kind: str, num_microbatch: int, dtype: torch.dtype, world: int = 1, eval_microbatch: Optional[int] = None) -> Task:
+    return (ImageTask if kind == IMAGE else LanguageTask)(num_microbatch, dtype, world, eval_microbatch)

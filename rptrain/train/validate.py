@@ -94,7 +94,7 @@ def validate_config(cfg: DictConfig) -> None:
     _positive("trainer.epochs", t.epochs, allow_none=False)
     _positive("trainer.batch_size", t.batch_size, allow_none=False)
     _positive("trainer.log_interval", t.log_interval, allow_none=False)
-    for key in ("max_steps", "eval_batch_size", "eval_interval", "checkpoint_interval"):
+    for key in ("max_steps", "eval_batch_size", "eval_num_microbatch", "eval_interval", "checkpoint_interval"):
         _positive(f"trainer.{key}", t[key])
     _positive("trainer.keep_checkpoints", t.keep_checkpoints, allow_none=False)
     _positive("trainer.sample_max_tokens", t.sample_max_tokens, allow_none=False)
