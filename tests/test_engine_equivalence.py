@@ -308,9 +308,10 @@ def test_several_devices_match_one(devices):
     one, _ = train_both(convnet(), image_batches(), 3, plan=plan, devices=devices[:1])
     several, ref = train_both(convnet(), image_batches(), 3, plan=plan, devices=devices)
     assert_state_close(several.state_dict(), ref.state())
-    # Bitwise on few cores; on many, each worker thread's CPU convolutions may split their
-    # reductions differently (seen: 4e-8 on a 16-core host).
-    assert_state_close(several.state_dict(), one.state_dict(), rtol=1e-6, atol=1e-7)
+    # Bitwise on an idle machine; otherwise each worker thread's CPU convolutions may split their
+    # reductions differently (seen: 4e-8 on a 16-core host, 2.4e-7 on 2 loaded cores), and the
+    # microbatches' gradients are added in the order the workers finish them.
+    assert_state_close(several.state_dict(), one.state_dict(), rtol=1e-5, atol=1e-6)
 
 
 class Embed(nn.Module):
