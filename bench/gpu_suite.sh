@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -134,6 +134,11 @@ if [[ $what == engine-ab ]]; then  # issue 20: the engine before the refactor (O
       run 140 env PYTHONPATH="$side:/tmp/site" python3 bench/llm.py --model llama_3b --impl rptrain --seq 4096 --batch 4 --steps 6 --warmup 2 --trace-steps "${AB_TRACE:-0}"
     done
   done
+fi
+if [[ $what == place ]]; then  # issue 21: GPU-resident state (CUDA tests, 3B against plain PyTorch, 8B full fine-tuning)
+  run "${PLACE_TESTS_S:-170}" python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_engine_*.py tests/test_optim.py tests/test_dist.py tests/test_models_hf.py
+  run 200 python3 bench/llm.py --model llama_3b --impl rptrain plain --seq 4096 --batch 4 --steps 6 --warmup 2 --trace-steps 2 --no-checkpoint
+  run 240 python3 bench/llm.py --model "${PLACE_BIG:-llama_8b}" --impl rptrain --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0
 fi
 if [[ $what == llm || $what == all ]]; then
   {
