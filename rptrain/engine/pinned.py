@@ -42,22 +42,23 @@ def _registered(numel: int, dtype: torch.dtype) -> Tensor | None:
     return t
 
 
-def empty(numel: int, dtype: torch.dtype, pin: bool) -> Tensor:
-    """A flat host tensor (uninitialised unless it is freshly mapped), pinned when ``pin``."""
+def _allocate(numel: int, dtype: torch.dtype, pin: bool, fallback) -> Tensor:
+    """A large pinned buffer as an exact registered mapping (already zero); else ``fallback``'s."""
     if pin and numel * dtype.itemsize >= EXACT_FROM_BYTES:
         t = _registered(numel, dtype)
         if t is not None:
             return t
-    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+    return fallback(numel, dtype=dtype, pin_memory=pin)
+
+
+def empty(numel: int, dtype: torch.dtype, pin: bool) -> Tensor:
+    """A flat host tensor (uninitialised unless it is freshly mapped), pinned when ``pin``."""
+    return _allocate(numel, dtype, pin, torch.empty)
 
 
 def zeros(numel: int, dtype: torch.dtype, pin: bool) -> Tensor:
     """A flat host tensor of zeros, pinned when ``pin`` (a fresh mapping is already zero)."""
-    if pin and numel * dtype.itemsize >= EXACT_FROM_BYTES:
-        t = _registered(numel, dtype)
-        if t is not None:
-            return t
-    return torch.zeros(numel, dtype=dtype, pin_memory=pin)
+    return _allocate(numel, dtype, pin, torch.zeros)
 
 
 def rounding(nbytes: int) -> int:
