@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from reference import Reference, assert_state_close, split
+from reference import Reference, assert_state_close, split, where_engine_steps
 from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.optim import Adam
 
@@ -44,7 +44,7 @@ def train_both(model, batches, n, plan=None, delayed=False, loss_fn=None, grain=
     engine, opt = make_engine(model, lr=lr, devices=devices, **engine_kw)
     # The reference runs where the engine computes: Adam turns rounding differences between CPU
     # and GPU kernels in near-zero gradients into lr-sized steps.
-    ref = Reference(model, lr=lr, delayed=delayed, device=engine.devices[0].type)
+    ref = Reference(model, lr=lr, delayed=delayed, device=engine.devices[0].type, master_device=where_engine_steps(engine))
     cfg = RoundPipeRunConfig(num_microbatch=n, execute_plan=plan, recompute_grain=grain)
 
     def step():

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from reference import Reference, assert_state_close
+from reference import Reference, assert_state_close, where_engine_steps
 from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.models import build_model, count_tokens
 from rptrain.optim import Adam
@@ -38,7 +38,7 @@ def test_llama_through_the_engine_matches_pytorch(tied, plan, grain):
     engine = RoundPipe(copy.deepcopy(model))
     with OptimizerCtx():
         opt = Adam(engine.parameters(), lr=1e-2)
-    ref = Reference(model, lr=1e-2, device=engine.devices[0].type)
+    ref = Reference(model, lr=1e-2, device=engine.devices[0].type, master_device=where_engine_steps(engine))
     cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan, recompute_grain=grain)
     for x, y in batches():
         n = count_tokens(y)

@@ -38,11 +38,34 @@ def wrap_model(model: nn.Module, model_run_config: Optional[RoundPipeRunConfig] 
     if isinstance(model, nn.Sequential):
         return make(model)
     engines: list[tuple[str, RoundPipe]] = []
-    _wrap_children(model, "", make, config, lower_threshold, skip_modules, engines)
+    claimed = _Claims()
+    _wrap_children(model, "", claimed.checked(make), config, lower_threshold, skip_modules, engines)
     return WrappedModel(model, engines)
 
 
 wrap_model_to_roundpipe = wrap_model  # the original library's name
+
+
+class _Claims:
+    """Which engine took each parameter, checked before the next engine is built: an engine may move
+    the tensors it owns (its GPU share), so a weight tied into a later engine must be refused first."""
+
+    def __init__(self) -> None:
+        self.owner: dict[int, str] = {}
+
+    def checked(self, make: Callable) -> Callable:
+        """``make`` taking ``(prefix, model, **kwargs)``: claims the model's parameters, then builds."""
+        def build(prefix: str, model: nn.Sequential, single: bool = False, **kwargs: Any) -> RoundPipe:
+            for name, p in model.named_parameters():
+                first = self.owner.setdefault(id(p), prefix)
+                if first != prefix:
+                    name = name.split(".", 1)[1] if single else name
+                    raise ValueError(f"wrap_model: {prefix}{name} is tied to a parameter of {first.rstrip('.')}: engines "
+                                     "cannot share weights; untie them or build one nn.Sequential holding both users")
+            engine = make(model, **kwargs)
+            engine._single = single
+            return engine
+        return build
 
 
 def _own_bytes(module: nn.Module) -> int:
@@ -56,20 +79,18 @@ def _wrap_children(module: nn.Module, prefix: str, make: Callable, config: Round
         if child in skip or not any(True for _ in child.parameters()):
             continue
         if isinstance(child, nn.Sequential):
-            engine = make(child)
+            engine = make(f"{path}.", child)
             engines.append((f"{path}.", engine))
         elif isinstance(child, nn.ModuleList):
             last = len(child) - 1
             for i, element in enumerate(child):
                 packed = RoundPipeRunConfig(merge_output=False) if i < last else None
-                engine = make(nn.Sequential(element), model_run_config=config.override(packed))
-                engine._single = True
+                engine = make(f"{path}.{i}.", nn.Sequential(element), single=True, model_run_config=config.override(packed))
                 engines.append((f"{path}.{i}.", engine))
                 child[i] = engine
             continue
         elif _own_bytes(child) >= threshold:
-            engine = make(nn.Sequential(child))
-            engine._single = True
+            engine = make(f"{path}.", nn.Sequential(child), single=True)
             engines.append((f"{path}.", engine))
         else:
             _wrap_children(child, f"{path}.", make, config, threshold, skip, engines)
@@ -92,12 +113,7 @@ class WrappedModel(nn.Module):
         shared = engines[0][1]._versions.thread if engines else None
         for _, engine in engines[1:]:
             engine._versions.thread = shared
-        owner: dict[int, str] = {}
-        for prefix, engine in engines:
-            for name, p in engine.model.named_parameters():
-                if owner.setdefault(id(p), prefix) != prefix:
-                    raise ValueError(f"wrap_model: {prefix}{name} is tied to a parameter of {owner[id(p)]}: engines cannot share "
-                                     "weights; untie them or build one nn.Sequential holding both users")
+        owner = {id(p): prefix.rstrip(".") for prefix, engine in engines for p in engine.model.parameters()}  # ties between engines: _Claims
         for name, p in _glue_parameters(model, ""):
             if id(p) in owner:
                 raise ValueError(f"wrap_model: {name} is tied to a parameter of {owner[id(p)]}: the host glue cannot share an "
