@@ -158,9 +158,14 @@ def test_pinned_blocks_round_up_to_powers_of_two(monkeypatch):
     layers = [nn.Linear(1000, 1000), nn.Linear(1000, 1000).half().requires_grad_(False), nn.BatchNorm1d(1000, affine=False)]
     p = fit.check_fit(layers[:1], torch.float32, [FakeGpu()], resident=True, max_host_memory="1GiB")
     compute, grads = 1_001_000 * 4, 1_001_024 * 4  # the master's region aligned to 1,001,024 elements
-    # two compute copies, two gradient buffers and the master (resident: the GPU casts from it), each up to 2**22 bytes
-    assert p.totals[HOST]["pinned_rounding"] == 2 * (2**22 - compute) + 3 * (2**22 - grads)
+    # resident: two gradient buffers and the master (the GPU casts every version from it), each up to
+    # 2**22 bytes; no compute copies on the host
+    assert p.totals[HOST]["pinned_rounding"] == 3 * (2**22 - grads) and p.totals[HOST]["compute"] == 0
     assert p.totals[GPU]["compute"] == 3 * 4_004_000  # resident: the live copy and two upload slots
+    p = fit.check_fit(layers[:1], torch.float32, [FakeGpu()], resident=True, max_host_memory="1GiB", compute_copies=True)
+    # Tuning.refresh_gpu_share below 1: the host casts part of each version, into two compute copies
+    assert p.totals[HOST]["pinned_rounding"] == 2 * (2**22 - compute) + 3 * (2**22 - grads)
+    assert p.totals[HOST]["compute"] == 2 * compute
     p = fit.check_fit(layers, torch.float32, [FakeGpu()], resident=False, max_host_memory="1GiB")
     # flat tensors (layout.py aligns each tensor to 256 bytes): frozen fp16 weight + bias at 1,000,064;
     # fp32 buffers running mean + var at 1,024; int64 num_batches_tracked, 8 bytes (a power of two)

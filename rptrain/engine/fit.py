@@ -2,8 +2,9 @@
 the machine gets one error with the numbers instead of a kill by the operating system.
 
 The prediction is the engine's own accounting (``RoundPipe.memory_report``, host.py), made from the
-flat layouts alone: master, two gradient buffers (async steps), two compute copies, frozen weights
-and buffers; the optimizer's state is not known yet (the optimizer is made after the engine), so
+flat layouts alone: master, two gradient buffers (async steps), two compute copies (none when the
+GPUs keep the model resident and cast every version themselves: resident.py), frozen weights and
+buffers; the optimizer's state is not known yet (the optimizer is made after the engine), so
 Adam's two moments in the master's dtype are assumed, the optimizers rptrain ships. On top of that,
 small pinned host blocks are rounded up to a power of two by PyTorch's caching host allocator (every
 page of the block is locked; pinned.py maps large ones at their exact size), which ``memory_report``
@@ -122,13 +123,15 @@ def runs_of(layout: FlatLayout) -> list[Run]:
 
 def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Sequence[Device], resident: bool,
               max_host_memory: Size = None, max_gpu_memory: Size = None, pin_frozen_share: float = Tuning.pin_frozen_share,
-              gpu_state: bool = False, gpu_reserve: float = 0.0, notes: Sequence[str] = ()) -> Placement:
+              gpu_state: bool = False, gpu_reserve: float = 0.0, notes: Sequence[str] = (), compute_copies: Optional[bool] = None) -> Placement:
     """The engine's placement with its budgets; raises DoesNotFit if it does not fit. ``gpu_state``:
     trainable state may go to the GPU (placement.py), keeping ``gpu_reserve`` of its free memory for
-    the activations the first call has yet to measure; ``notes``: why it may not, when it may not."""
+    the activations the first call has yet to measure; ``notes``: why it may not, when it may not;
+    ``compute_copies``: the host keeps two compute copies of its share (host.py); None: unless ``resident``."""
     params, frozen, buffers = FlatLayout.of_parameters(layers, True), FlatLayout.of_parameters(layers, False), FlatLayout.of_buffers(layers)
     pin = any(d.is_cuda and getattr(d, "pins_memory", True) for d in devices)  # as host.py pins (a simulated GPU does not)
-    state = StateBytes(master=optim_dtype.itemsize, optimizer=2 * optim_dtype.itemsize)
+    copies = not resident if compute_copies is None else compute_copies
+    state = StateBytes(master=optim_dtype.itemsize, optimizer=2 * optim_dtype.itemsize, host_compute_copies=2 if copies else 0)
     flat = lambda layout: [n * layout.dtypes[k].itemsize for k, n in layout.sizes.items()]
     frozen_bytes = sum(flat(frozen))
     host, host_from = host_budget(max_host_memory)
@@ -146,14 +149,14 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
              *notes)
     kw = dict(gpu_free=gpu, host_budget=host, gpu_compute=need_gpu, gpu_activations=int(gpu_reserve * gpu) if gpu_state else 0,
               buffers=sum(flat(buffers)), gpu_state=gpu_state, sources={HOST: host_from, GPU: gpu_from}, notes=notes)
-    # host.py's pinned allocations: the host share's two compute copies and two gradient buffers, its
+    # host.py's pinned allocations: the host share's compute copies and two gradient buffers, its
     # master when the GPU casts its resident copy from it, the buffers, and the frozen weights up to a
     # share of the machine; pinned.py rounds the small ones up to a power of two.
     plan = place(runs, state, **kw)
     cut = cuts(params, plan.gpu_layers)
-    host_params = [(n - cut[k]) * params.dtypes[k].itemsize for k, n in params.sizes.items()]
+    host_params = [(n - cut[k]) * params.dtypes[k].itemsize for k, n in params.sizes.items()] * state.host_compute_copies
     host_master = params.total - sum(cut.values())  # the master layout, alignment included
-    pinned = [*host_params, *host_params, host_master * 4, host_master * 4, *flat(buffers)] if pin else []
+    pinned = [*host_params, host_master * 4, host_master * 4, *flat(buffers)] if pin else []
     if pin and pins_frozen(frozen_bytes, pin_frozen_share):
         pinned += flat(frozen)
     if resident:

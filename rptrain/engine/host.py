@@ -4,6 +4,8 @@
   the optimizer owns views of it.
 - ``compute[v % 2]``: version ``v`` of the weights in the model's dtype, one flat tensor per dtype
   (pinned when a GPU reads it). Two copies let the optimizer write version v+1 while a call reads v.
+  None when the GPUs keep the whole model resident (resident.py): they cast every version from the
+  master themselves (refresh.py), so host copies would be waste (2 x 2 bytes a bf16 parameter).
 - ``buffers``: BatchNorm statistics and other buffers, one flat tensor per dtype, updated in place.
 - ``grads[w]``: two flat fp32 gradient buffers in the master's layout. A call accumulates into the
   open window's buffer while the optimizer may still read the other one.
@@ -11,12 +13,15 @@
   dtype, one flat tensor per dtype, read-only: no master, no gradient, no second copy, since nothing
   ever writes them. ``requires_grad`` is read when the engine wraps the model.
 
-Bytes per parameter: trainable = compute dtype x 2 + optim dtype (master) + 4 x 1 or 2 (gradient
-buffers; the second only for async steps) + the optimizer's state (Adam: 2 x optim dtype); frozen =
-its own dtype x 1.
+Bytes per parameter: trainable = compute dtype x 2 (0 when resident) + optim dtype (master) + 4 x 1
+or 2 (gradient buffers; the second only for async steps) + the optimizer's state (Adam: 2 x optim
+dtype); frozen = its own dtype x 1.
 
 With a GPU share (gpushare.py) the leading layers' master and gradients live on the GPU and their
 compute copy only there: the host's flat tensors of trainable state hold the rest (``HostShare``).
+
+The user's model parameters show a compute copy (``show_version``): the host's, or on resident GPUs
+the live copy of the first GPU (``live``), which always holds the version the last call used.
 """
 from __future__ import annotations
 
@@ -105,8 +110,10 @@ class GradBuffer:
 
 class HostState:
     def __init__(self, layers: Sequence[nn.Module], optim_dtype: torch.dtype, pin_memory: bool, pin_master: bool = False,
-                 pin_frozen_share: float = 0.5, channels_last: bool = False, gpu_layers: int = 0, gpu_device: Any = None):
-        """``gpu_layers``: how many leading layers keep master and gradients on ``gpu_device`` (gpushare.py)."""
+                 pin_frozen_share: float = 0.5, channels_last: bool = False, gpu_layers: int = 0, gpu_device: Any = None,
+                 compute_copies: bool = True):
+        """``gpu_layers``: how many leading layers keep master and gradients on ``gpu_device`` (gpushare.py);
+        ``compute_copies``: False where resident GPUs cast every version themselves (no host compute copies)."""
         for layer in layers:
             for name, p in layer.named_parameters():
                 if not p.is_floating_point():
@@ -124,7 +131,7 @@ class HostState:
         # the resident store: the host allocates none of them.
         self.gpu = GpuShare(self.params, gpu_layers, gpu_device, optim_dtype) if gpu_layers else None
         self.host = HostShare(self.params, self.gpu.cut if self.gpu else dict.fromkeys(self.params.sizes, 0))
-        self.compute = [self.host.allocate(pin_memory), self.host.allocate(pin_memory)]
+        self.compute = [self.host.allocate(pin_memory), self.host.allocate(pin_memory)] if compute_copies else None
         self._shown: dict[tuple[int, int], tuple] = {}  # (version parity, live copy) -> its parameter views
         # Pinned when GPUs cast their resident copy from it (refresh.py): DMA reads it directly.
         self.master = pinned.zeros(self.host.total, optim_dtype, pin_master)
@@ -132,7 +139,7 @@ class HostState:
         with torch.no_grad():
             for slot, p, m in zip(self.params.slots, originals, self.master_params):
                 m.copy_(p.detach())
-                if not self.on_gpu(slot):
+                if self.compute is not None and not self.on_gpu(slot):
                     self.host.view(self.compute[0], slot).copy_(p.detach())
         if self.gpu is not None:
             self.gpu.wait_queued()  # the uploads into its master are done before other streams read it
@@ -145,7 +152,7 @@ class HostState:
             for slot, b in zip(self.buffer_layout.slots, self._unique_tensors(layers, "buffers")):
                 b.data = self.buffer_layout.view(self.buffers, slot)
         self.user_params = originals
-        self.gpu_live: Optional[Any] = None  # version -> the resident store's live copy (resident.py), for the GPU share
+        self.live: Optional[Any] = None  # version -> the resident store's live copy (resident.py)
         self.show_version(0)
         self.grads: list[GradBuffer] = [GradBuffer(self.host, pin_memory, self.gpu)]
 
@@ -176,7 +183,7 @@ class HostState:
         return {
             "master": size([self.master]),
             "grads": size([g.flat for g in self.grads]),
-            "compute": size([t for copy in self.compute for t in copy.values()]),
+            "compute": size([t for copy in self.compute or () for t in copy.values()]),
             "frozen": size(self.frozen.values()),
             "buffers": size(self.buffers.values()),
         }
@@ -207,13 +214,15 @@ class HostState:
         return out
 
     def show_version(self, version: int) -> None:
-        """Point the user's model parameters at compute copy ``version``: the host's, and for the GPU
-        share the resident store's live copy once it exists (the originals until then)."""
-        live = self.gpu_live(version) if self.gpu is not None and self.gpu_live is not None else None
+        """Point the user's model parameters at compute copy ``version``: the host's, or on resident
+        GPUs the first GPU's live copy (the originals until it exists; ``state_dict()`` reads the
+        master, on the host). The live copy is refreshed in place, so the parameters then show the
+        version of the newest call, which is ``version`` right after this."""
+        live = self.live(version) if self.live is not None else None
         key = (version % 2, id(live))
         if key not in self._shown:  # building the views took 0.7 ms a call at ResNet-34 (bench/host_step.py)
-            flats = self.compute[version % 2]
-            views = [self.host.view(flats, slot) if not self.on_gpu(slot) else live.view(slot) if live is not None else None
+            flats = self.compute[version % 2] if self.compute is not None else None
+            views = [live.view(slot) if live is not None else self.host.view(flats, slot) if flats and not self.on_gpu(slot) else None
                      for slot in self.params.slots]
             if len(self._shown) >= 4:  # two parities of one live copy; a replaced live copy starts over
                 self._shown.clear()
@@ -247,8 +256,9 @@ class HostState:
         return self.host.master_range(self.master, r)
 
     def write_compute(self, version: int) -> None:
-        """The host's compute copy ``version`` := its master cast to the model's dtype (one pass per dtype)."""
-        for r in self.host.ranges():
+        """The host's compute copy ``version`` := its master cast to the model's dtype (one pass per
+        dtype); nothing without host compute copies."""
+        for r in self.host.ranges() if self.compute is not None else ():
             self.write_compute_range(version, r)
 
     def write_compute_range(self, version: int, r: Range) -> None:

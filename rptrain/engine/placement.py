@@ -54,7 +54,9 @@ class StateBytes:
     # the step that read it has finished on the GPU. One would do if the next backward waited on an event
     # recorded after the GPU share's kernels, which the user's step_fn does not expose.
     gpu_grad_buffers: int = 2
-    host_compute_copies: int = 2  # versions v and v+1, for runs the host steps (a GPU casts its own)
+    # Versions v and v+1 in the model's dtype, for runs the host steps; 0 when the GPUs keep the model
+    # resident and cast every version from the master themselves (resident.py).
+    host_compute_copies: int = 2
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,13 @@
 After an optimizer step the compute copy (the model's dtype, e.g. bf16) has to be made from the
 fp32 master and uploaded. Casting on the host costs a pass over host memory (read 4 bytes, write 2
 per parameter: 0.29 s for 3.2 B parameters on the H200 machine) that sits between one optimizer step
-and the next. A GPU casts for free but has to receive fp32, twice the bytes of bf16. So the work is
-split: the GPU share of every flat tensor is uploaded straight from the (pinned) master and cast on
-the GPU, while the host casts the rest in chunks, each uploaded as soon as it is written. The two
-run at the same time, on the copy engine and on the CPU cores.
+and the next, and two host compute copies to cast into. A GPU casts for free but has to receive
+fp32, twice the bytes of bf16. By default (``Tuning.refresh_gpu_share`` 1) every flat tensor goes up
+straight from the (pinned) master in chunks and is cast on the GPU, and the host keeps no compute
+copy at all. Below 1 the work is split: that share goes up as fp32 while the host casts the rest in
+chunks into its compute copy, each uploaded as soon as it is written; the two run at the same time,
+on the copy engine and on the CPU cores.
 
-Only the ranges cast on the host are written into the host compute copy, so between steps that
-copy (which the wrapped model's parameters show) is partly stale; ``synchronize()`` writes it whole.
 The call returns when every copy out of host memory has finished: only then may the next optimizer
 step change the master. The GPU share of the master (gpushare.py) is on the GPU already: its
 ranges are cast there, with no upload and no host pass.

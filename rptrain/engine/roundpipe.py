@@ -4,8 +4,7 @@ Master weights (``optim_dtype``) live on the host (host.py), the leading layers'
 (gpushare.py); the optimizer thread writes new versions of the compute copy while calls read the
 previous one (versions.py: which version a call uses, where its gradients go). Calls are planned
 (planning.py), scheduled (schedule.py), lowered into actions and run (executor.py). The wrapped
-model's parameters show the compute copy (the GPU share's on the GPU), whole after ``synchronize()``;
-with resident GPUs a step writes only the host's share of the host copy (refresh.py).
+model's parameters show the compute copy: the host's, or a resident GPU's (host.py, resident.py).
 """
 from __future__ import annotations
 
@@ -99,13 +98,14 @@ class RoundPipe(nn.Module):
         self._cuda = self._devices[0].is_cuda
         self._reducer = _reducer(process_group)
         resident = self._cuda and self._fits_resident(model, gpu_state)
-        self.placement = check_fit(self._layers, optim_dtype, self._devices, resident, max_host_memory, max_gpu_memory,
-                                   self._tuning.pin_frozen_share, *gpu_state_allowed(gpu_state, self._devices, resident, self._tuning))
+        copies = not resident or self._tuning.refresh_gpu_share < 1.0  # resident GPUs cast every version themselves
+        self.placement = check_fit(self._layers, optim_dtype, self._devices, resident, max_host_memory, max_gpu_memory, self._tuning.pin_frozen_share,
+                                   *gpu_state_allowed(gpu_state, self._devices, resident, self._tuning), compute_copies=copies)
         pins = self._devices[0].pins_memory
         memory_format = check_memory_format(memory_format)
         self._host = HostState(self._layers, optim_dtype, pin_memory=pins, pin_master=resident and pins,
                                pin_frozen_share=self._tuning.pin_frozen_share, channels_last=memory_format is torch.channels_last,
-                               gpu_layers=self.placement.gpu_layers, gpu_device=self._devices[0])
+                               gpu_layers=self.placement.gpu_layers, gpu_device=self._devices[0], compute_copies=copies)
         self._executor = Executor(self._layers, self._host, self._devices, self._tuning, resident=resident,
                                   cuda_graphs=cuda_graphs, reducer=self._reducer, memory_format=memory_format)
         if self._reducer is not None:

@@ -45,10 +45,12 @@ class Tuning:
     # driver's staging buffer, about half as fast.
     pin_frozen_share: float = 0.5
     # Fraction of each flat tensor of a resident version that goes up as fp32 and is cast on the GPU
-    # (refresh.py): balances the copy engine (the fp32 share, then bf16 of the rest) against the
-    # host's casting pass. Measured on the H200 at 990 M fp16 parameters (bench/optimizer.py
-    # --gpu-shares): 96, 60, 58, 61 and 73 ms to stage a version at shares 0, 0.3, 0.45, 0.6 and 1.
-    refresh_gpu_share: float = 0.4
+    # (refresh.py); the host casts the rest, into two host compute copies (2 x 2 bytes a bf16
+    # parameter) that only a share below 1 allocates. Measured on the H200 at 990 M fp16 parameters
+    # (bench/optimizer.py --gpu-shares): 96, 60, 58, 61 and 73 ms to stage a version at shares 0, 0.3,
+    # 0.45, 0.6 and 1, overlapped with the next call; the 13 ms are not worth 32 GB of host memory
+    # at 8 B parameters.
+    refresh_gpu_share: float = 1.0
     # Elements per staging copy: bounds the GPU's fp32 scratch and lets uploads follow the host's pass.
     refresh_chunk: int = 1 << 25
     # Without a GPU the optimizer and the compute share the cores, and a second thread of OpenMP
