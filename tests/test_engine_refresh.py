@@ -15,6 +15,7 @@ from reference import Reference, assert_state_close
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.engine import refresh
 from rptrain.engine.device import CpuDevice
+from rptrain.engine.gpushare import cuts
 from rptrain.engine.simulated import SimulatedDevice
 from rptrain.engine.host import HostState
 from rptrain.engine.layout import FlatLayout
@@ -102,24 +103,42 @@ def test_resident_gpu_weights_are_the_master_cast_after_every_step(share, gpu_st
     engine.close()
 
 
-def test_a_version_that_fails_to_stage_is_written_whole_on_the_host(monkeypatch):
-    """If staging fails (say the GPU is out of memory), the error reaches the caller and the host
-    copy of that version is whole, so a call that needs it can upload it from there."""
-    engine = RoundPipe(copy.deepcopy(mixed_model()), devices=[SimulatedDevice(0)])  # a GPU that keeps it resident
-    assert engine._executor.resident
+def test_a_version_that_fails_to_stage_is_staged_from_the_master_when_a_call_needs_it(monkeypatch):
+    """If staging fails (say the GPU is out of memory), the error reaches the caller; the master still
+    holds that version (the host keeps no compute copy), so the next call stages it from there and
+    training goes on like plain PyTorch. Split placement: part of the master on the GPU, part on the host."""
+    model = mixed_model()
+    layout = FlatLayout.of_parameters(list(model))  # three resident copies (fit.py) and layer 0's state, 20 bytes a parameter
+    budget = 3 * layout.nbytes(0, len(model)) + 20 * sum(cuts(layout, 1).values())
+    engine = RoundPipe(copy.deepcopy(model), devices=[SimulatedDevice(0)], max_gpu_memory=budget, tuning=Tuning(gpu_state_reserve=0.0))
+    host = engine._host
+    assert engine._executor.resident and host.compute is None and host.gpu is not None and host.host.ranges()
+    stage, failures = refresh.stage_version, []
 
-    def fail(*_args, **_kw):
-        raise torch.OutOfMemoryError("no memory for the staged copy")
+    def fail_once(*args, **kw):
+        if not failures:
+            failures.append(args)
+            raise torch.OutOfMemoryError("no memory for the staged copy")
+        return stage(*args, **kw)
 
-    monkeypatch.setattr(refresh, "stage_version", fail)
+    monkeypatch.setattr(refresh, "stage_version", fail_once)
     with OptimizerCtx():
         opt = Adam(engine.parameters(), lr=1e-2)
-    x, y = torch.randn(8, 40).half(), torch.randint(0, 5, (8,))
-    engine.forward_backward(input_args=(x,), label=y, loss_fn=lambda out, t: nn.functional.cross_entropy(out.float(), t))
-    with pytest.raises(RuntimeError, match="optimizer step failed"):
-        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
-    host = engine._host
-    assert host.gpu is not None  # the GPU share's part is cast from its master on the GPU; the host has the rest
-    for r in host.host.ranges():
-        assert torch.equal(host.compute_range(1, r), host.master_range(r).to(host.params.dtypes[r.key]))
+    ref = Reference(model, lr=1e-2, device=engine.devices[0].type)
+    loss_fn = lambda out, t: nn.functional.cross_entropy(out.float(), t)
+    torch.manual_seed(1)
+    for i in range(3):
+        x, y = torch.randn(8, 40).half(), torch.randint(0, 5, (8,))
+        loss = engine.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=RoundPipeRunConfig(num_microbatch=2))
+        assert loss.item() == pytest.approx(ref.forward_backward(x, y, 2, loss_fn), rel=2e-3)
+        if i == 0:
+            with pytest.raises(RuntimeError, match="optimizer step failed"):
+                engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+            assert 1 not in engine._executor.store.resident[0].staged
+        else:
+            engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        ref.step()
+    assert len(failures) == 1
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state(), rtol=2e-3, atol=2e-3)
     engine.close()
