@@ -57,6 +57,7 @@ def test_resident_engine_has_no_host_compute_copies(where, delayed):
     host = engine._host
     assert engine._executor.resident and host.compute is None
     assert engine.memory_report()["compute"] == 0 and engine.placement.totals[HOST]["compute"] == 0
+    assert "host: no compute copies" in str(engine.placement)
     assert {"gpu": host.gpu is not None and not host.host.ranges(), "split": bool(host.gpu and host.host.ranges()),
             "host": host.gpu is None}[where]
     assert shows_live_copy(engine)
@@ -114,7 +115,7 @@ def test_streamed_engine_keeps_its_host_copies():
     there the host keeps two, and training still matches plain PyTorch one step stale."""
     small = SimulatedDevice(0, memory=3 * WEIGHT_BYTES)  # two versions exceed Tuning.resident_share_gpu_state of it
     engine, ref = train_both(mlp(), vector_batches(count=3), 2, plan=PLAN, delayed=True, devices=[small])
-    assert not engine._executor.resident and engine._host.compute is not None
+    assert not engine._executor.resident and engine._host.compute is not None and "no compute copies" not in str(engine.placement)
     copies = 2 * 4 * engine._host.params.sizes["float32"]  # every tensor's padding to 256 bytes included
     assert copies >= 2 * WEIGHT_BYTES and engine.memory_report()["compute"] == copies == engine.placement.totals[HOST]["compute"]
     assert_state_close(engine.state_dict(), ref.state())

@@ -146,6 +146,7 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
     notes = ("optimizer state: Adam's two moments in the master's dtype, assumed (the optimizer comes after the engine)",
              "GPU: the largest layer's weights and gradients (or the resident model); activations are measured by the first call",
              *([f"GPU: {fmt_bytes(int(gpu_reserve * gpu))} ({gpu_reserve:.0%} of free) kept for activations"] if gpu_state else []),
+             *([] if copies else ["host: no compute copies (the GPU keeps the model resident and casts every version from the master)"]),
              *notes)
     kw = dict(gpu_free=gpu, host_budget=host, gpu_compute=need_gpu, gpu_activations=int(gpu_reserve * gpu) if gpu_state else 0,
               buffers=sum(flat(buffers)), gpu_state=gpu_state, sources={HOST: host_from, GPU: gpu_from}, notes=notes)
