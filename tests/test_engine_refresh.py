@@ -79,6 +79,10 @@ def test_resident_gpu_weights_are_the_master_cast_after_every_step(share, gpu_st
     device = "cuda:0" if torch.cuda.is_available() else SimulatedDevice(0)
     engine = RoundPipe(copy.deepcopy(model), tuning=Tuning(refresh_gpu_share=share), devices=[device], gpu_state=gpu_state)
     assert engine._executor.resident and (engine._host.gpu is not None) == gpu_state
+    # below share 1 the host casts part of its share of each version (the GPU share here: everything) into
+    # two host compute copies; at 1 it keeps none
+    assert (engine._host.compute is None) == (share == 1.0)
+    assert bool(engine._executor.store._refresh_plan[1]) == (share < 1.0 and not gpu_state)
     with OptimizerCtx():
         opt = Adam(engine.parameters(), lr=1e-2)
     ref = Reference(model, lr=1e-2, delayed=True, device=engine.devices[0].type)

@@ -52,8 +52,8 @@ class ResidentStore(StreamedStore):
         self._lock = threading.Lock()
         self._static_buffers: dict[tuple[int, int, int], StageTensors] = {}
         self._static_grads: dict[tuple[int, int, int], StageTensors] = {}
-        cut = host.gpu.cut if host.gpu is not None else None
-        self._refresh_plan = refresh.split(host.params, host.master.dtype, 1.0, tuning.refresh_chunk, cut)
+        share = tuning.refresh_gpu_share if host.compute is not None else 1.0  # the host casts only into its copies
+        self._refresh_plan = refresh.split(host.params, host.master.dtype, share, tuning.refresh_chunk, host.gpu.cut if host.gpu else None)
         self.prefetch_version(0)  # on every GPU now: a step may change the master before a GPU's first call
         host.live = self._shown  # the user's parameters show the live copy
         host.show_version(0)
