@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,13 +39,15 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PYTHONPATH
   fi
+  # The CLI reads its configs as the package rptrain.conf (pyproject.toml maps it to conf/); without an install, a link.
+  [[ -e rptrain/conf ]] || ln -s ../conf rptrain/conf
   cli=(python3 -m rptrain.cli.main --config-path="$PWD/conf" model=resnet34 data=synthetic data.num_train=12800
        data.num_test=1000 trainer.epochs=1 trainer.log_interval=25 trainer.progress=false)
 fi
@@ -139,6 +141,17 @@ if [[ $what == place ]]; then  # issue 21: GPU-resident state (CUDA tests, 3B ag
   run "${PLACE_TESTS_S:-170}" python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_engine_*.py tests/test_optim.py tests/test_dist.py tests/test_models_hf.py
   run 200 python3 bench/llm.py --model llama_3b --impl rptrain plain --seq 4096 --batch 4 --steps 6 --warmup 2 --trace-steps 2 --no-checkpoint
   run 240 python3 bench/llm.py --model "${PLACE_BIG:-llama_8b}" --impl rptrain --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0
+fi
+if [[ $what == verify ]]; then  # issue 21's CUDA fixes, then the 3B loss with synchronous steps against plain PyTorch (about 4 minutes)
+  run "${PLACE_TESTS_S:-170}" python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_engine_*.py tests/test_optim.py tests/test_dist.py tests/test_models_hf.py
+  # Same seeded weights, same repeated batch: with --no-async the engine's losses should follow plain PyTorch's (bf16 weights
+  # against fp32 weights under autocast: close, not equal); the async engine's trail them (its gradients are one step old).
+  run 150 python3 bench/llm.py --model llama_3b --impl rptrain plain --seq 4096 --batch 4 --steps 6 --warmup 2 --trace-steps 0 --no-checkpoint --no-async
+fi
+if [[ $what == peers ]]; then  # issue 22's engine-vs-CLI gap under cProfile, then issue 21's 3B peers in one invocation (about 9 minutes)
+  run 60 python3 bench/resnet.py --impl rptrain --memory-format channels_last --read-interval 25 --steps 30 --cprofile
+  run "${PEERS_S:-470}" python3 bench/llm.py --model "${PEERS_MODEL:-llama_3b}" --impl rptrain fsdp2 deepspeed --seq 4096 --batch 4 --steps 4 --warmup 2 \
+    --trace-steps 0 ${PEERS_FLAGS:---no-checkpoint}
 fi
 if [[ $what == llm || $what == all ]]; then
   {

@@ -105,7 +105,7 @@ def run_rptrain(args, cfg, name):
     note("engine and optimizer ready")
     microbatches = args.microbatches or (1 if args.batch == 1 else None)  # None: the engine's default
     run_cfg = RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=args.grain)
-    step = pipeline_step(engine, opt, tokens(args, cfg.vocab_size, args.device), run_cfg)
+    step = pipeline_step(engine, opt, tokens(args, cfg.vocab_size, args.device), run_cfg, is_async=args.is_async)
     timing = timed(step, args, finish=engine.wait_for_steps)
     split = traced_split(step, engine.wait_for_steps, args.trace_steps) if args.trace_steps else {}
     if args.device == "cuda":
@@ -115,17 +115,19 @@ def run_rptrain(args, cfg, name):
     layers = len(model)
     engine.close()
     stages = dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
-    return timing, recomputed / max(layers - 2, 1), {**stages, **split, "gpu_state_params": on_gpu}
+    return timing, recomputed / max(layers - 2, 1), {**stages, **split, "gpu_state_params": on_gpu, "is_async": args.is_async}
 
 
-def pipeline_step(engine, opt, batch, run_cfg):
-    """One training step through a RoundPipe-style engine (ours and the original library share the API)."""
+def pipeline_step(engine, opt, batch, run_cfg, is_async: bool = True):
+    """One training step through a RoundPipe-style engine (ours and the original library share the API).
+    ``is_async``: the step's gradients were taken at weights one step old (the tutorial's semantics);
+    on a repeated batch that trains visibly slower than plain PyTorch's synchronous step."""
     x, y = batch
     n = count_tokens(y)
 
     def step():
         loss = engine.forward_backward(input_args=((x, y),), loss_fn=lambda out, _: out / n, run_config=run_cfg)
-        engine.step(lambda: (opt.step(), opt.zero_grad()))
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
         return sum(loss) if isinstance(loss, (list, tuple)) else loss  # the original returns one loss per microbatch
 
     return step
@@ -194,7 +196,7 @@ def run_roundpipe(args, cfg, name):
         opt = roundpipe.optim.Adam(engine.parameters(), lr=1e-4, weight_decay=0.01, decoupled_weight_decay=True)
     microbatches = args.microbatches or (1 if args.batch == 1 else None)
     run_cfg = roundpipe.RoundPipeRunConfig(**({"num_microbatch": microbatches} if microbatches else {}))
-    step = pipeline_step(engine, opt, tokens(args, cfg.vocab_size, args.device), run_cfg)
+    step = pipeline_step(engine, opt, tokens(args, cfg.vocab_size, args.device), run_cfg, is_async=args.is_async)
     timing = timed(step, args, finish=engine.synchronize)
     del engine, opt
     torch.cuda.empty_cache()
@@ -202,6 +204,7 @@ def run_roundpipe(args, cfg, name):
 
 
 def run_plain(args, cfg, name):
+    torch.manual_seed(0)  # as host_model: the same initial weights, so losses compare
     model = build_model(name, device="cuda", dtype=torch.float32, **args.overrides)
     checkpoint_blocks(model, args.checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -351,6 +354,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help="the engine's cuda_graphs option")
     p.add_argument("--gpu-state", action=argparse.BooleanOptionalAction, default=True,
                    help="the engine's gpu_state option: the leading layers' optimizer state on the GPU (--no-gpu-state: all on the host)")
+    p.add_argument("--async", dest="is_async", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engines' step(is_async=...): --no-async steps synchronously, as plain PyTorch does (same losses)")
     p.add_argument("--max-gpu-memory", default=None, help="the engine's max_gpu_memory, e.g. 100GiB: caps the GPU state's budget")
     p.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
                    help="activation checkpointing per block for plain, fsdp2 and deepspeed")
