@@ -211,3 +211,31 @@ def test_cli_refuses_a_bad_size(tmp_path, monkeypatch, capsys):
         main(["model=llama_tiny", "data=synthetic_tokens", "engine.max_host_memory=lots", f"output_root={tmp_path / 'out'}"])
     lines = error_lines(capsys.readouterr().err)
     assert info.value.code == 2 and len(lines) == 1 and "engine.max_host_memory='lots' is not a size" in lines[0], lines
+
+
+def test_llama_8b_fits_one_h200_without_host_compute_copies(monkeypatch):
+    """Llama-3.1-8B shapes (bf16, built on the meta device) on the H200 machine: 139 GiB free on the GPU,
+    128 GiB of host memory. Resident, the host keeps no compute copies, and the default placement (30%
+    of the GPU kept for activations) fits; counting the two copies the same placement would not (the 4
+    bytes a host parameter they take are the whole difference)."""
+    from rptrain.engine import fit
+    from rptrain.engine.tuning import Tuning
+
+    class H200:
+        is_cuda, pins_memory = True, True
+
+        def free_memory(self):
+            return 139 * 2**30
+
+    monkeypatch.setattr(fit, "physical_memory", lambda: 128 * 2**30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    layers = list(build_model("llama_8b", device="meta").to(torch.bfloat16))
+    kw = dict(resident=True, gpu_state=True, gpu_reserve=Tuning.gpu_state_reserve)
+    lean = fit.check_fit(layers, torch.float32, [H200()], **kw)
+    assert lean.totals[HOST]["compute"] == 0 and 0 < lean.gpu_layers < len(layers) and lean.total(GPU) <= 139 * 2**30
+    with pytest.raises(DoesNotFit) as info:
+        fit.check_fit(layers, torch.float32, [H200()], compute_copies=True, **kw)
+    copies = info.value.placement
+    assert copies.gpu_layers == lean.gpu_layers and copies.totals[HOST]["compute"] == 2 * 2 * lean.params_on(HOST)
+    assert copies.total(HOST) - lean.total(HOST) == copies.totals[HOST]["compute"]  # pinned: large blocks, mapped exactly
+    assert "host memory needed" in str(info.value)
