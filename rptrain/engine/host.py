@@ -222,7 +222,7 @@ class HostState:
         key = (version % 2, id(live))
         if key not in self._shown:  # building the views took 0.7 ms a call at ResNet-34 (bench/host_step.py)
             flats = self.compute[version % 2] if self.compute is not None else None
-            views = [live.view(slot) if live is not None else self.host.view(flats, slot) if flats and not self.on_gpu(slot) else None
+            views = [live.view(slot) if live is not None else self.host.view(flats, slot) if flats is not None and not self.on_gpu(slot) else None
                      for slot in self.params.slots]
             if len(self._shown) >= 4:  # two parities of one live copy; a replaced live copy starts over
                 self._shown.clear()

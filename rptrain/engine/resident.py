@@ -6,10 +6,11 @@ refreshed from the slot when the version changes. Frozen weights go up once per 
 replayed as CUDA graphs also keeps its buffers and gradient tensors in static memory.
 
 The host keeps no compute copy (host.py): every version is cast on the GPUs from the master, the
-GPU share's where it lives and the host's uploaded as fp32 (``refresh_gpu_share`` 1: 73 ms against
-60 ms at 0.4 for 990 M parameters on the H200, overlapped with the next call). A version no step
-staged (the first, and after synchronize()) is staged from the master when asked for, which holds
-it then. The user's parameters show the first GPU's live copy.
+GPU share's where it lives and the host's uploaded as fp32 (``Tuning.refresh_gpu_share`` 1: 73 ms
+against 60 ms at 0.4 for 990 M parameters on the H200, overlapped with the next call; below 1 the
+host casts part into two compute copies of its own). A version no step staged (the first, and after
+synchronize()) is staged from the master when asked for, which holds it then. The user's
+parameters show the first GPU's live copy.
 """
 from __future__ import annotations
 

@@ -50,8 +50,8 @@ class Tuning:
     # (refresh.py); the host casts the rest, into two host compute copies (2 x 2 bytes a bf16
     # parameter) that only a share below 1 allocates. Measured on the H200 at 990 M fp16 parameters
     # (bench/optimizer.py --gpu-shares): 96, 60, 58, 61 and 73 ms to stage a version at shares 0, 0.3,
-    # 0.45, 0.6 and 1, overlapped with the next call; the 13 ms are not worth 32 GB of host memory
-    # at 8 B parameters.
+    # 0.45, 0.6 and 1, overlapped with the next call; the 13 ms are not worth 4 bytes of host memory
+    # a host-share parameter (21 GB for Llama-3.1-8B's host share on the H200 machine).
     refresh_gpu_share: float = 1.0
     # Elements per staging copy: bounds the GPU's fp32 scratch and lets uploads follow the host's pass.
     refresh_chunk: int = 1 << 25
