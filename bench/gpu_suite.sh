@@ -98,7 +98,7 @@ if [[ $what == cli ]]; then  # issue 22: the CLI's main job against plain PyTorc
   run 45 python3 -m pytest -q -p no:cacheprovider tests/test_train_speed.py
   # compiled plain was slower than eager channels-last (17.40 vs 15.53 ms, 2026-12-03); --quick: the goals' runs only;
   # the variant evaluates each batch as one microbatch (eval_s against the default's)
-  run 170 python3 bench/cli_resnet.py --no-compile --quick --timeout 60 --cli-variant trainer.eval_num_microbatch=1
+  run 200 python3 bench/cli_resnet.py --no-compile --quick --timeout 60 --cli-variant trainer.eval_num_microbatch=1
   grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
   # The engine's host timeline (wait_devices: the GPU's share of a call; the rest is the issuing thread's)
   run 35 python3 bench/resnet.py --impl rptrain --memory-format channels_last --read-interval 25 --steps 30 --trace
