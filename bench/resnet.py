@@ -121,6 +121,8 @@ def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     ours = lib_name == "rptrain"
     extra = dict(cuda_graphs=not args.no_graphs, optimizer_threads=optimizer_threads) if ours else {}
+    if ours and args.no_gpu_state:  # passed only when set: gpu_suite.sh engine-ab runs an engine from before the option
+        extra["gpu_state"] = False
     if ours and memory_format != "contiguous":  # inputs converted, weights stored channels-last (engine/memory_format.py)
         extra["memory_format"] = torch.channels_last
     model = lib.RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32, **extra)
@@ -233,6 +235,7 @@ def main() -> None:
                    help="both: plain and rptrain; roundpipe: the original library; all: the three")
     p.add_argument("--metrics-on-device", action="store_true",
                    help="engine: RoundPipeRunConfig(output_device=the GPU), loss and accuracy summed there (as the CLI does)")
+    p.add_argument("--no-gpu-state", action="store_true", help="engine: RoundPipe(gpu_state=False), all training state on the host")
     p.add_argument("--trace", action="store_true")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--profile", action="store_true", help="report GPU busy time from a torch.profiler trace")
