@@ -98,7 +98,7 @@ if [[ $what == cli ]]; then  # issue 22: the CLI's main job against plain PyTorc
   run 45 python3 -m pytest -q -p no:cacheprovider tests/test_train_speed.py
   # compiled plain was slower than eager channels-last (17.40 vs 15.53 ms, 2026-12-03); --quick: the goals' runs only;
   # the variant evaluates each batch as one microbatch (eval_s against the default's)
-  run 170 python3 bench/cli_resnet.py --no-compile --quick --timeout 60 --cli-variant trainer.eval_num_microbatch=1
+  run 200 python3 bench/cli_resnet.py --no-compile --quick --timeout 60 --cli-variant trainer.eval_num_microbatch=1
   grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
   # The engine's host timeline (wait_devices: the GPU's share of a call; the rest is the issuing thread's)
   run 35 python3 bench/resnet.py --impl rptrain --memory-format channels_last --read-interval 25 --steps 30 --trace
@@ -129,11 +129,15 @@ fi
 if [[ $what == engine-ab ]]; then  # issue 20: the engine before the refactor (OLD: a folder holding its rptrain/) against this one
   # Same bench scripts, each run in its own process, alternated; the ratio is new/old per pair (speed unchanged: within 3%).
   for i in $(seq "${AB_RESNET_PAIRS:-2}"); do
-    for side in "$OLD" "$PWD"; do run 60 env PYTHONPATH="$side:/tmp/site" python3 bench/resnet.py --impl rptrain --steps 40 --warmup 10; done
+    # The new side with its state on the host as the old engine keeps it: the refactor's cost alone.
+    for side in "$OLD" "$PWD"; do
+      run 60 env PYTHONPATH="$side:/tmp/site" python3 bench/resnet.py --impl rptrain --steps 40 --warmup 10 $([[ $side == "$PWD" ]] && echo --no-gpu-state)
+    done
   done
   for i in $(seq "${AB_LLM_PAIRS:-1}"); do  # seeded weights: both sides' losses should agree to bf16 noise
     for side in "$OLD" "$PWD"; do
-      run 140 env PYTHONPATH="$side:/tmp/site" python3 bench/llm.py --model llama_3b --impl rptrain --seq 4096 --batch 4 --steps 6 --warmup 2 --trace-steps "${AB_TRACE:-0}"
+      run 140 env PYTHONPATH="$side:/tmp/site" python3 bench/llm.py --model llama_3b --impl rptrain --seq 4096 --batch 4 --steps 6 --warmup 2 \
+        --trace-steps "${AB_TRACE:-0}" $([[ $side == "$PWD" ]] && echo --no-gpu-state)
     done
   done
 fi

@@ -97,9 +97,17 @@ def host_model(args, name: str, dtype: torch.dtype) -> nn.Module:
 def run_rptrain(args, cfg, name):
     model = host_model(args, name, torch.bfloat16)
     note(f"{name} built")
-    engine = RoundPipe(model, cuda_graphs=args.cuda_graphs, gpu_state=args.gpu_state, max_gpu_memory=args.max_gpu_memory)
+    # Only options away from their defaults are passed: gpu_suite.sh engine-ab runs this script against an
+    # engine from before they existed.
+    options = dict(cuda_graphs=args.cuda_graphs, max_gpu_memory=args.max_gpu_memory)
+    if not args.gpu_state:
+        options["gpu_state"] = False
+    if args.gpu_reserve is not None:
+        from rptrain import Tuning
+        options["tuning"] = Tuning(gpu_state_reserve=args.gpu_reserve)
+    engine = RoundPipe(model, **options)
     note(str(engine.placement))
-    on_gpu = engine.placement.params_on("gpu")  # trainable parameters whose state and step are on the GPU
+    on_gpu = getattr(engine.placement, "params_on", lambda _: 0)("gpu")  # trainable parameters whose state and step are on the GPU
     with OptimizerCtx():
         opt = AdamW(engine.parameters(), lr=1e-4)
     note("engine and optimizer ready")
@@ -356,6 +364,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the engine's gpu_state option: the leading layers' optimizer state on the GPU (--no-gpu-state: all on the host)")
     p.add_argument("--async", dest="is_async", action=argparse.BooleanOptionalAction, default=True,
                    help="the engines' step(is_async=...): --no-async steps synchronously, as plain PyTorch does (same losses)")
+    p.add_argument("--gpu-reserve", type=float, default=None,
+                   help="Tuning.gpu_state_reserve: the share of free GPU memory kept for activations when placing the state")
     p.add_argument("--max-gpu-memory", default=None, help="the engine's max_gpu_memory, e.g. 100GiB: caps the GPU state's budget")
     p.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
                    help="activation checkpointing per block for plain, fsdp2 and deepspeed")

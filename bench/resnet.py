@@ -121,6 +121,8 @@ def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     ours = lib_name == "rptrain"
     extra = dict(cuda_graphs=not args.no_graphs, optimizer_threads=optimizer_threads) if ours else {}
+    if ours and args.no_gpu_state:  # passed only when set: gpu_suite.sh engine-ab runs an engine from before the option
+        extra["gpu_state"] = False
     if ours and memory_format != "contiguous":  # inputs converted, weights stored channels-last (engine/memory_format.py)
         extra["memory_format"] = torch.channels_last
     model = lib.RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32, **extra)
@@ -131,7 +133,10 @@ def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int
     data = batches(4, args.batch, args.size, dtype, args.device == "cuda")
     read = Reader(args.read_interval)
     n = torch.cuda.device_count() + 1 if args.device == "cuda" else 1
-    cfg = lib.RoundPipeRunConfig(num_microbatch=args.microbatches) if args.microbatches else lib.RoundPipeRunConfig()
+    # --metrics-on-device: the loss and outputs stay on the GPU, as the CLI keeps them (the tutorial's
+    # default, the CPU, makes every call end with a copy down and its accuracy run on the CPU in fp16).
+    where = dict(output_device=args.device) if args.metrics_on_device else {}
+    cfg = lib.RoundPipeRunConfig(**({"num_microbatch": args.microbatches} if args.microbatches else {}), **where)
 
     def optimizer_step() -> None:
         if args.no_step:  # the engine alone: the compute copy is still written and uploaded
@@ -228,6 +233,9 @@ def main() -> None:
                    help="read the loss (and the engine's accuracy) every N steps; 1: every step, as the tutorial")
     p.add_argument("--impl", choices=["plain", "rptrain", "both", "roundpipe", "all"], default="both",
                    help="both: plain and rptrain; roundpipe: the original library; all: the three")
+    p.add_argument("--metrics-on-device", action="store_true",
+                   help="engine: RoundPipeRunConfig(output_device=the GPU), loss and accuracy summed there (as the CLI does)")
+    p.add_argument("--no-gpu-state", action="store_true", help="engine: RoundPipe(gpu_state=False), all training state on the host")
     p.add_argument("--trace", action="store_true")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--profile", action="store_true", help="report GPU busy time from a torch.profiler trace")
@@ -267,7 +275,7 @@ def main() -> None:
                 seconds = engine(args, model_kwargs, optimizer_threads=threads, memory_format=fmt)
                 rate = args.batch / seconds
                 emit(bench="resnet34", impl="rptrain", device=args.device, batch=args.batch, microbatches=args.microbatches, read_interval=args.read_interval,
-                     memory_format=fmt, cuda_graphs=not args.no_graphs, optimizer_threads=threads, adam=not args.no_step, step_ms=round(seconds * 1e3, 3),
+                     memory_format=fmt, metrics_on_device=args.metrics_on_device, cuda_graphs=not args.no_graphs, optimizer_threads=threads, adam=not args.no_step, step_ms=round(seconds * 1e3, 3),
                      images_per_s=round(rate, 1), **({"rptrain_over_plain": round(rate / plain_rate, 3)} if plain_rate else {}))
         if args.impl in ("roundpipe", "all"):
             seconds = engine(args, model_kwargs, "roundpipe")
