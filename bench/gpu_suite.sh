@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -156,6 +156,14 @@ if [[ $what == peers ]]; then  # issue 22's engine-vs-CLI gap under cProfile, th
   run 60 python3 bench/resnet.py --impl rptrain --memory-format channels_last --read-interval 25 --steps 30 --cprofile
   run "${PEERS_S:-470}" python3 bench/llm.py --model "${PEERS_MODEL:-llama_3b}" --impl rptrain fsdp2 deepspeed --seq 4096 --batch 4 --steps 4 --warmup 2 \
     --trace-steps 0 ${PEERS_FLAGS:---no-checkpoint}
+fi
+if [[ $what == big ]]; then  # issue 21: 8 B full fine-tuning on one H200 (host state without compute copies), about 9 minutes
+  run 130 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_engine_host_copies.py tests/test_engine_refresh.py \
+    tests/test_engine_gpu_state.py tests/test_engine_placement.py tests/test_engine_equivalence.py tests/test_engine_state.py \
+    tests/test_engine_scaler.py tests/test_engine_dropin.py tests/test_engine_llama.py tests/test_engine_simulated.py
+  big=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0)
+  run 230 "${big[@]}" --model llama_8b --impl rptrain plain
+  run 200 "${big[@]}" --model qwen3_8b --impl rptrain
 fi
 if [[ $what == llm || $what == all ]]; then
   {
