@@ -19,10 +19,11 @@ class Tuning:
     # Of the GPU's free memory: kept for activations and the schedule's working set when placing the
     # optimizer state before the first call has measured them (the planner then cuts stages to what is
     # left). Llama-3B at 4 x 4096 peaked at 60 GiB on the H200 with about 25 of them weight copies;
-    # Llama-3.1-8B ran out of GPU memory at 0.2 (40-50 GB of activations, 27.8 GiB kept). Without host
-    # compute copies on resident GPUs, fit.py's check at 0.3 (41.7 GiB kept) puts 11 of its 34 layers'
-    # state on the GPU and 99 GiB on the 128 GiB host (at 0.35: 9 layers, 107 of the 115 GiB allowed).
-    gpu_state_reserve: float = 0.3
+    # Llama-3.1-8B ran out of GPU memory at 0.2 (27.8 GiB kept). On the H200 at 4 x 4096 (2026-12-04):
+    # at 0.3 Llama-3.1-8B trained (11 of 34 layers' state on the GPU, peak 135.7 GiB) but Qwen3-8B ran
+    # out of GPU memory (its 152k vocabulary's logits); at 0.35 both trained (peaks 131.4 and 136.8 GiB;
+    # 9 and 10 layers on the GPU, 107-109 GiB of the 113 GiB host budget).
+    gpu_state_reserve: float = 0.35
     # Move saved activations to pinned host memory when one call's would take over this share of
     # the GPU: GPU memory then bounds one layer's activations, not the whole sequence's.
     offload_share: float = 0.25
