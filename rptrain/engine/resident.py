@@ -35,6 +35,7 @@ class _Resident:
     def __init__(self) -> None:
         self.staged: dict[int, StageTensors] = {}
         self.live: Optional[list[tuple[Range, Tensor]]] = None
+        self.live_tensors: Optional[StageTensors] = None
         self.live_version: Optional[int] = None
 
     def publish(self, version: int, staged: StageTensors) -> None:
@@ -108,6 +109,7 @@ class ResidentStore(StreamedStore):
         resident = self.resident[device.index]
         if resident.live is None:
             resident.live = [(r, torch.empty_like(t)) for r, t in staged.pieces]
+            resident.live_tensors = StageTensors(self.host.params, resident.live)
         if resident.live_version != version:
             with device.stream("compute"):
                 device.wait("compute", staged.event)
@@ -116,7 +118,7 @@ class ResidentStore(StreamedStore):
                     live.copy_(t)
                     device.keep_alive(t, "compute")
             resident.live_version = version
-        return StageTensors(self.host.params, resident.live)
+        return resident.live_tensors  # one object: the user's parameter views of it are built once (show_version)
 
     def prefetch_version(self, version: int) -> None:
         for device in self.devices:
