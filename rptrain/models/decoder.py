@@ -20,8 +20,9 @@ from torch.nn.utils import skip_init
 
 from rptrain.models.attention import causal_attention, positions, uses_flex
 from rptrain.models.decoder_config import DecoderConfig
+from rptrain.models.fused import add_rms_norm, gated, kernel, qk_rotary, rms_norm
 from rptrain.models.llama_loss import LinearCrossEntropy
-from rptrain.models.rope import apply_rotary, rotary_cos_sin
+from rptrain.models.rope import rotary_cos_sin
 
 Device = torch.device | str | None
 Batch = tuple  # (hidden or ids, targets or None[, segment_ids])
@@ -35,9 +36,9 @@ def _linear(n_in: int, n_out: int, bias: bool, device: Device, dtype) -> nn.Line
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, offset: bool = False, device: Device = None, dtype=None):
+    def __init__(self, dim: int, eps: float, offset: bool = False, device: Device = None, dtype=None, fused: bool = False):
         super().__init__()
-        self.eps, self.offset = eps, offset
+        self.eps, self.offset, self.fused = eps, offset, fused
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -45,12 +46,7 @@ class RMSNorm(nn.Module):
         nn.init.constant_(self.weight, 0.0 if self.offset else 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Mean of squares in float32: fp16 overflows and bf16 is too coarse for it.
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:  # Gemma multiplies in float32, then casts
-            return (normed * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * normed.type_as(x)
+        return kernel(rms_norm, self.fused)(x, self.weight, self.eps, self.offset)
 
 
 class SelfAttention(nn.Module):
@@ -59,6 +55,7 @@ class SelfAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.rope, self.window = cfg.layer_rope(layer), cfg.window(layer)
         self.scale, self.softcap, self.flex = cfg.attn_scale, cfg.attn_softcap, uses_flex(cfg.attention)
+        self.fused = cfg.fused
         q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.splits = (q_out, kv_out, kv_out)
         if cfg.fused_qkv:
@@ -69,8 +66,8 @@ class SelfAttention(nn.Module):
             self.v_proj = _linear(cfg.hidden_size, kv_out, cfg.qkv_bias, device, dtype)
         self.o_proj = _linear(q_out, cfg.hidden_size, cfg.o_bias, device, dtype)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset, device, dtype)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset, device, dtype)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset, device, dtype, cfg.fused)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset, device, dtype, cfg.fused)
 
     def forward(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -80,14 +77,12 @@ class SelfAttention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         pos = None if segments is None else positions(segments)
         cos, sin = rotary_cos_sin(self.rope, self.head_dim, pos, T, x.device, x.dtype)
-        y = causal_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v,
-                             self.scale, self.softcap, self.window, segments, self.flex)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset) if hasattr(self, "q_norm") else (None, None, 0.0, False)
+        q, k = kernel(qk_rotary, self.fused)(q, k, cos, sin, *norms)
+        y = causal_attention(q, k, v, self.scale, self.softcap, self.window, segments, self.flex)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -97,7 +92,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig, device: Device = None, dtype=None):
         super().__init__()
         D, F_ = cfg.hidden_size, cfg.intermediate_size
-        self.act = F.silu if cfg.activation == "silu" else lambda x: F.gelu(x, approximate="tanh")
+        self.activation, self.fused = cfg.activation, cfg.fused
         if cfg.fused_gate_up:
             self.gate_up_proj = _linear(D, 2 * F_, cfg.mlp_bias, device, dtype)  # gate rows first, then up
         else:
@@ -110,7 +105,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(kernel(gated, self.fused)(gate, up, self.activation))
 
 
 class TokenEmbedding(nn.Module):
@@ -141,11 +136,11 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, cfg: DecoderConfig, layer: int, device: Device = None, dtype=None):
         super().__init__()
-        self.init_std = cfg.init_std
+        self.init_std, self.fused = cfg.init_std, cfg.fused
         # Projections that write into the residual stream get a smaller init so the stream's
         # variance does not grow with depth (GPT-2).
         self.out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset, device, dtype)  # noqa: E731
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset, device, dtype, cfg.fused)  # noqa: E731
         self.input_layernorm = norm()
         self.self_attn = SelfAttention(cfg, layer, device, dtype)
         self.post_attention_layernorm = norm()
@@ -174,9 +169,10 @@ class DecoderBlock(nn.Module):
         if hasattr(self, "pre_feedforward_layernorm"):
             h = h + self.post_attention_layernorm(attn)
             h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        else:
-            h = h + attn
-            h = h + self.mlp(self.post_attention_layernorm(h))
+        else:  # the residual add and the norm after it: one kernel when fused
+            norm = self.post_attention_layernorm
+            h, normed = kernel(add_rms_norm, self.fused)(h, attn, norm.weight, norm.eps, norm.offset)
+            h = h + self.mlp(normed)
         return (h, targets, *rest)
 
 
@@ -198,9 +194,9 @@ class LMHeadLoss(nn.Module):
 
     def __init__(self, cfg: DecoderConfig, tied_weight: nn.Parameter | None = None, device: Device = None, dtype=None):
         super().__init__()
-        self.chunk_tokens, self.init_std, self.softcap = cfg.loss_chunk_tokens, cfg.init_std, cfg.final_softcap
+        self.chunk_tokens, self.init_std, self.softcap, self.fused = cfg.loss_chunk_tokens, cfg.init_std, cfg.final_softcap, cfg.fused
         self.tied = tied_weight is not None
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset, device, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset, device, dtype, cfg.fused)
         weight = tied_weight if self.tied else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype))
         self.lm_head = LMHead(weight)
         self.reset_parameters()
@@ -219,7 +215,7 @@ class LMHeadLoss(nn.Module):
         # Function.forward cannot see the grad mode, so tell it whether to make grads.
         need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
         return LinearCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1),
-                                        self.chunk_tokens, need_grad, self.softcap)
+                                        self.chunk_tokens, need_grad, self.softcap, self.fused)
 
 
 def build_decoder(cfg: DecoderConfig, device: Device = None, dtype: torch.dtype | None = None) -> nn.Sequential:

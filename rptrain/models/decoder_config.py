@@ -45,6 +45,10 @@ class DecoderConfig:
     attention: str = "auto"  # auto | sdpa | flex: FlexAttention block masks on CUDA for packed rows and windows (auto: rptrain.models.attention.AUTO_FLEX_ON_CUDA)
     init_std: float = 0.02
     loss_chunk_tokens: int = 4096  # tokens per logits chunk in the fused LM-head loss
+    # The elementwise work between the matmuls (RMSNorm, residual add + norm, q/k norm + rotary, the gated
+    # activation, the loss's softmax gradient) as torch.compile'd kernels (rptrain.models.fused); the math
+    # and the weights are the same either way. Off: plain eager PyTorch.
+    fused: bool = False
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:

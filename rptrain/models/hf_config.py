@@ -198,7 +198,7 @@ def _activation(f: _Fields) -> str:
 
 
 def decoder_config(raw: dict[str, Any], where: str = "config.json", max_seq_len: int | None = None,
-                   loss_chunk_tokens: int = 4096, attention: str = "auto") -> DecoderConfig:
+                   loss_chunk_tokens: int = 4096, attention: str = "auto", fused: bool = False) -> DecoderConfig:
     """Raise HFModelError (one line) for anything rptrain would not compute as transformers does."""
     family = raw.get("model_type")
     if family not in FAMILIES:
@@ -249,7 +249,7 @@ def decoder_config(raw: dict[str, Any], where: str = "config.json", max_seq_len:
             tie_embeddings=bool(f.get("tie_word_embeddings", family in GEMMAS)), padding_idx=pad,
             # dynamic rope exists to run past max_position_embeddings, by up to its factor
             max_seq_len=max_seq_len or int(max_positions * (rope.factor if rope.type == "dynamic" else 1)),
-            loss_chunk_tokens=loss_chunk_tokens, attention=attention,
+            loss_chunk_tokens=loss_chunk_tokens, attention=attention, fused=fused,
         )
     except ValueError as err:
         raise HFModelError(f"{where} ({family}): {err}") from None

@@ -100,7 +100,8 @@ def load_hf_weights(model: nn.Sequential, files: dict[str, Path], plan: dict[str
 
 @register_model("hf")
 def build_hf(path: str, device: Device = None, dtype: torch.dtype | None = None, max_seq_len: int | None = None,
-             loss_chunk_tokens: int = 4096, attention: str = "auto", vocab_size: int | None = None) -> nn.Sequential:
+             loss_chunk_tokens: int = 4096, attention: str = "auto", vocab_size: int | None = None,
+             fused: bool = False) -> nn.Sequential:
     """The decoder of the folder `path`, with its weights (device="meta": checked, nothing loaded).
 
     max_seq_len None: config.json's max_position_embeddings. vocab_size (passed by the trainer) is
@@ -109,7 +110,7 @@ def build_hf(path: str, device: Device = None, dtype: torch.dtype | None = None,
     if attention not in ("auto", "sdpa", "flex"):
         raise HFModelError(f"model.attention={attention}: use auto, sdpa or flex")
     folder = Path(path).expanduser()
-    cfg = decoder_config(read_config_json(folder), f"{folder / 'config.json'}", max_seq_len, loss_chunk_tokens, attention)
+    cfg = decoder_config(read_config_json(folder), f"{folder / 'config.json'}", max_seq_len, loss_chunk_tokens, attention, fused)
     if vocab_size is not None and vocab_size > cfg.vocab_size:
         raise HFModelError(f"model.path={path}: the data has {vocab_size} token ids (its tokenizer or data.vocab_size) but "
                            f"the model embeds {cfg.vocab_size}: use the folder's own tokenizer")

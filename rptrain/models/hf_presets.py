@@ -34,12 +34,12 @@ QWEN3_PRESETS: dict[str, dict] = {
 
 
 def qwen3_config(name: str, max_seq_len: int | None = None, init_std: float = 0.02, loss_chunk_tokens: int = 4096,
-                 **fields) -> DecoderConfig:
+                 fused: bool = False, **fields) -> DecoderConfig:
     """A Qwen3 preset with some config.json fields replaced (None keeps the published value, e.g. vocab_size)."""
     if name not in QWEN3_PRESETS:
         raise ValueError(f"unknown qwen3 preset {name!r}; allowed: {', '.join(QWEN3_PRESETS)}")
     raw = {**QWEN3_PRESETS[name], **{k: v for k, v in fields.items() if v is not None}}
-    cfg = decoder_config(raw, f"model={name}", max_seq_len, loss_chunk_tokens)
+    cfg = decoder_config(raw, f"model={name}", max_seq_len, loss_chunk_tokens, fused=fused)
     return dataclasses.replace(cfg, init_std=init_std)
 
 

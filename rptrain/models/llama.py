@@ -48,7 +48,7 @@ def decoder_config(cfg: LlamaConfig) -> DecoderConfig:
     return DecoderConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
                          n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.ffn_hidden,
                          norm_eps=cfg.norm_eps, rope=rope, tie_embeddings=cfg.tie_embeddings, max_seq_len=cfg.max_seq_len,
-                         init_std=cfg.init_std, loss_chunk_tokens=cfg.loss_chunk_tokens)
+                         init_std=cfg.init_std, loss_chunk_tokens=cfg.loss_chunk_tokens, fused=cfg.fused)
 
 
 def build_llama(cfg: LlamaConfig, device: Device = None, dtype: torch.dtype | None = None) -> nn.Sequential:

@@ -25,6 +25,7 @@ class LlamaConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     loss_chunk_tokens: int = 4096  # tokens per logits chunk in the fused LM-head loss
+    fused: bool = False  # DecoderConfig.fused: the elementwise work between the matmuls compiled
 
     def __post_init__(self):
         if self.n_kv_heads is None:
