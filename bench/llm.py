@@ -8,7 +8,8 @@ fsdp2:   fully_shard per block (+ root) with CPUOffloadPolicy and bf16 MixedPrec
 roundpipe: the original RoundPipe library (optional, --impl roundpipe) with the same model and loss.
 deepspeed: DeepSpeed ZeRO-2 with the optimizer on the CPU and ZeRO-3 with a share of it on the GPU
          (--impl deepspeed runs both, each in its own process; deepspeed_zero.py).
-All train the same nn.Sequential (rptrain.models) on the same synthetic tokens.
+All train the same nn.Sequential (rptrain.models) on the same synthetic tokens; --fused builds it with
+model.fused (norms, rotary, SwiGLU and the loss's softmax as torch.compile'd kernels) for every one of them.
 
 Reported: tokens/s, model FLOPs utilisation (6N + attention, per token) and hardware FLOPs
 utilisation (recomputed forwards counted) against the measured bf16 matmul peak (--peak).
@@ -371,6 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="activation checkpointing per block for plain, fsdp2 and deepspeed")
     p.add_argument("--ds-ratio", type=float, default=None,
                    help="deepspeed_zero3: the share of the optimizer state offloaded to the CPU (default: chosen from free GPU memory)")
+    p.add_argument("--fused", action="store_true",
+                   help="build the model with fused=True (rptrain.models.fused) for every implementation, so ratios stay like-for-like")
     p.add_argument("--peak", type=float, default=780.0, help="bf16 matmul TFLOP/s (bench/limits.py)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="each implementation in its own process (default: on when several run on a GPU)")
@@ -414,7 +417,8 @@ def measure(args, name: str, impl: str) -> dict:
                **{s: functools.partial(run_deepspeed, setting=s) for s in deepspeed_zero.SETTINGS}}
     # Rotary tables are built up to max_seq_len: longer benchmark sequences raise it.
     shrink = TINY_QWEN3 if (args.tiny or args.device == "cpu") and name in QWEN3_PRESETS else {}
-    args.overrides = {**shrink, **({"max_seq_len": args.seq} if args.seq > model_config(name).max_seq_len else {})}
+    args.overrides = {**shrink, **({"max_seq_len": args.seq} if args.seq > model_config(name).max_seq_len else {}),
+                      **({"fused": True} if args.fused else {})}
     cfg = model_config(name, **args.overrides)
     tokens_per_step = args.batch * args.seq
     model_flops = flops_per_token(cfg, args.seq) * tokens_per_step
@@ -443,7 +447,7 @@ def measure(args, name: str, impl: str) -> dict:
         steady = timing.steady_step_s
         extra.update(steady_step_s=round(steady, 4), steady_tokens_per_s=round(tokens_per_step / steady, 1),
                      steady_mfu=round(model_flops / steady / peak, 3), steady_hfu=round(hardware_flops / steady / peak, 3))
-    return dict(bench="llm", model=name, impl=impl, seq=args.seq, batch=args.batch, step_s=round(seconds, 4),
+    return dict(bench="llm", model=name, impl=impl, seq=args.seq, batch=args.batch, fused=args.fused, step_s=round(seconds, 4),
                 tokens_per_s=round(tokens_per_step / seconds, 1), loss=round(timing.loss, 4),
                 mfu=round(model_flops / seconds / peak, 3), hfu=round(hardware_flops / seconds / peak, 3), **extra)
 

@@ -122,6 +122,7 @@ class LlamaModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     loss_chunk_tokens: int = 4096
+    fused: bool = False  # rptrain.models.DecoderConfig.fused: the elementwise work between the matmuls torch.compile'd
     weights: Optional[str] = None  # a local checkpoint (rptrain.models.load_weights), or a finished run: its directory or checkpoints/last.pt
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -145,6 +146,7 @@ class Qwen3ModelConfig:
     max_seq_len: int = 40960  # rotary positions up to this (config.json's max_position_embeddings)
     init_std: float = 0.02
     loss_chunk_tokens: int = 4096
+    fused: bool = False  # rptrain.models.DecoderConfig.fused: the elementwise work between the matmuls torch.compile'd
     weights: Optional[str] = None  # as LlamaModelConfig.weights
 
 
@@ -157,6 +159,7 @@ class HFModelConfig:
     path: str = MISSING  # folder with config.json and *.safetensors (model.safetensors.index.json when sharded)
     max_seq_len: Optional[int] = None  # None: config.json's max_position_embeddings (x factor for dynamic rope)
     loss_chunk_tokens: int = 4096
+    fused: bool = False  # rptrain.models.DecoderConfig.fused: the elementwise work between the matmuls torch.compile'd
     attention: str = "auto"  # auto | sdpa | flex (FlexAttention block masks on CUDA for packed rows and sliding windows)
     weights: Optional[str] = None  # another checkpoint of this model to load after the folder's weights
     lora: LoraConfig = field(default_factory=LoraConfig)
