@@ -80,6 +80,7 @@ class SelfAttention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         pos = None if segments is None else positions(segments)
         cos, sin = rotary_cos_sin(self.rope, self.head_dim, pos, T, x.device, x.dtype)
+        # q/k norms (Qwen3, Gemma-3), heads before time, rotary: one kernel per tensor when fused.
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset) if hasattr(self, "q_norm") else (None, None, 0.0, False)
         q, k = kernel(qk_rotary, self.fused)(q, k, cos, sin, *norms)
         y = causal_attention(q, k, v, self.scale, self.softcap, self.window, segments, self.flex)
