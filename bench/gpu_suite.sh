@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|fused|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|fused|cli-tests|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == fused ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == fused || $what == cli-tests ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -164,6 +164,9 @@ if [[ $what == big ]]; then  # issue 21: 8 B full fine-tuning on one H200 (host 
   big=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0)
   run 230 "${big[@]}" --model llama_8b --impl rptrain plain
   run 200 "${big[@]}" --model qwen3_8b --impl rptrain
+fi
+if [[ $what == cli-tests ]]; then  # the CLI and training-loop tests on CUDA (never all re-run there since the fault tests changed)
+  run "${CLI_TESTS_S:-540}" python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_cli_*.py tests/test_train_*.py
 fi
 if [[ $what == fused ]]; then  # issue 21: model.fused (compiled elementwise ops) against eager, same start; its CUDA tests (about 9 minutes)
   run 120 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_fused.py
