@@ -14,6 +14,7 @@ import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch import nn
 
 from . import compute
 from .actions import Action, Facts, Lowered, Op, Sizes, lower
@@ -52,6 +53,7 @@ class Executor:
         self.reducing = reducer is not None
         self._shells: dict[tuple[int, int], Shell] = {}
         self._graphs: dict[int, StageGraphs] = {}
+        self._stage_modules: dict[tuple[int, int], list[nn.Module]] = {}  # (start, stop) -> its layers' modules, walked once
         self._lowered: dict[tuple, tuple[Sequence[Job], list[Lowered]]] = {}  # (id(jobs), facts) -> (jobs, actions)
         self._handlers: dict[Op, Callable[[JobRun, Action, PassState], None]] = {
             Op.UPLOAD: self._bring, Op.BIND: self._bring, Op.PREFETCH: self._prefetch, Op.BUFFERS: self._buffers,
@@ -176,7 +178,13 @@ class Executor:
         if job.kind is JobKind.FUSED:  # one fused job per call, so no other thread touches this
             state.graphs = self._graphs.setdefault(device.index, device.graphs(self.tuning)) if graphed else None
             # Train/eval modes select the graph: read from the user's layers, as the shells mirror them.
-            state.graph_modes = tuple(m.training for layer in self.layers[job.start : job.stop] for m in layer.modules()) if graphed else ()
+            state.graph_modes = tuple(m.training for m in self._modules_of(job)) if graphed else ()
+
+    def _modules_of(self, job: Job) -> list[nn.Module]:
+        key = (job.start, job.stop)
+        if key not in self._stage_modules:
+            self._stage_modules[key] = [m for layer in self.layers[job.start : job.stop] for m in layer.modules()]
+        return self._stage_modules[key]
 
     def _compute(self, run: JobRun, action: Action, state: PassState) -> None:
         """One microbatch through the stage, its result handed to the next job."""
