@@ -10,6 +10,7 @@ a thread for the call.
 """
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -31,6 +32,8 @@ from .schedule import Job, JobKind
 from .trace import span
 from .tuning import Tuning
 from .weights import HostStore, StreamedStore
+
+_training = operator.attrgetter("training")
 
 _COMPUTE: dict[Op, Callable] = {Op.FORWARD: compute.forward, Op.FUSED: compute.fused, Op.BACKWARD: compute.backward}
 
@@ -178,7 +181,7 @@ class Executor:
         if job.kind is JobKind.FUSED:  # one fused job per call, so no other thread touches this
             state.graphs = self._graphs.setdefault(device.index, device.graphs(self.tuning)) if graphed else None
             # Train/eval modes select the graph: read from the user's layers, as the shells mirror them.
-            state.graph_modes = tuple(m.training for m in self._modules_of(job)) if graphed else ()
+            state.graph_modes = tuple(map(_training, self._modules_of(job))) if graphed else ()
 
     def _modules_of(self, job: Job) -> list[nn.Module]:
         key = (job.start, job.stop)

@@ -171,8 +171,16 @@ class EarlyGrads:
 
 def _fresh_runs(layout: FlatLayout, buffer: GradBuffer, r: Range) -> list[tuple[int, int, bool]]:
     """Split range ``r`` into runs of slots that are empty (copy) or already hold gradients (add)."""
+    slots = layout.slots_in_range(r)
+    written = buffer.written
+    states = {written[s.index] for s in slots}
+    if len(states) == 1:  # the usual case, all fresh (first microbatch) or all written: the cached runs
+        fresh = not states.pop()
+        for s in slots:
+            written[s.index] = True
+        return [(a, b, fresh) for a, b in layout.runs_in_range(r)]
     runs: list[tuple[int, int, bool]] = []
-    for slot in layout.slots_in_range(r):
+    for slot in slots:
         fresh = not buffer.written[slot.index]
         buffer.written[slot.index] = True
         if runs and runs[-1][2] == fresh and layout.adjacent(runs[-1][1], slot):
