@@ -120,6 +120,25 @@ def test_split_inputs_nested_and_replicated():
     assert k1["scale"].item() == 2.0
 
 
+@pytest.mark.parametrize("args", [
+    (torch.arange(10).view(5, 2),),
+    (torch.arange(10).view(5, 2), torch.ones(3, 3), torch.tensor(2.0), torch.arange(5)),  # not batch-sized, 0-dim: replicated
+], ids=["one", "mixed"])
+def test_flat_tensor_inputs_split_as_the_general_path_does(args):
+    """Tensors-only inputs and tensor labels skip pytree (batching._split_flat): the same parts as
+    through a structure that takes the general path (a dict of kwargs)."""
+    n = 2
+    flat = split_inputs(args, {}, n)
+    general = split_inputs((), {f"a{i}": a for i, a in enumerate(args)}, n)
+    for (a, k), (_, g) in zip(flat, general):
+        assert k == {} and len(a) == len(args)
+        for i, t in enumerate(a):
+            assert torch.equal(t, g[f"a{i}"]) and (t is args[i]) == (g[f"a{i}"] is args[i])
+    label = torch.arange(5)
+    assert [p.tolist() for p in split_label(label, n)] == [p[0].tolist() for p in split_label((label,), n)]
+    assert split_label(torch.tensor(3.0), n) == [torch.tensor(3.0)] * n  # no batch dimension: replicated
+
+
 def test_split_errors_name_the_problem():
     with pytest.raises(ValueError, match="num_microbatch=3 is larger than the batch size 2"):
         split_inputs((torch.zeros(2, 1),), {}, 3)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -143,6 +143,20 @@ def _chunks(leaf: Any, spec: Any, sizes: Optional[list[int]], n: int, what: str)
     return [leaf] * n
 
 
+def _split_flat(tensors: Sequence[Tensor], n: int, what: str, need_batch: bool) -> Optional[list[list]]:
+    """``_split_tree`` for a flat sequence of tensors with no spec, without pytree (every call's inputs
+    and labels): per tensor its n chunks. None when no tensor has a batch dimension and none is needed."""
+    first = next((t for t in tensors if t.dim() >= 1), None)
+    if first is None:
+        if need_batch:
+            raise ValueError(f"{what} contains no tensor with a batch dimension; pass split_input to split it yourself")
+        return [[t] * n for t in tensors]
+    check_microbatches(first.shape[0], n, what)
+    sizes = split_sizes(first.shape[0], n)
+    total = first.shape[0]
+    return [list(torch.split(t, sizes)) if t.dim() >= 1 and t.shape[0] == total else [t] * n for t in tensors]
+
+
 def _split_tree(value: Any, spec_of: Callable[[pytree.TreeSpec], list], n: int, what: str, need_batch: bool) -> list:
     leaves, treespec = pytree.tree_flatten(value)
     specs = spec_of(treespec)
@@ -163,6 +177,9 @@ def split_inputs(args: tuple, kwargs: dict, n: int, spec: Any = None) -> list[tu
         return [(tuple(a), dict(k)) for a, k in zip(*parts)]
     if spec is not None and not (isinstance(spec, (tuple, list)) and len(spec) == 2):
         raise ValueError("RoundPipeRunConfig.split_input must be a function or (args_spec, kwargs_spec)")
+    if spec is None and not kwargs and all(isinstance(a, Tensor) for a in args):
+        columns = _split_flat(args, n, "the input", True)
+        return [(tuple(c[i] for c in columns), {}) for i in range(n)]
     args_spec, kwargs_spec = spec if spec is not None else (None, None)
 
     def spec_of(treespec: pytree.TreeSpec) -> list:
@@ -179,6 +196,8 @@ def split_label(label: Any, n: int, spec: Any = None) -> list[Any]:
         if len(parts) != n:
             raise ValueError(f"split_label returned {len(parts)} microbatches, expected num_microbatch={n}")
         return parts
+    if spec is None and isinstance(label, Tensor):
+        return _split_flat([label], n, "the label", False)[0]
     return _split_tree(label, lambda treespec: _spec_leaves(spec, treespec, "split_label"), n, "the label", False)
 
 
