@@ -139,6 +139,29 @@ def test_flat_tensor_inputs_split_as_the_general_path_does(args):
     assert split_label(torch.tensor(3.0), n) == [torch.tensor(3.0)] * n  # no batch dimension: replicated
 
 
+def test_tensor_walks_match_pytree():
+    """map_tensors/iter_tensors open tuples, lists, dicts and namedtuples themselves (batching._plain):
+    the same structure, leaves and order as torch's pytree."""
+    import collections
+
+    from torch.utils import _pytree as pytree
+
+    from rptrain.engine.batching import iter_tensors, map_tensors
+    from rptrain.engine.passstate import Args
+
+    Pair = collections.namedtuple("Pair", "a b")
+    t = torch.ones(2)
+    for obj in [t, (t, 3), [t, (t, {"z": t, "a": [t]})], Args((t,), {"k": t}), Pair(t, (t, None)), {"b": t, "a": (t, 2)}, "s", None]:
+        mine = map_tensors(lambda x: x + 1, obj)
+        theirs = pytree.tree_map(lambda leaf: leaf + 1 if isinstance(leaf, torch.Tensor) else leaf, obj)
+        (a, spec_a), (b, spec_b) = pytree.tree_flatten(mine), pytree.tree_flatten(theirs)
+        assert spec_a == spec_b and type(mine) is type(theirs)
+        assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+        leaves = [leaf for leaf in pytree.tree_leaves(obj) if isinstance(leaf, torch.Tensor)]
+        found = list(iter_tensors(obj))
+        assert len(found) == len(leaves) and all(x is y for x, y in zip(found, leaves))
+
+
 def test_split_errors_name_the_problem():
     with pytest.raises(ValueError, match="num_microbatch=3 is larger than the batch size 2"):
         split_inputs((torch.zeros(2, 1),), {}, 3)

@@ -39,10 +39,18 @@ class PackedData(list):
 
 # A bare tensor skips pytree's walk: the common case on every call's hot path (pytree's tree_map and
 # unflatten were 1.1 ms a ResNet-34 step on the H200 host, cProfile).
+def _plain(obj: Any) -> bool:
+    """A container pytree opens the same way a loop does: tuple, list, dict, namedtuple."""
+    t = type(obj)
+    return t in (tuple, list, dict) or (issubclass(t, tuple) and hasattr(t, "_fields"))
+
+
 def iter_tensors(obj: Any) -> Iterator[Tensor]:
     """Every tensor inside a pytree, in a fixed order."""
     if isinstance(obj, Tensor):
         return iter((obj,))
+    if _plain(obj):
+        return (t for x in (obj.values() if isinstance(obj, dict) else obj) for t in iter_tensors(x))
     return (leaf for leaf in pytree.tree_leaves(obj) if isinstance(leaf, Tensor))
 
 
@@ -50,8 +58,11 @@ def map_tensors(fn: Callable[[Tensor], Any], obj: Any) -> Any:
     """Apply ``fn`` to every tensor, keeping the structure."""
     if isinstance(obj, Tensor):
         return fn(obj)
-    if type(obj) in (tuple, list):  # exactly these (a namedtuple is pytree's): the same walk, 20x faster
-        return type(obj)(map_tensors(fn, x) for x in obj)
+    if _plain(obj):  # the same walk as pytree's, 20x faster for a pair of tensors
+        if isinstance(obj, dict):
+            return {k: map_tensors(fn, v) for k, v in obj.items()}
+        mapped = [map_tensors(fn, x) for x in obj]
+        return type(obj)(*mapped) if hasattr(obj, "_fields") else type(obj)(mapped)
     return pytree.tree_map(lambda leaf: fn(leaf) if isinstance(leaf, Tensor) else leaf, obj)
 
 
