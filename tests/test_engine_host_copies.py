@@ -26,7 +26,7 @@ WEIGHT_BYTES = 4 * sum(p.numel() for p in mlp().parameters())  # fp32
 
 def live_copy(engine: RoundPipe) -> list[torch.Tensor]:
     """The first GPU's live compute copy: one flat tensor per dtype (resident.py)."""
-    return [t for _, t in engine._executor.store.resident[0].live]
+    return [t for _, t in engine._executor.store.resident[0].live.pieces]
 
 
 def shows_live_copy(engine: RoundPipe) -> bool:

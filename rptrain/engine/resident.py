@@ -34,8 +34,7 @@ class _Resident:
 
     def __init__(self) -> None:
         self.staged: dict[int, StageTensors] = {}
-        self.live: Optional[list[tuple[Range, Tensor]]] = None
-        self.live_tensors: Optional[StageTensors] = None
+        self.live: Optional[StageTensors] = None  # one object: the user's parameter views of it are built once (show_version)
         self.live_version: Optional[int] = None
 
     def publish(self, version: int, staged: StageTensors) -> None:
@@ -108,17 +107,16 @@ class ResidentStore(StreamedStore):
         staged = self.copy(device, version)
         resident = self.resident[device.index]
         if resident.live is None:
-            resident.live = [(r, torch.empty_like(t)) for r, t in staged.pieces]
-            resident.live_tensors = StageTensors(self.host.params, resident.live)
+            resident.live = StageTensors(self.host.params, [(r, torch.empty_like(t)) for r, t in staged.pieces])
         if resident.live_version != version:
             with device.stream("compute"):
                 device.wait("compute", staged.event)
                 device.check_ready("compute", (t for _, t in staged.pieces))
-                for (_, live), (_, t) in zip(resident.live, staged.pieces):
+                for (_, live), (_, t) in zip(resident.live.pieces, staged.pieces):
                     live.copy_(t)
                     device.keep_alive(t, "compute")
             resident.live_version = version
-        return resident.live_tensors  # one object: the user's parameter views of it are built once (show_version)
+        return resident.live
 
     def prefetch_version(self, version: int) -> None:
         for device in self.devices:

@@ -59,8 +59,7 @@ class _Claims:
             for name, p in model.named_parameters():
                 first = self.owner.setdefault(id(p), prefix)
                 if first != prefix:
-                    name = name.split(".", 1)[1] if single else name
-                    raise ValueError(f"wrap_model: {prefix}{name} is tied to a parameter of {first.rstrip('.')}: engines "
+                    raise ValueError(f"wrap_model: {_original_name(prefix, single, name)} is tied to a parameter of {first.rstrip('.')}: engines "
                                      "cannot share weights; untie them or build one nn.Sequential holding both users")
             engine = make(model, **kwargs)
             engine._single = single
@@ -98,9 +97,9 @@ def _wrap_children(module: nn.Module, prefix: str, make: Callable, config: Round
         setattr(module, name, engine)
 
 
-def _original_name(prefix: str, engine: RoundPipe, name: str) -> str:
-    """Engine names back to the model's: an engine made around one module drops its ``0.``."""
-    return prefix + (name.split(".", 1)[1] if engine._single else name)
+def _original_name(prefix: str, single: bool, name: str) -> str:
+    """Engine names back to the model's: an engine made around one module (``single``) drops its ``0.``."""
+    return prefix + (name.split(".", 1)[1] if single else name)
 
 
 class WrappedModel(nn.Module):
@@ -143,7 +142,7 @@ class WrappedModel(nn.Module):
         master = in_optimizer_ctx()
         for engine_prefix, engine in self._engines:
             for name, p in (engine.optim_named_parameters() if master else engine.model.named_parameters()):
-                yield prefix + _original_name(engine_prefix, engine, name), p
+                yield prefix + _original_name(engine_prefix, engine._single, name), p
         for name, p in self._glue:
             yield prefix + name, p
 
@@ -193,7 +192,7 @@ class WrappedModel(nn.Module):
         """Master weights and persistent buffers under the model's names."""
         out = {}
         for engine_prefix, engine in self._engines:
-            out.update({_original_name(engine_prefix, engine, k): v for k, v in engine.state_dict().items()})
+            out.update({_original_name(engine_prefix, engine._single, k): v for k, v in engine.state_dict().items()})
         out.update({name: p.detach() for name, p in self._glue})
         out.update(_glue_buffers(self.model, ""))
         return out
