@@ -48,6 +48,9 @@ if [[ $what == core || $what == next || $what == refresh || $what == final || $w
   fi
   # The CLI reads its configs as the package rptrain.conf (pyproject.toml maps it to conf/); without an install, a link.
   [[ -e rptrain/conf ]] || ln -s ../conf rptrain/conf
+  # The engine's tests on CUDA (issue 21's placements included): the place and verify modes run them first.
+  cuda_tests=(python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_engine_*.py tests/test_optim.py tests/test_dist.py
+              tests/test_models_hf.py)
   cli=(python3 -m rptrain.cli.main --config-path="$PWD/conf" model=resnet34 data=synthetic data.num_train=12800
        data.num_test=1000 trainer.epochs=1 trainer.log_interval=25 trainer.progress=false)
 fi
@@ -142,12 +145,12 @@ if [[ $what == engine-ab ]]; then  # issue 20: the engine before the refactor (O
   done
 fi
 if [[ $what == place ]]; then  # issue 21: GPU-resident state (CUDA tests, 3B against plain PyTorch, 8B full fine-tuning)
-  run "${PLACE_TESTS_S:-170}" python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_engine_*.py tests/test_optim.py tests/test_dist.py tests/test_models_hf.py
+  run "${PLACE_TESTS_S:-170}" "${cuda_tests[@]}"
   run 200 python3 bench/llm.py --model llama_3b --impl rptrain plain --seq 4096 --batch 4 --steps 6 --warmup 2 --trace-steps 2 --no-checkpoint
   run 240 python3 bench/llm.py --model "${PLACE_BIG:-llama_8b}" --impl rptrain --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0
 fi
 if [[ $what == verify ]]; then  # issue 21's CUDA fixes, then the 3B loss with synchronous steps against plain PyTorch (about 4 minutes)
-  run "${PLACE_TESTS_S:-170}" python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_engine_*.py tests/test_optim.py tests/test_dist.py tests/test_models_hf.py
+  run "${PLACE_TESTS_S:-170}" "${cuda_tests[@]}"
   # Same seeded weights, same repeated batch: with --no-async the engine's losses should follow plain PyTorch's (bf16 weights
   # against fp32 weights under autocast: close, not equal); the async engine's trail them (its gradients are one step old).
   run 150 python3 bench/llm.py --model llama_3b --impl rptrain plain --seq 4096 --batch 4 --steps 6 --warmup 2 --trace-steps 0 --no-checkpoint --no-async
