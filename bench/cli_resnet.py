@@ -9,10 +9,11 @@ next), one after another (on the CPU, CI's size, the resnet.py runs share one pr
   engine calls alone (step_time); eval_s: the epoch's evaluation (its share of the epoch's wall time).
 - engine: ``resnet.py --impl rptrain`` (the tutorial's semantics), memory_format=channels_last as
   the CLI runs it on CUDA (inputs converted, weights stored channels-last), and the standard layout;
-  once more with ``--metrics-on-device``, the engine used as the CLI uses it (loss and outputs stay
-  on the GPU): the goal's comparison. The tutorial's loss and outputs on the CPU cost a copy down at
+  once more with ``--metrics-on-device --data-on-device``, the engine used as the CLI uses it (loss
+  and outputs stay on the GPU, the batches wait there as the CLI's GPU-augmented dataset does): the
+  goal's comparison. The tutorial's loss and outputs on the CPU cost a copy down at
   every call's end and an fp16 argmax on the CPU (1.2 ms a step on the H200 host, 2026-12-04).
-- plain PyTorch, AMP fp16 + fused Adam on the GPU: standard layout, channels-last (weights and
+- plain PyTorch, AMP fp16 + fused Adam on the GPU, batches waiting on the GPU: standard layout, channels-last (weights and
   inputs), channels-last inputs only (what the engine does), and torch.compile of the
   channels-last model (skipped with --no-compile).
 The resnet.py runs read their loss every --log-interval steps, summed on the device, as the CLI
@@ -87,7 +88,7 @@ def run_resnet(args, env: dict, impl: str, formats: list[str], compiled: list[st
             *(["--tiny"] if args.tiny else []), *flags]
     records, error = child(argv, args.timeout, env)
     found = [dict(bench="cli_resnet", impl=impl, memory_format=r["memory_format"], compiled=r.get("compiled", False),
-                  step_ms=r["step_ms"], images_per_s=r["images_per_s"], **({"metrics_on_device": True} if flags else {}))
+                  step_ms=r["step_ms"], images_per_s=r["images_per_s"], **({"flags": " ".join(flags)} if flags else {}))
              for r in records if r.get("bench") == "resnet34" and r.get("impl") == impl]
     return found or [dict(bench="cli_resnet", impl=impl, formats=" ".join(formats), error=error or "no result")]
 
@@ -98,7 +99,7 @@ def run_all(args, env: dict, impl: str, formats: list[str], compiled: list[str] 
     if not args.isolate:
         return run_resnet(args, env, impl, formats, compiled, warmup, flags)
     runs = [run_resnet(args, env, impl, [f], flags=flags) for f in formats]
-    runs += [run_resnet(args, env, impl, [], [f], warmup) for f in compiled]
+    runs += [run_resnet(args, env, impl, [], [f], warmup, flags) for f in compiled]
     return [r for found in runs for r in found]
 
 
@@ -133,10 +134,12 @@ def main() -> None:
     same = "channels_last" if args.device == "cuda" else "contiguous"
     engines = run_all(args, env, "rptrain", [same] if args.quick else ["channels_last", "contiguous"])
     # The engine used as the CLI uses it: loss and accuracy kept on the GPU, read every --log-interval steps.
-    like_cli = run_all(args, env, "rptrain", [same], flags=["--metrics-on-device"])
+    # The batches wait on the GPU as the CLI's GPU-augmented dataset does (data_ms 0.14 there, 2026-12-04).
+    like_cli = run_all(args, env, "rptrain", [same], flags=["--metrics-on-device", "--data-on-device"])
     # torch.compile traces and compiles during its first steps: 5 more warm-up steps for it.
     plain_formats = ["contiguous", "channels_last"] + ([] if args.quick else ["inputs"])
-    plains = run_all(args, env, "plain", plain_formats, ["channels_last"] if args.compile else [], warmup=5)
+    plains = run_all(args, env, "plain", plain_formats, ["channels_last"] if args.compile else [], warmup=5,
+                     flags=["--data-on-device"])  # no upload per step: the strongest plain loop, and the CLI's data placement
     for r in engines + like_cli + plains:
         emit(**r)
     plains = [r for r in plains if "error" not in r]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|fused|cli-tests|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|close|fused|cli-tests|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == fused || $what == cli-tests ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == close || $what == fused || $what == cli-tests ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -171,16 +171,24 @@ fi
 if [[ $what == cli-tests ]]; then  # the CLI and training-loop tests on CUDA (never all re-run there since the fault tests changed)
   run "${CLI_TESTS_S:-540}" python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_cli_*.py tests/test_train_*.py
 fi
-if [[ $what == fused ]]; then  # issue 21: model.fused (compiled elementwise ops) against eager, same start; its CUDA tests (about 9 minutes)
-  run 120 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_fused.py
-  fused=(python3 bench/llm.py --model llama_3b --impl rptrain plain --seq 4096 --batch 4 --steps 6 --warmup 3 --trace-steps 0 --no-checkpoint)
-  run 200 "${fused[@]}" --fused
-  run 160 "${fused[@]}"
+if [[ $what == fused ]]; then  # issue 21: model.fused (compiled elementwise ops): its CUDA tests, the 3B goals fused in one invocation, eager rptrain beside it (about 9 minutes)
+  run 100 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_fused.py
+  fused=(python3 bench/llm.py --model llama_3b --seq 4096 --batch 4 --steps 6 --warmup 3 --trace-steps 0 --no-checkpoint)
+  run 320 "${fused[@]}" --fused --impl rptrain plain fsdp2 deepspeed_zero2
+  run 100 "${fused[@]}" --impl rptrain
 fi
-if [[ $what == big-peers ]]; then  # issue 21: the peers at 8 B (FSDP2 + CPU offload, both DeepSpeed settings); out of memory is a result
-  big=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0)
-  run 280 "${big[@]}" --model llama_8b --impl rptrain fsdp2 deepspeed_zero2
-  run 260 "${big[@]}" --model llama_8b --impl deepspeed_zero3
+if [[ $what == big-peers ]]; then  # issue 21: 8 B against plain PyTorch and the peers, fused like the 3B goals; out of memory is a result
+  big=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --fused --model llama_8b)
+  run 380 "${big[@]}" --impl rptrain plain deepspeed_zero2 fsdp2
+  run 190 "${big[@]}" --impl deepspeed_zero3
+fi
+if [[ $what == close ]]; then  # issue 22's engine row with the CLI's data placement; issue 21's 8 B with a fused-sized reserve and FSDP2 there
+  run 130 python3 bench/cli_resnet.py --no-compile --quick --timeout 50
+  grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
+  big=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --fused --model llama_8b)
+  # fused, the 8 B run peaked at 124 of 139 GiB with 48.7 GiB reserved (35%): about 37 GiB of activations used
+  run 210 "${big[@]}" --impl rptrain plain --gpu-reserve 0.28
+  run 150 "${big[@]}" --impl fsdp2
 fi
 if [[ $what == llm || $what == all ]]; then
   {

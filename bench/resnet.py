@@ -21,13 +21,19 @@ from rptrain.models import build_model
 from rptrain.optim import Adam
 
 
-def batches(count: int, batch: int, size: int, dtype: torch.dtype, pin: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(count: int, batch: int, size: int, dtype: torch.dtype, pin: bool,
+            device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``device``: where the batches wait (--data-on-device: the GPU, as the CLI keeps a GPU-augmented dataset)."""
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(count):
         x = torch.randn(batch, 3, size, size, generator=g).to(dtype)
         y = torch.randint(0, 100, (batch,), generator=g)
-        out.append((x.pin_memory(), y.pin_memory()) if pin else (x, y))
+        if device != "cpu":
+            x, y = x.to(device), y.to(device)
+        elif pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        out.append((x, y))
     return out
 
 
@@ -58,7 +64,7 @@ def plain(args, model_kwargs, memory_format: str = "contiguous", compiled: bool 
         model = torch.compile(model, backend="inductor" if device == "cuda" else "eager")
     scaler = torch.amp.GradScaler(device, enabled=device == "cuda")
     criterion = nn.CrossEntropyLoss()
-    data = batches(4, args.batch, args.size, torch.float32, device == "cuda")
+    data = batches(4, args.batch, args.size, torch.float32, device == "cuda", args.device if args.data_on_device else "cpu")
     read = Reader(args.read_interval)
 
     def step(i: int) -> None:
@@ -130,7 +136,7 @@ def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int
         optimizer = lib.Adam(model.parameters())
     scaler = lib.GradScaler(enabled=args.device == "cuda")
     criterion = nn.CrossEntropyLoss()
-    data = batches(4, args.batch, args.size, dtype, args.device == "cuda")
+    data = batches(4, args.batch, args.size, dtype, args.device == "cuda", args.device if args.data_on_device else "cpu")
     read = Reader(args.read_interval)
     n = torch.cuda.device_count() + 1 if args.device == "cuda" else 1
     # --metrics-on-device: the loss and outputs stay on the GPU, as the CLI keeps them (the tutorial's
@@ -235,6 +241,8 @@ def main() -> None:
                    help="both: plain and rptrain; roundpipe: the original library; all: the three")
     p.add_argument("--metrics-on-device", action="store_true",
                    help="engine: RoundPipeRunConfig(output_device=the GPU), loss and accuracy summed there (as the CLI does)")
+    p.add_argument("--data-on-device", action="store_true",
+                   help="the batches wait on the GPU (as the CLI's GPU-augmented dataset does), no upload per step")
     p.add_argument("--no-gpu-state", action="store_true", help="engine: RoundPipe(gpu_state=False), all training state on the host")
     p.add_argument("--trace", action="store_true")
     p.add_argument("--no-graphs", action="store_true")
@@ -275,7 +283,7 @@ def main() -> None:
                 seconds = engine(args, model_kwargs, optimizer_threads=threads, memory_format=fmt)
                 rate = args.batch / seconds
                 emit(bench="resnet34", impl="rptrain", device=args.device, batch=args.batch, microbatches=args.microbatches, read_interval=args.read_interval,
-                     memory_format=fmt, metrics_on_device=args.metrics_on_device, cuda_graphs=not args.no_graphs, optimizer_threads=threads, adam=not args.no_step, step_ms=round(seconds * 1e3, 3),
+                     memory_format=fmt, metrics_on_device=args.metrics_on_device, data_on_device=args.data_on_device, cuda_graphs=not args.no_graphs, optimizer_threads=threads, adam=not args.no_step, step_ms=round(seconds * 1e3, 3),
                      images_per_s=round(rate, 1), **({"rptrain_over_plain": round(rate / plain_rate, 3)} if plain_rate else {}))
         if args.impl in ("roundpipe", "all"):
             seconds = engine(args, model_kwargs, "roundpipe")
