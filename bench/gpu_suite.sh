@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|close|fused|cli-tests|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == close || $what == fused || $what == cli-tests ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -181,6 +181,11 @@ if [[ $what == big-peers ]]; then  # issue 21: 8 B against plain PyTorch and the
   big=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --fused --model llama_8b)
   run 380 "${big[@]}" --impl rptrain plain deepspeed_zero2 fsdp2
   run 190 "${big[@]}" --impl deepspeed_zero3
+fi
+if [[ $what == big-trace ]]; then  # issue 21: where the 8 B step goes (fused; 3 more layers on the GPU did not change it, 2026-12-04)
+  big=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --fused --model llama_8b --impl rptrain)
+  run 240 "${big[@]}" --trace-steps 2
+  run 240 "${big[@]}" --trace-steps 0 --busy-steps 2
 fi
 if [[ $what == close ]]; then  # issue 22's engine row with the CLI's data placement; issue 21's 8 B with a fused-sized reserve and FSDP2 there
   run 130 python3 bench/cli_resnet.py --no-compile --quick --timeout 50

@@ -376,7 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="build the model with fused=True (rptrain.models.fused) for every implementation, so ratios stay like-for-like")
     p.add_argument("--peak", type=float, default=780.0, help="bf16 matmul TFLOP/s (bench/limits.py)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
-                   help="each implementation in its own process (default: on when several run on a GPU)")
+                   help="each implementation in its own process (default: on a GPU; a run the OS kills still leaves a record)")
     args = p.parse_args(argv)
     if args.ds_ratio is not None and not 0.0 <= args.ds_ratio <= 1.0:
         p.error(f"--ds-ratio {args.ds_ratio}: give a share between 0 and 1")
@@ -387,8 +387,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # plain, fsdp2 and roundpipe need CUDA; DeepSpeed runs on its CPU accelerator
         args.impl = [i for i in args.impl if i == "rptrain" or i in deepspeed_zero.SETTINGS] or ["rptrain"]
         args.seq, args.batch, args.steps, args.warmup = 32, 2, 2, 1
-    if args.isolate is None:
-        args.isolate = args.device == "cuda" and len(args.impl) > 1
+    if args.isolate is None:  # alone too: FSDP2 at 8 B died in-process with no record (2026-12-04)
+        args.isolate = args.device == "cuda"
     return args
 
 

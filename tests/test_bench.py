@@ -78,6 +78,7 @@ def test_deepspeed_command_line_and_configs(monkeypatch):
     assert args.impl == ["rptrain", "deepspeed_zero2", "deepspeed_zero3"] and args.ds_ratio is None and args.isolate
     assert args.model == ["llama_8b", "qwen3_8b"]
     assert llm.parse_args(["--device", "cuda", "--impl", "deepspeed_zero3", "--ds-ratio", "0.3"]).ds_ratio == 0.3
+    assert llm.parse_args(["--device", "cuda", "--impl", "fsdp2"]).isolate  # alone too: a killed run leaves a record
     with pytest.raises(SystemExit):
         llm.parse_args(["--ds-ratio", "1.5"])
     zero2 = dz.config("deepspeed_zero2", 4)
