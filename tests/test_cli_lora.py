@@ -14,6 +14,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from hf_fixture import CORPUS, VOCAB, llama_folder
+from rptrain.models.fused import kernel as fused_kernel
 from rptrain.train import schema
 from rptrain.train.model import build_model
 from test_cli_helpers import explain, read_jsonl, rptrain_here, train_losses
@@ -70,3 +71,23 @@ def test_merged_and_adapter_exports_give_the_lora_model_s_logits(runs):
         torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(adapted(ids).logits, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(seeded.eval()(ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_lora_run_trains_like_the_eager_one(runs, tmp_path):
+    """model.fused=true through the CLI with LoRA: the adapters wrap the linears, the compiled kernels run
+    the norms, rotary, SwiGLU and the loss between them; the 3-step losses are the eager run's (fp32,
+    rel 1e-5: compiled reductions sum in another order, tests/test_models_fused.py)."""
+    from rptrain.models import decoder
+
+    _, straight, _, common = runs
+    asked = []
+    with pytest.MonkeyPatch.context() as patch:  # the switch reaches the layers: they ask for compiled kernels
+        patch.setattr(decoder, "kernel", lambda fn, fused: asked.append(fused) or fused_kernel(fn, fused))
+        proc = rptrain_here([*common, "model.fused=true", "trainer.max_steps=3", f"hydra.run.dir={tmp_path / 'fused'}"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert asked and all(asked)
+    expected = train_losses(read_jsonl(straight.parent / "0" / "metrics.jsonl"))
+    got = train_losses(read_jsonl(tmp_path / "fused" / "metrics.jsonl"))
+    assert sorted(got) == [1, 2, 3]
+    for step in range(1, 4):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
