@@ -176,15 +176,9 @@ def _fresh_runs(layout: FlatLayout, buffer: GradBuffer, r: Range) -> list[tuple[
     states = {written[s.index] for s in slots}
     if len(states) == 1:  # the usual case, all fresh (first microbatch) or all written: the cached runs
         fresh = not states.pop()
-        for s in slots:
-            written[s.index] = True
-        return [(a, b, fresh) for a, b in layout.runs_in_range(r)]
-    runs: list[tuple[int, int, bool]] = []
-    for slot in slots:
-        fresh = not buffer.written[slot.index]
-        buffer.written[slot.index] = True
-        if runs and runs[-1][2] == fresh and layout.adjacent(runs[-1][1], slot):
-            runs[-1] = (runs[-1][0], slot.offset + slot.numel, fresh)
-        else:
-            runs.append((slot.offset, slot.offset + slot.numel, fresh))
+        runs = [(a, b, fresh) for a, b in layout.runs_in_range(r)]
+    else:
+        runs = layout.runs(slots, [not w for w in written])
+    for s in slots:
+        written[s.index] = True
     return runs
