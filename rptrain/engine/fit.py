@@ -121,16 +121,22 @@ def runs_of(layout: FlatLayout) -> list[Run]:
     return runs
 
 
+def host_keeps_compute_copies(resident: bool, refresh_gpu_share: float = Tuning.refresh_gpu_share) -> bool:
+    """Whether the host keeps two compute copies (host.py): not when resident GPUs cast every version from
+    the master themselves (refresh.py), unless part of that cast runs on the host (``refresh_gpu_share < 1``)."""
+    return not resident or refresh_gpu_share < 1.0
+
+
 def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Sequence[Device], resident: bool,
               max_host_memory: Size = None, max_gpu_memory: Size = None, pin_frozen_share: float = Tuning.pin_frozen_share,
               gpu_state: bool = False, gpu_reserve: float = 0.0, notes: Sequence[str] = (), compute_copies: Optional[bool] = None) -> Placement:
     """The engine's placement with its budgets; raises DoesNotFit if it does not fit. ``gpu_state``:
     trainable state may go to the GPU (placement.py), keeping ``gpu_reserve`` of its free memory for
     the activations the first call has yet to measure; ``notes``: why it may not, when it may not;
-    ``compute_copies``: the host keeps two compute copies of its share (host.py); None: unless ``resident``."""
+    ``compute_copies``: the host keeps two compute copies of its share (host.py); None: host_keeps_compute_copies(resident)."""
     params, frozen, buffers = FlatLayout.of_parameters(layers, True), FlatLayout.of_parameters(layers, False), FlatLayout.of_buffers(layers)
     pin = any(d.is_cuda and getattr(d, "pins_memory", True) for d in devices)  # as host.py pins (a simulated GPU does not)
-    copies = not resident if compute_copies is None else compute_copies
+    copies = host_keeps_compute_copies(resident) if compute_copies is None else compute_copies
     state = StateBytes(master=optim_dtype.itemsize, optimizer=2 * optim_dtype.itemsize, host_compute_copies=2 if copies else 0)
     flat = lambda layout: [n * layout.dtypes[k].itemsize for k, n in layout.sizes.items()]
     frozen_bytes = sum(flat(frozen))

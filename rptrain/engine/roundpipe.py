@@ -21,7 +21,7 @@ from .checks import check_args, check_inputs, check_state_dict
 from .config import RoundPipeRunConfig, ResolvedRunConfig, resolve
 from .device import make_devices
 from .executor import Executor
-from .fit import Size, check_fit
+from .fit import Size, check_fit, host_keeps_compute_copies
 from .gpushare import gpu_state_allowed
 from .passstate import Args, PassState, float_tensors
 from .host import HostState
@@ -98,7 +98,7 @@ class RoundPipe(nn.Module):
         self._cuda = self._devices[0].is_cuda
         self._reducer = _reducer(process_group)
         resident = self._cuda and self._fits_resident(model, gpu_state)
-        copies = not resident or self._tuning.refresh_gpu_share < 1.0  # resident GPUs cast every version themselves
+        copies = host_keeps_compute_copies(resident, self._tuning.refresh_gpu_share)
         self.placement = check_fit(self._layers, optim_dtype, self._devices, resident, max_host_memory, max_gpu_memory, self._tuning.pin_frozen_share,
                                    *gpu_state_allowed(gpu_state, self._devices, resident, self._tuning), compute_copies=copies)
         pins = self._devices[0].pins_memory
