@@ -8,6 +8,8 @@ GPU, on the host and split; on a SimulatedDevice (the CUDA code paths, on the CP
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -133,4 +135,54 @@ def test_two_resident_gpus_match_pytorch_without_host_copies():
     assert engine._executor.resident and engine._host.compute is None and engine.memory_report()["compute"] == 0
     assert set(engine._executor.store.resident) == {0, 1} and shows_live_copy(engine)
     assert_state_close(engine.state_dict(), ref.state())
+    engine.close()
+
+
+def test_a_failed_staging_is_restaged_from_a_whole_master(monkeypatch):
+    """A step whose staging fails (say the GPU has no memory left) reports it at the next call; a later
+    call that needs that version stages it from the master. If the user has stepped again by then, that
+    step may be halfway through changing the master: the restaging waits for it to finish, so no call
+    reads half an update (every weight of the copy it gets is one whole version of the master)."""
+    from rptrain.engine import resident
+
+    engine = RoundPipe(mlp(), devices=[SimulatedDevice(0)], gpu_state=False)
+    assert engine._executor.resident and engine._host.compute is None
+    masters = list(engine.optim_parameters())
+    start = [p.detach().clone() for p in masters]
+    x, y = vector_batches(count=1)[0]
+    call = lambda: engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss())
+    stage, failed = resident.refresh.stage_version, []
+
+    def stage_once_failing(host, devices, version, plan):
+        if version == 1 and not failed:
+            failed.append(version)
+            raise RuntimeError("simulated: no GPU memory left to stage version 1")
+        return stage(host, devices, version, plan)
+
+    def add(params, amount):
+        with torch.no_grad():
+            for p in params:
+                p.add_(amount)
+
+    def slow_step():  # half the master, a pause, the other half
+        add(masters[: len(masters) // 2], 10.0)
+        time.sleep(0.5)
+        add(masters[len(masters) // 2 :], 10.0)
+
+    monkeypatch.setattr(resident.refresh, "stage_version", stage_once_failing)
+    call()
+    engine.step(lambda: add(masters, 1.0))  # writes version 1; its staging fails
+    engine.wait_for_steps()
+    with pytest.raises(RuntimeError, match="no GPU memory left"):
+        call()  # the error, reported before anything runs
+    call()  # the user carries on; one step stale: version 0
+    engine.step(slow_step)  # version 2
+    time.sleep(0.1)  # the step is in its pause now
+    call()  # needs version 1: staged from the master now
+    shown = [p.detach() - s for p, s in zip(engine.model.parameters(), start)]
+    deltas = {round(float(d.min()), 4) for d in shown} | {round(float(d.max()), 4) for d in shown}
+    assert failed and len(deltas) == 1 and deltas <= {1.0, 11.0}, deltas
+    engine.synchronize()
+    for p, s in zip(engine.model.parameters(), start):
+        torch.testing.assert_close(p.detach(), s + 11.0)
     engine.close()

@@ -84,9 +84,14 @@ class ResidentStore(StreamedStore):
     def copy(self, device: Device, version: int) -> StageTensors:
         """Compute copy ``version`` on ``device``: staged by the step that wrote it, or else now
         from the master, which holds this version whenever a version is not staged by its step
-        (the first, and after synchronize(); a step whose staging failed leaves it there too)."""
+        (the first, and after synchronize(); a step whose staging failed leaves it there too, unless
+        the user has stepped again: staging then waits for that step, never reading half of it)."""
         with self._lock:
-            resident = self.resident.setdefault(device.index, _Resident())
+            found = self.resident.setdefault(device.index, _Resident()).staged.get(version)
+        if found is not None:
+            return found
+        with self.host.master_lock, self._lock:  # in the optimizer thread's order: master, then this store
+            resident = self.resident[device.index]
             found = resident.staged.get(version)
             if found is None:
                 if self.host.gpu is not None:

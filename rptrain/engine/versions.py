@@ -124,21 +124,22 @@ class Versions:
 
     # ----------------------------------------------------------------------------- the optimizer thread
     def run_step(self, step_fn: Callable[[], Any], buffer: Optional[GradBuffer], scalers: dict, version: int) -> None:
-        try:
-            with span("bind_grads"):
-                self.bind_master_grads(buffer)
-            with step_context(scalers), self.optimizer_ctx(), span("step_fn"):
-                step_fn()
-        finally:
-            if self.host.gpu is not None:  # the GPU share's kernels: done before its buffer is reused
-                with span("finish_gpu_step"):
-                    self.host.gpu.wait_queued()
-            if buffer is not None:
-                buffer.held = any(buffer.owns(p.grad) for p in self.host.master_params)
-                if not buffer.held:
-                    buffer.free.set()
-            with span("stage_from_master" if self.executor.resident else "write_compute_copy"):
-                self.executor.publish(version)
+        with self.host.master_lock:  # the master changes and its version is staged: resident.py's copy() waits
+            try:
+                with span("bind_grads"):
+                    self.bind_master_grads(buffer)
+                with step_context(scalers), self.optimizer_ctx(), span("step_fn"):
+                    step_fn()
+            finally:
+                if self.host.gpu is not None:  # the GPU share's kernels: done before its buffer is reused
+                    with span("finish_gpu_step"):
+                        self.host.gpu.wait_queued()
+                if buffer is not None:
+                    buffer.held = any(buffer.owns(p.grad) for p in self.host.master_params)
+                    if not buffer.held:
+                        buffer.free.set()
+                with span("stage_from_master" if self.executor.resident else "write_compute_copy"):
+                    self.executor.publish(version)
 
     def host_refresh(self, version: int) -> None:
         """Compute copy ``version`` := the master, whole on the host (and staged on resident GPUs)."""
