@@ -91,7 +91,7 @@ class ResidentStore(StreamedStore):
         if found is not None:
             return found
         with self.host.master_lock, self._lock:  # in the optimizer thread's order: master, then this store
-            resident = self.resident[device.index]
+            resident = self.resident.setdefault(device.index, _Resident())
             found = resident.staged.get(version)
             if found is None:
                 if self.host.gpu is not None:
