@@ -120,6 +120,9 @@ class HostState:
                     raise ValueError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters are supported")
         self.layers = layers
         self.pin_memory = pin_memory
+        # Held by the optimizer thread while a step changes the master and stages its version, and by a
+        # call that stages a version from the master (resident.py): it never reads half a step's update.
+        self.master_lock = threading.RLock()
         self.params = FlatLayout.of_parameters(layers, trainable=True, channels_last=channels_last)
         self.frozen_layout = FlatLayout.of_parameters(layers, trainable=False, channels_last=channels_last)
         self.buffer_layout = FlatLayout.of_buffers(layers)
@@ -156,9 +159,6 @@ class HostState:
         self.live: Optional[Any] = None  # version -> the resident store's live copy (resident.py)
         self.show_version(0)
         self.grads: list[GradBuffer] = [GradBuffer(self.host, pin_memory, self.gpu)]
-        # Held by the optimizer thread while a step changes the master and stages its version, and by a
-        # call that stages a version from the master (resident.py): it never reads half a step's update.
-        self.master_lock = threading.RLock()
 
     def _store_frozen(self, pin_memory: bool, pin_share: float) -> dict[str, Tensor]:
         """One flat copy of the frozen parameters; each original is let go as soon as it is copied,
