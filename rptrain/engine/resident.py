@@ -87,7 +87,8 @@ class ResidentStore(StreamedStore):
         (the first, and after synchronize(); a step whose staging failed leaves it there too, unless
         the user has stepped again: staging then waits for that step, never reading half of it)."""
         with self._lock:
-            found = self.resident.setdefault(device.index, _Resident()).staged.get(version)
+            resident = self.resident.get(device.index)
+            found = resident.staged.get(version) if resident is not None else None
         if found is not None:
             return found
         with self.host.master_lock, self._lock:  # in the optimizer thread's order: master, then this store
