@@ -53,7 +53,13 @@ if [[ $what == core || $what == next || $what == refresh || $what == final || $w
               tests/test_models_hf.py)
   cli=(python3 -m rptrain.cli.main --config-path="$PWD/conf" model=resnet34 data=synthetic data.num_train=12800
        data.num_test=1000 trainer.epochs=1 trainer.log_interval=25 trainer.progress=false)
+  big=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0)  # the 8 B runs' shape
+  big_fused=("${big[@]}" --fused --model llama_8b)
 fi
+cli_resnet() {  # cli_resnet SECONDS ARGS...: issue 22's one invocation, its records also in cli_resnet.jsonl
+  run "$1" python3 bench/cli_resnet.py --no-compile --quick "${@:2}"
+  grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
+}
 if [[ $what == core ]]; then  # what is least measured first
   run 100 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py tests/test_optim.py tests/test_dist.py tests/test_data_augment.py tests/test_data_loader.py
   # issue 4 goal 2: is the whole CLI run, with GPU augmentation, input-bound?
@@ -101,8 +107,7 @@ if [[ $what == cli ]]; then  # issue 22: the CLI's main job against plain PyTorc
   run 45 python3 -m pytest -q -p no:cacheprovider tests/test_train_speed.py
   # compiled plain was slower than eager channels-last (17.40 vs 15.53 ms, 2026-12-03); --quick: the goals' runs only;
   # the variant evaluates each batch as one microbatch (eval_s against the default's)
-  run 200 python3 bench/cli_resnet.py --no-compile --quick --timeout 60 --cli-variant trainer.eval_num_microbatch=1
-  grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
+  cli_resnet 200 --timeout 60 --cli-variant trainer.eval_num_microbatch=1
   # The engine's host timeline (wait_devices: the GPU's share of a call; the rest is the issuing thread's)
   run 35 python3 bench/resnet.py --impl rptrain --memory-format channels_last --read-interval 25 --steps 30 --trace
 fi
@@ -164,7 +169,6 @@ if [[ $what == big ]]; then  # issue 21: 8 B full fine-tuning on one H200 (host 
   run 130 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_engine_host_copies.py tests/test_engine_refresh.py \
     tests/test_engine_gpu_state.py tests/test_engine_placement.py tests/test_engine_equivalence.py tests/test_engine_state.py \
     tests/test_engine_scaler.py tests/test_engine_dropin.py tests/test_engine_llama.py tests/test_engine_simulated.py
-  big=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0)
   run 230 "${big[@]}" --model llama_8b --impl rptrain plain
   run 200 "${big[@]}" --model qwen3_8b --impl rptrain
 fi
@@ -178,22 +182,18 @@ if [[ $what == fused ]]; then  # issue 21: model.fused (compiled elementwise ops
   run 100 "${fused[@]}" --impl rptrain
 fi
 if [[ $what == big-peers ]]; then  # issue 21: 8 B against plain PyTorch and the peers, fused like the 3B goals; out of memory is a result
-  big=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --fused --model llama_8b)
-  run 380 "${big[@]}" --impl rptrain plain deepspeed_zero2 fsdp2
-  run 190 "${big[@]}" --impl deepspeed_zero3
+  run 380 "${big_fused[@]}" --impl rptrain plain deepspeed_zero2 fsdp2
+  run 190 "${big_fused[@]}" --impl deepspeed_zero3
 fi
 if [[ $what == big-trace ]]; then  # issue 21: where the 8 B step goes (fused; 3 more layers on the GPU did not change it, 2026-12-04)
-  big=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --fused --model llama_8b --impl rptrain)
-  run 240 "${big[@]}" --trace-steps 2
-  run 240 "${big[@]}" --trace-steps 0 --busy-steps 2
+  run 240 "${big_fused[@]}" --impl rptrain --trace-steps 2
+  run 240 "${big_fused[@]}" --impl rptrain --busy-steps 2
 fi
 if [[ $what == close ]]; then  # issue 22's engine row with the CLI's data placement; issue 21's 8 B with a fused-sized reserve and FSDP2 there
-  run 130 python3 bench/cli_resnet.py --no-compile --quick --timeout 50
-  grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
-  big=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --fused --model llama_8b)
+  cli_resnet 130 --timeout 50
   # fused, the 8 B run peaked at 124 of 139 GiB with 48.7 GiB reserved (35%): about 37 GiB of activations used
-  run 210 "${big[@]}" --impl rptrain plain --gpu-reserve 0.28
-  run 150 "${big[@]}" --impl fsdp2
+  run 210 "${big_fused[@]}" --impl rptrain plain --gpu-reserve 0.28
+  run 150 "${big_fused[@]}" --impl fsdp2
 fi
 if [[ $what == llm || $what == all ]]; then
   {
