@@ -21,17 +21,17 @@ from rptrain.models import build_model
 from rptrain.optim import Adam
 
 
-def batches(count: int, batch: int, size: int, dtype: torch.dtype, pin: bool,
-            device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``device``: where the batches wait (--data-on-device: the GPU, as the CLI keeps a GPU-augmented dataset)."""
+def batches(args, dtype: torch.dtype, count: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Where they wait: on the GPU with --data-on-device (as the CLI keeps a GPU-augmented dataset),
+    else in host memory, pinned when a GPU reads them."""
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(count):
-        x = torch.randn(batch, 3, size, size, generator=g).to(dtype)
-        y = torch.randint(0, 100, (batch,), generator=g)
-        if device != "cpu":
-            x, y = x.to(device), y.to(device)
-        elif pin:
+        x = torch.randn(args.batch, 3, args.size, args.size, generator=g).to(dtype)
+        y = torch.randint(0, 100, (args.batch,), generator=g)
+        if args.data_on_device:
+            x, y = x.to(args.device), y.to(args.device)
+        elif args.device == "cuda":
             x, y = x.pin_memory(), y.pin_memory()
         out.append((x, y))
     return out
@@ -64,7 +64,7 @@ def plain(args, model_kwargs, memory_format: str = "contiguous", compiled: bool 
         model = torch.compile(model, backend="inductor" if device == "cuda" else "eager")
     scaler = torch.amp.GradScaler(device, enabled=device == "cuda")
     criterion = nn.CrossEntropyLoss()
-    data = batches(4, args.batch, args.size, torch.float32, device == "cuda", args.device if args.data_on_device else "cpu")
+    data = batches(args, torch.float32)
     read = Reader(args.read_interval)
 
     def step(i: int) -> None:
@@ -136,7 +136,7 @@ def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int
         optimizer = lib.Adam(model.parameters())
     scaler = lib.GradScaler(enabled=args.device == "cuda")
     criterion = nn.CrossEntropyLoss()
-    data = batches(4, args.batch, args.size, dtype, args.device == "cuda", args.device if args.data_on_device else "cpu")
+    data = batches(args, dtype)
     read = Reader(args.read_interval)
     n = torch.cuda.device_count() + 1 if args.device == "cuda" else 1
     # --metrics-on-device: the loss and outputs stay on the GPU, as the CLI keeps them (the tutorial's
