@@ -113,7 +113,7 @@ def test_runs_step_over_alignment_padding_only():
     for p, (lo, hi) in zip((a, b, c), ((0, 10), (64, 70), (80, 90))):
         p.grad = grads[lo:hi]
     opt = Adam([a, b, c])
-    runs = __import__("rptrain.optim", fromlist=["_FlatRuns"])._FlatRuns(opt).runs(opt.param_groups[0])
+    runs = __import__("rptrain.optim.flat", fromlist=["_FlatRuns"])._FlatRuns(opt).runs(opt.param_groups[0])
     assert [len(r) for r in runs] == [2, 1]
     grads.fill_(1.0)
     grads[10:64].zero_()
