@@ -84,6 +84,62 @@ def plain(args, model_kwargs, memory_format: str = "contiguous", compiled: bool 
     return seconds
 
 
+def plain_graphed(args, model_kwargs, memory_format: str = "channels_last", compiled: bool = False):
+    """What a PyTorch expert writes for a launch-bound model: bf16 autocast (no loss scaling), fused Adam
+    with capturable state, and the whole step (forward, backward, Adam) captured once in a CUDA graph and
+    replayed; the batch is copied into the graph's static input. ``compiled``: the model is
+    torch.compile'd (inductor) inside the graph. On the CPU (CI) the same step runs eagerly."""
+    device = args.device
+    cuda = device == "cuda"
+    model = build_model("resnet34", **model_kwargs).to(device)
+    layout = torch.channels_last if memory_format != "contiguous" else torch.contiguous_format
+    if memory_format == "channels_last":
+        model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.Adam(model.parameters(), fused=cuda, capturable=cuda)
+    net = torch.compile(model, backend="inductor" if cuda else "eager") if compiled else model
+    criterion = nn.CrossEntropyLoss()
+    data = batches(args, torch.float32)
+    static_x = data[0][0].clone().contiguous(memory_format=layout).to(device)
+    static_y = data[0][1].clone().to(device)
+    read = Reader(args.read_interval)
+
+    def whole_step() -> torch.Tensor:
+        # The cast weights must be recorded in the graph, not cached across its capture boundary.
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda, cache_enabled=False):
+            loss = criterion(net(static_x).float(), static_y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    graph, static_loss = None, None
+    if cuda:  # warm up on a side stream (cuDNN picks, inductor compiles, Adam's state exists), then capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                opt.zero_grad(set_to_none=True)
+                whole_step()
+        torch.cuda.current_stream().wait_stream(side)
+        opt.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients in its pool: no zeroing per replay
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_loss = whole_step()
+
+    def step(i: int) -> None:
+        x, y = data[i % len(data)]
+        static_x.copy_(x, non_blocking=True)
+        static_y.copy_(y, non_blocking=True)
+        if graph is not None:
+            graph.replay()
+            loss = static_loss
+        else:
+            opt.zero_grad(set_to_none=True)
+            loss = whole_step()
+        read(i, loss)
+
+    return time_steps(step, args.steps, args.warmup, device)
+
+
 def gpu_busy(run, finish, impl: str) -> None:
     """Fraction of wall time some kernel runs on the GPU, from a torch.profiler trace of 5 steps."""
     from torch.profiler import ProfilerActivity, profile
@@ -237,8 +293,9 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--read-interval", type=int, default=1,
                    help="read the loss (and the engine's accuracy) every N steps; 1: every step, as the tutorial")
-    p.add_argument("--impl", choices=["plain", "rptrain", "both", "roundpipe", "all"], default="both",
-                   help="both: plain and rptrain; roundpipe: the original library; all: the three")
+    p.add_argument("--impl", choices=["plain", "graphed", "rptrain", "both", "roundpipe", "all"], default="both",
+                   help="both: plain and rptrain; graphed: plain with the whole step in one CUDA graph (bf16); "
+                        "roundpipe: the original library; all: plain, rptrain and roundpipe")
     p.add_argument("--metrics-on-device", action="store_true",
                    help="engine: RoundPipeRunConfig(output_device=the GPU), loss and accuracy summed there (as the CLI does)")
     p.add_argument("--data-on-device", action="store_true",
@@ -278,6 +335,12 @@ def main() -> None:
                 plain_rate = plain_rate or args.batch / seconds  # the round's first plain run is the engine's yardstick
                 emit(bench="resnet34", impl="plain", device=args.device, batch=args.batch, microbatches=1, read_interval=args.read_interval, memory_format=fmt,
                      compiled=compiled, step_ms=round(seconds * 1e3, 3), images_per_s=round(args.batch / seconds, 1))
+        if args.impl == "graphed":
+            for fmt, compiled in [(f, False) for f in args.memory_format] + [(f, True) for f in args.compile_formats]:
+                seconds = plain_graphed(args, model_kwargs, fmt, compiled)
+                emit(bench="resnet34", impl="graphed", device=args.device, batch=args.batch, microbatches=1, read_interval=args.read_interval,
+                     memory_format=fmt, compiled=compiled, cuda_graph=args.device == "cuda", step_ms=round(seconds * 1e3, 3),
+                     images_per_s=round(args.batch / seconds, 1))
         if args.impl in ("rptrain", "both", "all"):
             for threads, fmt in [(t, f) for f in args.memory_format for t in args.optimizer_threads]:
                 seconds = engine(args, model_kwargs, optimizer_threads=threads, memory_format=fmt)

@@ -54,16 +54,18 @@ def test_llm_runs_qwen3_shapes():
 
 
 def test_cli_resnet_ratios():
-    """Issue 22's comparison at CI size: the CLI's second epoch, the engine and plain PyTorch in
-    its layouts (one resnet.py process each here; one per layout on CUDA), then both ratios."""
+    """Issues 22 and 33 at CI size: the CLI's second epoch, the engine, plain PyTorch in its layouts and
+    the whole-step-graphed plain loop (eager on the CPU; one resnet.py process each here, one per layout
+    on CUDA), then the ratios."""
     records = run_tiny("cli_resnet.py", "--no-compile")
     (cli,) = [r for r in records if r.get("impl") == "cli"]
     assert cli["epoch"] == 2 and cli["epoch_samples_per_s"] > 0 and cli["wall_step_ms"] >= cli["step_ms"] > 0, cli
     assert 0 < cli["eval_share_of_epoch"] < 1, cli
-    runs = {(r["impl"], r["memory_format"]) for r in records if r.get("impl") in ("plain", "rptrain") and "error" not in r}
-    assert runs == {("rptrain", "channels_last"), ("rptrain", "contiguous"), ("plain", "contiguous"), ("plain", "channels_last"), ("plain", "inputs")}
+    runs = {(r["impl"], r["memory_format"]) for r in records if r.get("impl") in ("plain", "rptrain", "graphed") and "error" not in r}
+    assert runs == {("rptrain", "channels_last"), ("rptrain", "contiguous"), ("plain", "contiguous"), ("plain", "channels_last"), ("plain", "inputs"),
+                    ("graphed", "channels_last"), ("graphed", "contiguous")}
     ratios = {r["what"]: r["ratio"] for r in records if "what" in r}
-    assert set(ratios) == {"cli_over_best_plain", "engine_over_cli_step"} and all(v > 0 for v in ratios.values())
+    assert set(ratios) == {"cli_over_best_plain", "engine_over_cli_step", "cli_over_graphed_plain", "tutorial_engine_over_graphed_plain"} and all(v > 0 for v in ratios.values())
 
 
 def test_deepspeed_command_line_and_configs(monkeypatch):
