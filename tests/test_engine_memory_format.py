@@ -12,7 +12,7 @@ from torch import nn
 
 from reference import Reference, assert_state_close
 from rptrain import ExecutePlan, RoundPipe, RoundPipeRunConfig
-from rptrain.optim import _FlatRuns
+from rptrain.optim.flat import _FlatRuns
 from rptrain.engine.memory_format import check_memory_format, convert_inputs, has_convolutions
 from test_engine_equivalence import convnet, image_batches, make_engine
 
