@@ -475,3 +475,38 @@ def test_every_torch_optimizer_steps_the_master_weights(name):
     state = engine.state_dict()
     for key, p in master.named_parameters():
         torch.testing.assert_close(state[key], p.detach(), **TOL, msg=lambda m: f"{name} {key}: {m}")
+
+
+def _engine_device_tensors(engine: RoundPipe) -> list[torch.Tensor]:
+    """Every weight tensor a resident engine keeps on its devices (resident.py): staged versions and live copies."""
+    store = engine._executor.store
+    out = []
+    for resident in getattr(store, "resident", {}).values():
+        for copy_ in [resident.live, *resident.staged.values()]:
+            out += [t for _, t in copy_.pieces] if copy_ is not None else []
+    return out
+
+
+@pytest.mark.parametrize("where", ["simulated", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_users_module_stays_where_the_user_put_it(where):
+    """The original library leaves the user's module on the host: ``crit(model.model(x), y)`` on host
+    inputs after ``synchronize()`` gives plain PyTorch's loss at the master weights (rtol 1e-5), and its
+    parameters share no memory with the engine's GPU copies. On a SimulatedDevice (the CUDA code paths,
+    weights resident) and on a real GPU."""
+    from rptrain.engine.simulated import SimulatedDevice
+    from test_engine_equivalence import train_both
+
+    if where == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    devices = [SimulatedDevice(0)] if where == "simulated" else ["cuda:0"]
+    batches = vector_batches(count=3)
+    engine, ref = train_both(mlp(), batches, 2, delayed=True, devices=devices)
+    assert engine._executor.resident
+    on_device = {t.untyped_storage().data_ptr() for t in _engine_device_tensors(engine)}
+    for name, p in engine.model.named_parameters():
+        assert p.device.type == "cpu" and p.untyped_storage().data_ptr() not in on_device, name
+    x, y = batches[0]
+    with torch.no_grad():
+        expected = CE(ref.master.cpu()(x), y)
+        assert CE(engine.model(x), y).item() == pytest.approx(expected.item(), rel=1e-5)
+    engine.close()

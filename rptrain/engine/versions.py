@@ -47,6 +47,7 @@ class Versions:
         self.wait(version)
         self.required = self.last_step = version
         self.use()
+        self.host.write_user_params()
 
     def wait_all(self) -> None:
         """Wait for queued optimizer work without raising its errors."""
