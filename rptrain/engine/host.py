@@ -166,7 +166,7 @@ class HostState:
         machine's memory (tuning.py says why)."""
         layout = self.frozen_layout
         nbytes = sum(n * layout.dtypes[k].itemsize for k, n in layout.sizes.items())
-        pin = pin_memory and pins_frozen(nbytes, pin_share)
+        pin = pin_memory if pin_memory and pins_frozen(nbytes, pin_share) else False  # True or "register" (pinned.py)
         flats = {k: pinned.empty(n, layout.dtypes[k], pin) for k, n in layout.sizes.items()}
         ends = dict.fromkeys(flats, 0)
         with torch.no_grad():
