@@ -33,11 +33,12 @@ class Preparer:
     def __init__(self, run_config: RoundPipeRunConfig, num_layers: int, num_devices: int, cuda: bool, planner: Planner):
         self.run_config, self.num_layers, self.num_devices, self.planner = run_config, num_layers, num_devices, planner
         self.default_microbatches = default_microbatches(num_devices, cuda)
+        self.enclosing: Optional[RoundPipeRunConfig] = None  # set while an enclosing call runs this engine per microbatch (wrap.py)
         if run_config.execute_plan is not None:
             self._pinned(run_config.execute_plan, fused=isinstance(run_config.execute_plan, ExecutePlan))
 
     def resolve(self, run_config: Optional[RoundPipeRunConfig]) -> ResolvedRunConfig:
-        return resolve(self.run_config.override(run_config), self.default_microbatches)
+        return resolve(self.run_config.override(self.enclosing).override(run_config), self.default_microbatches)
 
     def training(self, run_config: Optional[RoundPipeRunConfig]) -> Prepared:
         """``forward_backward``: forward stages, the fused last stage, backward stages."""
