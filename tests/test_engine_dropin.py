@@ -509,3 +509,193 @@ def test_the_users_module_stays_where_the_user_put_it(where):
         expected = CE(ref.master.cpu()(x), y)
         assert CE(engine.model(x), y).item() == pytest.approx(expected.item(), rel=1e-5)
     engine.close()
+
+
+class TwoHeads(nn.Module):
+    """Not an nn.Sequential: the original library wraps it as one layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.label = "two heads"
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+def test_a_module_that_is_not_sequential_is_one_layer_and_its_attributes_are_forwarded():
+    """``RoundPipe(module)`` trains like plain PyTorch (rtol 1e-5) under the module's own names, and
+    attribute reads, writes and deletes on the engine reach the wrapped module (as documented)."""
+    engine, opt = make_engine(TwoHeads())
+    ref = Reference(TwoHeads())
+    assert len(engine._layers) == 1 and [n for n, _ in engine.named_parameters()] == ["body.weight", "body.bias", "head.weight", "head.bias"]
+    assert engine.label == "two heads"
+    engine.label = "renamed"
+    assert engine.model.label == "renamed" and "label" not in engine.__dict__
+    del engine.label
+    assert not hasattr(engine.model, "label")
+    engine.eval()
+    assert engine.training is False and engine.model.training is False  # the engine's own attributes stay its own
+    engine.train()
+    for x, y in vector_batches(count=2):
+        loss = engine.forward_backward((x,), label=y, loss_fn=CE, run_config=RoundPipeRunConfig(num_microbatch=2))
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        assert loss.item() == pytest.approx(ref.forward_backward(x, y, 2, CE), rel=1e-5)
+        ref.step()
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+
+
+@pytest.mark.parametrize("pin_model", ["alloc", "register", "off"])
+def test_pin_model_choices_train_alike(pin_model):
+    """The original's pin_model: on the CPU (and a SimulatedDevice) nothing is pinned, so all three
+    train exactly like plain PyTorch; on a GPU see the cuda test below."""
+    from rptrain.engine.simulated import SimulatedDevice
+    from test_engine_equivalence import train_both
+
+    engine, ref = train_both(mlp(), vector_batches(count=2), 2, devices=[SimulatedDevice(0)], pin_model=pin_model)
+    assert_state_close(engine.state_dict(), ref.state())
+    engine.close()
+    with pytest.raises(ValueError, match="pin_model"):
+        RoundPipe(mlp(), pin_model="mmap")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pin_model", ["alloc", "register", "off"])
+def test_pin_model_pins_host_copies_as_asked_on_a_gpu(pin_model):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from rptrain.engine import pinned
+
+    engine = RoundPipe(mlp(), devices=["cuda:0"], pin_model=pin_model, gpu_state=False)
+    master = engine._host.master
+    assert master.is_pinned() == (pin_model != "off")
+    if pin_model == "register":  # small buffers too: an exact mapping, not the allocator's power of two
+        assert master.untyped_storage().nbytes() == master.numel() * master.element_size() < pinned.EXACT_FROM_BYTES
+    engine.close()
+
+
+def test_loss_fn_returning_several_losses():
+    """A ``loss_fn`` returning a sequence (the original: ``torch.autograd.backward(losses)`` per
+    microbatch): every loss is backpropagated, the call returns each one's sum over microbatches,
+    and a loss that needs no gradient (a metric) is only returned. Against plain PyTorch (rtol 1e-5)."""
+    engine, opt = make_engine(mlp())
+    ref = Reference(mlp())
+
+    def losses(out, y):
+        return CE(out, y), 0.1 * out.square().mean(), (out.argmax(1) == y).float().mean()
+
+    x, y = vector_batches(count=1)[0]
+    total = engine.forward_backward((x,), label=y, loss_fn=losses, run_config=RoundPipeRunConfig(num_microbatch=2))
+    engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    expected = [0.0, 0.0, 0.0]
+    for xm, ym in zip(x.chunk(2), y.chunk(2)):
+        ce, reg, acc = losses(ref.compute(xm), ym)
+        (ce + reg).backward()
+        expected = [e + v.item() for e, v in zip(expected, (ce, reg, acc))]
+    ref.step()
+    assert isinstance(total, list) and [t.item() for t in total] == pytest.approx(expected, rel=1e-5)
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+    with pytest.raises(ValueError, match="scalar tensor or a sequence"):
+        engine.forward_backward((x,), label=y, loss_fn=lambda out, y: [out])
+
+
+class Transposed(nn.Module):
+    def forward(self, x):
+        return x.transpose(0, 1)
+
+
+def transposed_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Transposed(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4), Transposed())  # (8, B) -> (4, B)
+
+
+def test_split_specs_on_dimension_one():
+    """The documented specs with the batch on dimension 1 of the input, the label and the output:
+    ``TensorChunkSpec(1)`` splits and merges them, and training matches plain PyTorch run on the same
+    chunks (rtol 1e-5), on the CPU and on a SimulatedDevice (the GPU code paths)."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec
+    from rptrain.engine.simulated import SimulatedDevice
+
+    def loss_fn(out, y):
+        return nn.functional.cross_entropy(out.t(), y[0])
+
+    for devices in (None, [SimulatedDevice(0)]):
+        engine, opt = make_engine(transposed_model(), devices=devices)
+        ref = Reference(transposed_model())
+        cfg = RoundPipeRunConfig(num_microbatch=3, split_input=((TensorChunkSpec(1),), None), split_label=TensorChunkSpec(1),
+                                 merge_output=TensorChunkSpec(1))
+        for x, y in vector_batches(count=2, batch=9):
+            x, y = x.t().contiguous(), y[None]
+            loss, out = engine.forward_backward((x,), label=y, loss_fn=loss_fn, run_config=cfg, return_outputs=True)
+            engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+            expected, outs = 0.0, []
+            for xm, ym in zip(x.chunk(3, dim=1), y.chunk(3, dim=1)):
+                o = ref.compute(xm)
+                l = loss_fn(o, ym)
+                l.backward()
+                expected, outs = expected + l.item(), outs + [o.detach()]
+            ref.step()
+            assert loss.item() == pytest.approx(expected, rel=1e-5)
+            close(out, torch.cat(outs, dim=1))
+        engine.synchronize()
+        assert_state_close(engine.state_dict(), ref.state())
+
+
+@pytest.mark.parametrize("call", ["forward_backward", "backward"])
+def test_model_execute_plan_written_by_hand(call):
+    """``ModelExecutePlan`` as documented: ``fwd_plan``/``bwd_plan`` lists of ranges, ``bwd_plan`` in
+    the order it runs. For forward_backward the first backward range runs fused and ``fwd_plan``
+    stops before it; for ``model(x)`` + backward each list covers every layer (here with different
+    last stages). Training matches plain PyTorch (rtol 1e-5)."""
+    from rptrain import ModelExecutePlan
+
+    plan = ModelExecutePlan()
+    if call == "forward_backward":
+        plan.fwd_plan = [range(0, 3), range(3, 5)]
+        plan.bwd_plan = [range(5, 7), range(2, 5), range(0, 2)]
+    else:
+        plan.fwd_plan = [range(0, 4), range(4, 7)]
+        plan.bwd_plan = [range(6, 7), range(3, 6), range(0, 3)]
+    engine, opt = make_engine(mlp())
+    ref = Reference(mlp())
+    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+    for x, y in vector_batches(count=2):
+        if call == "forward_backward":
+            loss = engine.forward_backward((x,), label=y, loss_fn=CE, run_config=cfg)
+        else:
+            loss = CE(engine(x, run_config=cfg), y)
+            loss.backward()
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        expected = ref.forward_backward(x, y, 2 if call == "forward_backward" else 1, CE)
+        ref.step()
+        assert loss.item() == pytest.approx(expected, rel=1e-5)
+    engine.synchronize()
+    assert_state_close(engine.state_dict(), ref.state())
+    bad = ModelExecutePlan()
+    bad.fwd_plan, bad.bwd_plan = [range(0, 6)], [range(5, 7), range(0, 5)]
+    with pytest.raises(ValueError, match="fwd_plan must end where it starts"):
+        engine.forward_backward((x,), label=y, loss_fn=CE, run_config=RoundPipeRunConfig(execute_plan=bad))
+
+
+def test_verbose_timer_prints_the_measured_layer_times(capsys):
+    """``rptrain.timer.ModelTimer.VERBOSE`` (the original's switch): the first call on a (simulated)
+    GPU measures every layer and prints its forward and backward time in the original's words."""
+    import rptrain
+    from rptrain.engine.simulated import SimulatedDevice
+
+    engine, _ = make_engine(mlp(), devices=[SimulatedDevice(0)])
+    x, y = vector_batches(count=1)[0]
+    rptrain.timer.ModelTimer.VERBOSE = True
+    try:
+        engine.forward_backward((x,), label=y, loss_fn=CE)
+    finally:
+        rptrain.timer.ModelTimer.VERBOSE = False
+    err = capsys.readouterr().err
+    for i in range(7):
+        assert f"Layer {i} fwd  new record:" in err and f"Layer {i} bwd  new record:" in err
+    engine.forward_backward((x,), label=y, loss_fn=CE)
+    assert "Layer" not in capsys.readouterr().err  # measured once; and off again
+    engine.close()
