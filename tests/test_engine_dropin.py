@@ -699,3 +699,56 @@ def test_verbose_timer_prints_the_measured_layer_times(capsys):
     engine.forward_backward((x,), label=y, loss_fn=CE)
     assert "Layer" not in capsys.readouterr().err  # measured once; and off again
     engine.close()
+
+
+@pytest.mark.parametrize("devices", ["cpu", "simulated"])
+def test_a_plain_torch_optimizer_over_the_models_parameters(devices):
+    """The original's documented loop with a plain ``torch.optim`` optimizer over the wrapped model's own
+    parameters: ``forward_backward``, ``synchronize()`` (weights and ``.grad`` on the parameters), then
+    ``opt.step(); opt.zero_grad()``. The next call takes the stepped parameters as the weights and drops
+    the gradients they used: the weights follow plain PyTorch's (rtol 1e-5), on the CPU and on a
+    SimulatedDevice (weights resident on the "GPU", the parameters on the host)."""
+    from rptrain.engine.simulated import SimulatedDevice
+
+    engine = RoundPipe(mlp(), devices=[SimulatedDevice(0)] if devices == "simulated" else None)
+    opt = torch.optim.SGD(engine.model.parameters(), lr=0.1, momentum=0.9)
+    ref = mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    cfg = RoundPipeRunConfig(num_microbatch=2)
+    for x, y in vector_batches(count=3):
+        loss = engine.forward_backward((x,), label=y, loss_fn=CE, run_config=cfg)
+        engine.synchronize()
+        opt.step()
+        opt.zero_grad()
+        expected = sum(CE(ref(xm), ym) for xm, ym in zip(x.chunk(2), y.chunk(2)))
+        expected.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    engine.forward_backward((x,), label=y, loss_fn=CE, run_config=cfg)  # takes the last step's weights
+    engine.synchronize()
+    for (name, p), q in zip(engine.model.named_parameters(), ref.parameters()):
+        close(p, q)
+    engine.close()
+
+
+def test_wrap_model_hf_loss_per_microbatch_as_documented():
+    """``wrap_model`` on a transformers model with ``loss_fn=lambda output, _: output.loss / num_microbatch``
+    (the original's documented use): each microbatch's mean loss over its own tokens, halved, summed:
+    the mean of the two microbatches' losses, and the same gradients (rtol 1e-5)."""
+    from rptrain import wrap_model
+
+    model = tiny_llama()
+    ref = copy.deepcopy(model)
+    num_microbatch = 2
+    wrapped = wrap_model(model, model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
+    ids = torch.randint(0, 128, (4, 7), generator=torch.Generator().manual_seed(0))
+    loss = wrapped.forward_backward(input_kwargs={"input_ids": ids, "labels": ids}, loss_fn=lambda output, _: output.loss / num_microbatch)
+    expected = sum(ref(input_ids=part, labels=part).loss / num_microbatch for part in ids.chunk(num_microbatch))
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    wrapped.synchronize()
+    grads = dict(wrapped.named_parameters())
+    for name, q in ref.named_parameters():
+        close(grads[name].grad, q.grad)
+    wrapped.close()

@@ -239,6 +239,18 @@ class HostState:
                 if self.compute is None or self.on_gpu(slot):
                     p.detach().copy_(self._master_view(slot))
 
+    def user_param_versions(self) -> list[int]:
+        """Autograd's in-place version counters of the user's parameters: they change when anything writes them."""
+        return [p._version for p in self.user_params]
+
+    def read_user_params(self) -> None:
+        """The master := the user's parameters (a user's own optimizer stepped them: roundpipe.py)."""
+        with torch.no_grad():
+            for slot, p in zip(self.params.slots, self.user_params):
+                self._master_view(slot).copy_(p.detach())
+        if self.gpu is not None:
+            self.gpu.wait_queued()
+
     def on_gpu(self, slot: Slot) -> bool:
         return self.gpu is not None and self.gpu.holds(slot)
 

@@ -117,6 +117,7 @@ class RoundPipe(nn.Module):
         self._prepare = Preparer(self._run_config, len(self._layers), len(self._devices), self._cuda, self._planner)
         self._versions = Versions(self._host, self._executor, self._optimizer_thread(optimizer_threads), OptimizerCtx)
         self._closed = False
+        self._synchronized: Optional[tuple[int, list[int]]] = None  # (version, the user's parameters' counters) at synchronize()
         register_step_queue(self)
         self._initialized = True  # from here on, attributes RoundPipe lacks are the wrapped model's
 
@@ -298,10 +299,28 @@ class RoundPipe(nn.Module):
         self._versions.step(functools.partial(step_fn, *args, **kwargs), is_async)
 
     def synchronize(self) -> None:
-        """Wait for queued steps and make the compute copy equal to the master copy."""
+        """Wait for queued steps and make the compute copy (and the wrapped model's parameters) equal to
+        the master copy; the gradients accumulated since the last step show as the parameters' ``.grad``.
+        A user's own optimizer may then step those parameters (the original library's documented use):
+        the next call finds them changed, takes them as the new weights and drops the gradients they used."""
         self._check_open()
+        self._synchronize()
+
+    def _synchronize(self) -> None:
         self._versions.synchronize()
         self._show_grads()
+        self._synchronized = (self._versions.written, self._host.user_param_versions())
+
+    def _adopt_user_steps(self) -> None:
+        """Parameters written since ``synchronize()``, with no step of ours in between: a plain optimizer
+        over the wrapped model's parameters has stepped them. They become the master (and every copy),
+        and the gradients that step consumed are dropped, as the original library moves them into ``.grad``."""
+        synced, self._synchronized = self._synchronized, None
+        if synced is None or synced[0] != self._versions.written or synced[1] == self._host.user_param_versions():
+            return
+        self._host.read_user_params()
+        self._versions.discard_window()
+        self._synchronize()
 
     def _show_grads(self) -> None:
         """The wrapped model's ``.grad``: the gradients accumulated since the last step (in the
@@ -341,6 +360,7 @@ class RoundPipe(nn.Module):
         if self._closed:
             raise RuntimeError(f"RoundPipe{f' {self.name!r}' if self.name else ''} was closed: make a new one to train or evaluate again")
         self._versions.raise_errors()
+        self._adopt_user_steps()
 
     # ----------------------------------------------------------------------------- state dicts
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
@@ -363,7 +383,7 @@ class RoundPipe(nn.Module):
                 if key in targets:
                     targets[key].copy_(value)
         self._executor.store.frozen_changed()
-        self.synchronize()
+        self._synchronize()
         return IncompatibleKeys(missing, unexpected)
 
     # ----------------------------------------------------------------------------- plans

@@ -49,6 +49,12 @@ class Versions:
         self.use()
         self.host.write_user_params()
 
+    def discard_window(self) -> None:
+        """Forget the gradients accumulated since the last step (someone else has used them)."""
+        if self.window_open:
+            self.host.grads[self.window].reset()
+        self.window_scalers = {}
+
     def wait_all(self) -> None:
         """Wait for queued optimizer work without raising its errors."""
         for ticket in list(self.tickets.values()):
