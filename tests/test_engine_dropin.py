@@ -816,3 +816,51 @@ def test_a_failed_async_step_changes_nothing_whatever_the_thread_timing():
     assert isinstance(fast[0], float) and isinstance(fast[1], float) and "disk full" in fast[2]  # reported by synchronize()
     for name in before:
         assert torch.equal(before[name], after[name]), name
+
+
+def test_the_trainer_asks_the_engine_for_the_default_num_microbatch(monkeypatch):
+    """Under torchrun with one GPU per rank on an 8-GPU machine the engine of each rank gets one GPU
+    and so 2 microbatches; the trainer used to count every GPU of the machine (9) and demand 9
+    samples per rank. It now asks the engine (``RoundPipe.default_num_microbatch``)."""
+    from rptrain.train import run_config
+
+    assert RoundPipe.default_num_microbatch(["cpu"]) == 1 and RoundPipe.default_num_microbatch(["cpu", "cpu"]) == 1
+    from rptrain.engine.simulated import SimulatedDevice
+
+    assert RoundPipe.default_num_microbatch([SimulatedDevice(0), SimulatedDevice(1)]) == 3
+    engine = RoundPipe(mlp(), devices=[SimulatedDevice(0), SimulatedDevice(1)])
+    assert engine._prepare.resolve(None).num_microbatch == RoundPipe.default_num_microbatch([SimulatedDevice(0), SimulatedDevice(1)])
+    engine.close()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    for key, value in {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8", "RANK": "3", "LOCAL_RANK": "3"}.items():
+        monkeypatch.setenv(key, value)
+    assert RoundPipe.default_num_microbatch(["cuda:3"]) == 2
+    assert run_config.default_num_microbatch() == 2
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert run_config.default_num_microbatch() == 9  # one process over the whole machine
+
+
+def test_every_call_is_prepared_in_one_place():
+    """forward_backward, model(x) (and its recorded backward) and explain() take their run config, plan
+    and schedule from engine/prepare.py; explain.py and recorded.py do not reach back into RoundPipe
+    (no import cycle explain -> roundpipe -> recorded)."""
+    import ast
+    import pathlib
+
+    import rptrain.engine as engine_pkg
+
+    root = pathlib.Path(engine_pkg.__file__).parent
+    for name in ("explain.py", "recorded.py", "prepare.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert "roundpipe" not in imported, name
+    source = (root / "roundpipe.py").read_text()
+    assert "training_schedule" not in source and "forward_schedule" not in source and "resolve(" not in source
+    engine, _ = make_engine(mlp())
+    x, y = vector_batches(count=1)[0]
+    call = engine._prepare.training(RoundPipeRunConfig(num_microbatch=2, execute_plan=PLAN_7))
+    assert call.plan == PLAN_7 and call.cfg.num_microbatch == 2
+    assert f"microbatches {engine._prepare.resolve(None).num_microbatch}" in engine.explain(x)
+    engine.close()
