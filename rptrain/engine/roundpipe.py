@@ -92,7 +92,6 @@ class RoundPipe(nn.Module):
         super().__init__()
         check_args(model, optim_dtype, model_run_config, cuda_graphs, pin_model, tuning, optimizer_threads)
         self.name = name
-        self._single = False  # wrap.py made this engine around one module: its names drop the "0."
         self._tuning = tuning or Tuning()
         self.model = model
         self._layers = list(model) if isinstance(model, nn.Sequential) else [model]

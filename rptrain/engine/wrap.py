@@ -58,15 +58,13 @@ class _Claims:
 
     def checked(self, make: Callable) -> Callable:
         """``make`` taking ``(prefix, model, **kwargs)``: claims the model's parameters, then builds."""
-        def build(prefix: str, model: nn.Sequential, single: bool = False, **kwargs: Any) -> RoundPipe:
+        def build(prefix: str, model: nn.Module, **kwargs: Any) -> RoundPipe:
             for name, p in model.named_parameters():
                 first = self.owner.setdefault(id(p), prefix)
                 if first != prefix:
-                    raise ValueError(f"wrap_model: {_original_name(prefix, single, name)} is tied to a parameter of {first.rstrip('.')}: engines "
+                    raise ValueError(f"wrap_model: {prefix}{name} is tied to a parameter of {first.rstrip('.')}: engines "
                                      "cannot share weights; untie them or build one nn.Sequential holding both users")
-            engine = make(model, **kwargs)
-            engine._single = single
-            return engine
+            return make(model, **kwargs)
         return build
 
 
@@ -87,22 +85,17 @@ def _wrap_children(module: nn.Module, prefix: str, make: Callable, config: Round
             last = len(child) - 1
             for i, element in enumerate(child):
                 packed = RoundPipeRunConfig(merge_output=False) if i < last else None
-                engine = make(f"{path}.{i}.", nn.Sequential(element), single=True, model_run_config=config.override(packed))
+                engine = make(f"{path}.{i}.", element, model_run_config=config.override(packed))
                 engines.append((f"{path}.{i}.", engine))
                 child[i] = engine
             continue
         elif _own_bytes(child) >= threshold:
-            engine = make(f"{path}.", nn.Sequential(child), single=True)
+            engine = make(f"{path}.", child)  # one layer (RoundPipe wraps a module that is not a Sequential whole)
             engines.append((f"{path}.", engine))
         else:
             _wrap_children(child, f"{path}.", make, config, threshold, skip, engines)
             continue
         setattr(module, name, engine)
-
-
-def _original_name(prefix: str, single: bool, name: str) -> str:
-    """Engine names back to the model's: an engine made around one module (``single``) drops its ``0.``."""
-    return prefix + (name.split(".", 1)[1] if single else name)
 
 
 class WrappedModel(nn.Module):
@@ -194,7 +187,7 @@ class WrappedModel(nn.Module):
         master = in_optimizer_ctx()
         for engine_prefix, engine in self._engines:
             for name, p in (engine.optim_named_parameters() if master else engine.model.named_parameters()):
-                yield prefix + _original_name(engine_prefix, engine._single, name), p
+                yield prefix + engine_prefix + name, p
         for name, p in self._glue:
             yield prefix + name, p
 
@@ -244,7 +237,7 @@ class WrappedModel(nn.Module):
         """Master weights and persistent buffers under the model's names."""
         out = {}
         for engine_prefix, engine in self._engines:
-            out.update({_original_name(engine_prefix, engine._single, k): v for k, v in engine.state_dict().items()})
+            out.update({engine_prefix + k: v for k, v in engine.state_dict().items()})
         out.update({name: p.detach() for name, p in self._glue})
         out.update(_glue_buffers(self.model, ""))
         return out
