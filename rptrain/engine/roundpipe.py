@@ -2,9 +2,10 @@
 
 Master weights (``optim_dtype``) live on the host (host.py), the leading layers' on a resident GPU
 (gpushare.py); the optimizer thread writes new versions of the compute copy while calls read the
-previous one (versions.py: which version a call uses, where its gradients go). Calls are planned
-(planning.py), scheduled (schedule.py), lowered into actions and run (executor.py). The wrapped
-model's parameters show the compute copy: the host's, or a resident GPU's (host.py, resident.py).
+previous one (versions.py: which version a call uses, where its gradients go). Every call is
+prepared in one place (prepare.py: run config, plan, schedule), lowered into actions and run
+(executor.py). The wrapped model stays on the host, where the user put it: its parameters show the
+host's compute copy, or where there is none the weights of the last ``synchronize()`` (host.py).
 """
 from __future__ import annotations
 
