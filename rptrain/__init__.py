@@ -2,12 +2,10 @@
 
 Importing it starts no threads and touches no GPU.
 """
-from . import optim
-from .engine import (ExecutePlan, GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning, doing_recompute, get_recompute_data,
-                     save_for_recompute, wrap_model, wrap_model_to_roundpipe)
+from . import optim, timer
+from .engine import (ExecutePlan, GradScaler, ModelExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning, doing_recompute,
+                     get_recompute_data, save_for_recompute, wrap_model, wrap_model_to_roundpipe)
 
-ModelExecutePlan = ExecutePlan  # the original library's name
-
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "Tuning", "ExecutePlan", "ModelExecutePlan", "optim",
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "Tuning", "ExecutePlan", "ModelExecutePlan", "optim", "timer",
            "wrap_model", "wrap_model_to_roundpipe", "save_for_recompute", "doing_recompute", "get_recompute_data"]
 __version__ = "0.1.0"

@@ -40,9 +40,9 @@ def test_importing_starts_no_threads_and_touches_no_gpu():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
-def test_model_must_be_a_nonempty_sequential():
-    with pytest.raises(TypeError, match="nn.Sequential"):
-        RoundPipe(nn.Linear(2, 2))
+def test_model_must_be_a_module_and_a_sequential_nonempty():
+    with pytest.raises(TypeError, match="nn.Module"):
+        RoundPipe(lambda x: x)
     with pytest.raises(ValueError, match="non-empty"):
         RoundPipe(nn.Sequential())
     with pytest.raises(TypeError, match="optim_dtype"):

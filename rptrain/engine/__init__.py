@@ -1,6 +1,7 @@
 """The RoundPipe-style dispatch pipeline engine."""
 from .config import RoundPipeRunConfig
 from .fit import DoesNotFit
+from .model_plan import ModelExecutePlan
 from .plan import ExecutePlan, LayerCost, plan_stages
 from .optimizer_ctx import OptimizerCtx
 from .roundpipe import RoundPipe
@@ -9,6 +10,6 @@ from .scaler import GradScaler
 from .tuning import Tuning
 from .wrap import WrappedModel, wrap_model, wrap_model_to_roundpipe
 
-__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "Tuning", "DoesNotFit", "ExecutePlan", "LayerCost", "plan_stages",
+__all__ = ["RoundPipe", "RoundPipeRunConfig", "OptimizerCtx", "GradScaler", "Tuning", "DoesNotFit", "ExecutePlan", "ModelExecutePlan", "LayerCost", "plan_stages",
            "WrappedModel", "wrap_model", "wrap_model_to_roundpipe",
            "save_for_recompute", "doing_recompute", "get_recompute_data"]

@@ -18,9 +18,9 @@ def check_args(model: Any, optim_dtype: Any, model_run_config: Any, cuda_graphs:
         raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
     if tuning is not None and not isinstance(tuning, Tuning):
         raise TypeError(f"tuning must be a rptrain.engine.tuning.Tuning, got {type(tuning).__name__}")
-    if not isinstance(model, nn.Sequential):
-        raise TypeError(f"RoundPipe needs an nn.Sequential (one element per pipeline layer), got {type(model).__name__}")
-    if len(model) == 0:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"RoundPipe needs an nn.Module (an nn.Sequential is split into its elements), got {type(model).__name__}")
+    if isinstance(model, nn.Sequential) and len(model) == 0:
         raise ValueError("RoundPipe needs a non-empty nn.Sequential")
     if not (isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point):
         raise TypeError(f"optim_dtype must be a floating-point torch.dtype, got {optim_dtype!r}")

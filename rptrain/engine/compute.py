@@ -99,16 +99,16 @@ def fused(run: JobRun, x: Any, micro: int, state: PassState) -> Any:
             out = _run_layers(run, job.start, job.stop, leaves, micro, state)
         with recording_scalers(state.scalers):
             loss = state.loss_fn(out, label)
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-            raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+        losses = _scalars(loss)
         counter.stop()
-        if loss.requires_grad:
+        trained = [t for t in losses if t.requires_grad]
+        if trained:  # as torch.autograd.backward(loss): every loss that needs it, the original library's semantics
             with _watch_grads(run, micro, state, eager=key is None or not state.graphs.replays(key)):
-                loss.backward()
+                torch.autograd.backward(trained)
     # A loss_fn that returns the graph's own output (``lambda out, _: out``) hands back memory the
     # next replay overwrites: the call then returned microbatch 1's loss twice (H200, bench/graph_frozen.py).
-    state.losses[micro] = loss.detach().reshape(()) if key is None else loss.detach().reshape(()).clone()
+    kept = [t.detach().reshape(()) if key is None else t.detach().reshape(()).clone() for t in losses]
+    state.losses[micro] = kept[0] if isinstance(loss, Tensor) else kept
     if state.want_outputs:
         # A graph's outputs live in memory its next replay overwrites: copy them first.
         keep = (lambda t: t.detach().clone()) if key is not None else Tensor.detach
@@ -120,6 +120,15 @@ def fused(run: JobRun, x: Any, micro: int, state: PassState) -> Any:
     if job.start == 0:
         state.input_grads[micro] = grads
     return grads
+
+def _scalars(loss: Any) -> list[Tensor]:
+    """``loss_fn``'s result as a list of scalar tensors: one, or a sequence of them (several losses)."""
+    items = [loss] if isinstance(loss, Tensor) else list(loss) if isinstance(loss, (tuple, list)) and loss else None
+    if items is None or not all(isinstance(t, Tensor) and t.numel() == 1 for t in items):
+        got = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a scalar tensor or a sequence of them, got {got}")
+    return items
+
 
 def backward(run: JobRun, grads: Any, micro: int, state: PassState) -> Any:
     with _watch_grads(run, micro, state, eager=True):

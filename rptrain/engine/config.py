@@ -17,7 +17,8 @@ class RoundPipeRunConfig:
     Resolution order: call-level config, then the model-level config given to ``RoundPipe``,
     then the built-in defaults below.
 
-    - ``num_microbatch``: microbatches per call (default: number of GPUs + 1; 1 on the CPU fallback).
+    - ``num_microbatch``: microbatches per call (default: the engine's GPUs + 1; 1 on the CPU fallback:
+      ``default_microbatches``).
     - ``requires_grad``: whether ``model(...)`` records a graph so that ``.backward()`` on its output
       runs the pipeline backward (default: ``torch.is_grad_enabled()`` at call time).
     - ``output_device``: where outputs and the returned loss go (default: CPU).
@@ -30,7 +31,8 @@ class RoundPipeRunConfig:
     - ``split_label``: ``f(label, n: int) -> list[label]`` or a chunk spec structure.
     - ``merge_output``: ``f(outputs: list) -> output``, a spec structure (``TensorChunkSpec``,
       ``_Replicate``, ``_CustomReducer``), True (automatic) or False (per-microbatch ``PackedData``).
-    - ``execute_plan``: an ``ExecutePlan`` fixing the stage boundaries instead of the planner's.
+    - ``execute_plan``: an ``ExecutePlan`` (or the original's ``ModelExecutePlan``) fixing the stage
+      boundaries instead of the planner's.
     """
 
     num_microbatch: Optional[int] = None
@@ -66,11 +68,12 @@ class RoundPipeRunConfig:
         if split is not None and not callable(split) and not (isinstance(split, (tuple, list)) and len(split) == 2):
             raise ValueError(f"RoundPipeRunConfig.split_input must be callable or (args_spec, kwargs_spec), got {type(split).__name__}")
         if self.execute_plan is not None:
+            from .model_plan import ModelExecutePlan
             from .plan import ExecutePlan
 
-            if not isinstance(self.execute_plan, ExecutePlan):
+            if not isinstance(self.execute_plan, (ExecutePlan, ModelExecutePlan)):
                 raise ValueError(
-                    f"RoundPipeRunConfig.execute_plan must be an ExecutePlan, got {type(self.execute_plan).__name__}"
+                    f"RoundPipeRunConfig.execute_plan must be an ExecutePlan or ModelExecutePlan, got {type(self.execute_plan).__name__}"
                 )
 
     def override(self, other: Optional["RoundPipeRunConfig"]) -> "RoundPipeRunConfig":
@@ -96,6 +99,23 @@ class ResolvedRunConfig:
     split_label: Optional[Any]
     merge_output: Optional[Any]
     execute_plan: Optional[Any]
+
+
+def default_microbatches_for(devices: Any = None) -> int:
+    """``default_microbatches`` of an engine made with ``RoundPipe(..., devices=devices)``, without
+    making it (device.py's ``make_devices`` reads ``devices`` the same way)."""
+    if devices is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return default_microbatches(count, True) if count else 1
+    items = [devices] if isinstance(devices, (str, torch.device)) else list(devices)
+    cuda = any(getattr(d, "is_cuda", False) if not isinstance(d, (str, torch.device)) else torch.device(d).type == "cuda" for d in items)
+    return default_microbatches(len(items), cuda)
+
+
+def default_microbatches(num_devices: int, cuda: bool) -> int:
+    """Microbatches per call when the run config sets none: one more than the engine's GPUs, so one
+    stage's upload overlaps the others' compute; 1 on the CPU, where microbatches overlap nothing."""
+    return num_devices + 1 if cuda else 1
 
 
 def resolve(config: RoundPipeRunConfig, default_microbatches: int) -> ResolvedRunConfig:

@@ -20,8 +20,8 @@ dtype); frozen = its own dtype x 1.
 With a GPU share (gpushare.py) the leading layers' master and gradients live on the GPU and their
 compute copy only there: the host's flat tensors of trainable state hold the rest (``HostShare``).
 
-The user's model parameters show a compute copy (``show_version``): the host's, or on resident GPUs
-the live copy of the first GPU (``live``), which always holds the version the last call used.
+The user's model parameters stay on the host (``show_version``): views of the host's compute copy of
+the newest call, or, where the host keeps none, tensors of their own written at ``synchronize()``.
 """
 from __future__ import annotations
 
@@ -135,8 +135,8 @@ class HostState:
         self.gpu = GpuShare(self.params, gpu_layers, gpu_device, optim_dtype) if gpu_layers else None
         self.host = HostShare(self.params, self.gpu.cut if self.gpu else dict.fromkeys(self.params.sizes, 0))
         self.compute = [self.host.allocate(pin_memory), self.host.allocate(pin_memory)] if compute_copies else None
-        self._shown: dict[tuple[int, int], tuple] = {}  # (version parity or -1, live copy) -> its parameter views
-        self._showing: Optional[tuple[int, int]] = None  # the key the user's parameters show now
+        self._shown: dict[int, list] = {}  # version parity -> the user's parameters' views of that host copy
+        self._showing: Optional[int] = None  # the parity the user's parameters show now
         # Pinned when GPUs cast their resident copy from it (refresh.py): DMA reads it directly.
         self.master = pinned.zeros(self.host.total, optim_dtype, pin_master)
         self.master_params = [nn.Parameter(self._master_view(slot), requires_grad=slot.requires_grad) for slot in self.params.slots]
@@ -156,7 +156,6 @@ class HostState:
             for slot, b in zip(self.buffer_layout.slots, self._unique_tensors(layers, "buffers")):
                 b.data = self.buffer_layout.view(self.buffers, slot)
         self.user_params = originals
-        self.live: Optional[Any] = None  # version -> the resident store's live copy (resident.py)
         self.show_version(0)
         self.grads: list[GradBuffer] = [GradBuffer(self.host, pin_memory, self.gpu)]
 
@@ -167,7 +166,7 @@ class HostState:
         machine's memory (tuning.py says why)."""
         layout = self.frozen_layout
         nbytes = sum(n * layout.dtypes[k].itemsize for k, n in layout.sizes.items())
-        pin = pin_memory and pins_frozen(nbytes, pin_share)
+        pin = pin_memory if pin_memory and pins_frozen(nbytes, pin_share) else False  # True or "register" (pinned.py)
         flats = {k: pinned.empty(n, layout.dtypes[k], pin) for k, n in layout.sizes.items()}
         ends = dict.fromkeys(flats, 0)
         with torch.no_grad():
@@ -218,25 +217,39 @@ class HostState:
         return out
 
     def show_version(self, version: int) -> None:
-        """Point the user's model parameters at compute copy ``version``: the host's, or on resident
-        GPUs the first GPU's live copy (the originals until it exists; ``state_dict()`` reads the
-        master, on the host). The live copy is refreshed in place, so the parameters then show the
-        version of the newest call, which is ``version`` right after this."""
-        live = self.live(version) if self.live is not None else None
-        key = (version % 2 if live is None else -1, id(live))  # the live copy is refreshed in place: one key
-        if key == self._showing:
+        """Point the user's model parameters at the host's compute copy ``version``. Parameters the
+        host keeps no compute copy of (resident GPUs, the GPU share) keep host tensors of their own,
+        written from the master by ``write_user_params`` (``synchronize()``): the user's module stays
+        on the host, where the original library leaves it, whatever the engine keeps on a GPU."""
+        if self.compute is None or self._showing == version % 2:
             return
+        key = version % 2
         if key not in self._shown:  # building the views took 0.7-0.85 ms a call at ResNet-34 (bench/host_step.py, H200 cProfile)
-            flats = self.compute[version % 2] if self.compute is not None else None
-            views = [live.view(slot) if live is not None else self.host.view(flats, slot) if flats is not None and not self.on_gpu(slot) else None
-                     for slot in self.params.slots]
-            if len(self._shown) >= 4:  # two parities of one live copy; a replaced live copy starts over
-                self._shown.clear()
-            self._shown[key] = (live, views)  # holding ``live`` keeps its id from being reused
-        for p, view in zip(self.user_params, self._shown[key][1]):
+            self._shown[key] = [None if self.on_gpu(slot) else self.host.view(self.compute[key], slot) for slot in self.params.slots]
+        for p, view in zip(self.user_params, self._shown[key]):
             if view is not None:
                 p.data = view
         self._showing = key
+
+    def write_user_params(self) -> None:
+        """The user's parameters that show no host compute copy := the master, cast (they live where
+        the user put them: the host, unless the module was moved before wrapping)."""
+        with torch.no_grad():
+            for slot, p in zip(self.params.slots, self.user_params):
+                if self.compute is None or self.on_gpu(slot):
+                    p.detach().copy_(self._master_view(slot))
+
+    def user_param_versions(self) -> list[int]:
+        """Autograd's in-place version counters of the user's parameters: they change when anything writes them."""
+        return [p._version for p in self.user_params]
+
+    def read_user_params(self) -> None:
+        """The master := the user's parameters (a user's own optimizer stepped them: roundpipe.py)."""
+        with torch.no_grad():
+            for slot, p in zip(self.params.slots, self.user_params):
+                self._master_view(slot).copy_(p.detach())
+        if self.gpu is not None:
+            self.gpu.wait_queued()
 
     def on_gpu(self, slot: Slot) -> bool:
         return self.gpu is not None and self.gpu.holds(slot)

@@ -7,6 +7,9 @@ at 3B (fit.py's ``pinned_rounding``). Large buffers are instead mapped anonymous
 size and registered with the driver (``cudaHostRegister``), the way CUDA documents for memory
 allocated elsewhere; they are unregistered before the mapping goes away. Small buffers keep the
 caching allocator: rounding them costs little and its cache saves registrations.
+
+``pin="register"`` (``RoundPipe(..., pin_model="register")``, the original library's option)
+registers every buffer that way, small ones too: no power-of-two rounding at all.
 """
 from __future__ import annotations
 
@@ -42,21 +45,25 @@ def _registered(numel: int, dtype: torch.dtype) -> Tensor | None:
     return t
 
 
-def _allocate(numel: int, dtype: torch.dtype, pin: bool, fallback) -> Tensor:
-    """A large pinned buffer as an exact registered mapping (already zero); else ``fallback``'s."""
-    if pin and numel * dtype.itemsize >= EXACT_FROM_BYTES:
+Pin = "bool | str"  # False, True (large buffers registered, small ones from the allocator) or "register" (all registered)
+
+
+def _allocate(numel: int, dtype: torch.dtype, pin: Pin, fallback) -> Tensor:
+    """A large (or with ``pin="register"`` any) pinned buffer as an exact registered mapping (already
+    zero); else ``fallback``'s."""
+    if numel and (pin == "register" or (pin and numel * dtype.itemsize >= EXACT_FROM_BYTES)):
         t = _registered(numel, dtype)
         if t is not None:
             return t
-    return fallback(numel, dtype=dtype, pin_memory=pin)
+    return fallback(numel, dtype=dtype, pin_memory=bool(pin))
 
 
-def empty(numel: int, dtype: torch.dtype, pin: bool) -> Tensor:
+def empty(numel: int, dtype: torch.dtype, pin: Pin) -> Tensor:
     """A flat host tensor (uninitialised unless it is freshly mapped), pinned when ``pin``."""
     return _allocate(numel, dtype, pin, torch.empty)
 
 
-def zeros(numel: int, dtype: torch.dtype, pin: bool) -> Tensor:
+def zeros(numel: int, dtype: torch.dtype, pin: Pin) -> Tensor:
     """A flat host tensor of zeros, pinned when ``pin`` (a fresh mapping is already zero)."""
     return _allocate(numel, dtype, pin, torch.zeros)
 

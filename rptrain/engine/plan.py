@@ -25,6 +25,7 @@ class ExecutePlan:
 
     forward: Stages
     backward: Stages
+    fused: bool = True  # False: a plan for model(x) + backward only, whose last stages may differ (ModelExecutePlan)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "forward", tuple(tuple(s) for s in self.forward))
@@ -40,7 +41,7 @@ class ExecutePlan:
                     raise ValueError(f"ExecutePlan.{name} has an empty or reversed stage ({a}, {b})")
                 if c != b:
                     raise ValueError(f"ExecutePlan.{name} stages must be contiguous: ({a}, {b}) is followed by a stage starting at {c}")
-        if self.forward[-1] != self.backward[-1]:
+        if self.fused and self.forward[-1] != self.backward[-1]:
             raise ValueError(
                 f"ExecutePlan: the last forward stage {self.forward[-1]} and the last backward stage "
                 f"{self.backward[-1]} must be the same (it runs forward, loss and backward fused)"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from . import timer
 from .config import ResolvedRunConfig
 from .device import Device
 from .host import HostState
@@ -95,6 +96,7 @@ class Planner:
             for i, c in enumerate(base)
         ]
         cap = self._cap()
+        timer.report(costs)  # rptrain.timer.ModelTimer.VERBOSE: the original library's per-layer printout
         self.costs = costs
         self.plan = same_on_all_ranks(self.reducer, plan_stages(costs, len(self.devices), cap))
         self.activation_bytes, self.memory_cap = dict(state.activation_bytes), cap or 0

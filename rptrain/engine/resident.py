@@ -10,7 +10,7 @@ GPU share's where it lives and the host's uploaded as fp32 (``Tuning.refresh_gpu
 against 60 ms at 0.4 for 990 M parameters on the H200, overlapped with the next call; below 1 the
 host casts part into two compute copies of its own). A version no step staged (the first, and after
 synchronize()) is staged from the master when asked for, which holds it then. The user's
-parameters show the first GPU's live copy.
+parameters stay on the host (host.py: written from the master at synchronize()).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class _Resident:
 
     def __init__(self) -> None:
         self.staged: dict[int, StageTensors] = {}
-        self.live: Optional[StageTensors] = None  # one object: the user's parameter views of it are built once (show_version)
+        self.live: Optional[StageTensors] = None  # one object, refreshed in place (CUDA graphs read it)
         self.live_version: Optional[int] = None
 
     def publish(self, version: int, staged: StageTensors) -> None:
@@ -56,8 +56,6 @@ class ResidentStore(StreamedStore):
         share = tuning.refresh_gpu_share if host.compute is not None else 1.0  # the host casts only into its copies
         self._refresh_plan = refresh.split(host.params, host.master.dtype, share, tuning.refresh_chunk, host.gpu.cut if host.gpu else None)
         self.prefetch_version(0)  # on every GPU now: a step may change the master before a GPU's first call
-        host.live = self._shown  # the user's parameters show the live copy
-        host.show_version(0)
 
     # ----------------------------------------------------------------------------- weights
     def weights(self, device: Device, job: Job, version: int) -> tuple[StageTensors, StageTensors]:
@@ -101,13 +99,6 @@ class ResidentStore(StreamedStore):
                 found = StageTensors(self.host.params, pieces, event)
                 resident.publish(version, found)
             return found
-
-    def _shown(self, version: int) -> StageTensors:
-        """The live copy at ``version``, complete, for the user's parameters (HostState.show_version)."""
-        device = self.devices[0]
-        live = self._live(device, version)
-        device.record("compute").synchronize()
-        return live
 
     def _live(self, device: Device, version: int) -> StageTensors:
         staged = self.copy(device, version)

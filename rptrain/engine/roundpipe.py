@@ -2,9 +2,10 @@
 
 Master weights (``optim_dtype``) live on the host (host.py), the leading layers' on a resident GPU
 (gpushare.py); the optimizer thread writes new versions of the compute copy while calls read the
-previous one (versions.py: which version a call uses, where its gradients go). Calls are planned
-(planning.py), scheduled (schedule.py), lowered into actions and run (executor.py). The wrapped
-model's parameters show the compute copy: the host's, or a resident GPU's (host.py, resident.py).
+previous one (versions.py: which version a call uses, where its gradients go). Every call is
+prepared in one place (prepare.py: run config, plan, schedule), lowered into actions and run
+(executor.py). The wrapped model stays on the host, where the user put it: its parameters show the
+host's compute copy, or where there is none the weights of the last ``synchronize()`` (host.py).
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from torch import nn
 
 from .batching import merge_outputs, split_inputs, split_label
 from .checks import check_args, check_inputs, check_state_dict
-from .config import RoundPipeRunConfig, ResolvedRunConfig, resolve
+from .config import RoundPipeRunConfig, default_microbatches_for
 from .device import make_devices
+from .explain import explain
 from .executor import Executor
 from .fit import Size, check_fit, host_keeps_compute_copies
 from .gpushare import gpu_state_allowed
@@ -29,9 +31,9 @@ from .memory_format import check_memory_format
 from .optimizer_ctx import OptimizerCtx, in_optimizer_ctx
 from .plan import ExecutePlan
 from .planning import Planner, same_on_all_ranks
+from .prepare import Preparer
 from .recorded import run_recorded
 from .scaler import register_step_queue
-from .schedule import forward_schedule, training_schedule
 from .trace import span
 from .tuning import Tuning
 from .versions import Versions
@@ -41,7 +43,8 @@ IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_k
 
 
 class RoundPipe(nn.Module):
-    """One pipelined ``nn.Sequential``. Arguments:
+    """One pipelined model: an ``nn.Sequential`` is split into its elements, any other module is one
+    layer (the original library's rule). Arguments:
 
     ``devices``: None (every GPU, else the CPU) or a list like ``["cuda:0", "cuda:1"]``.
     ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
@@ -54,8 +57,11 @@ class RoundPipe(nn.Module):
     ``optimizer_threads``: OpenMP threads of the optimizer step. Default on GPU engines: one
     fewer than torch's, so the thread issuing GPU work keeps a core; a statically scheduled
     parallel loop that shares a core with it waits for its slowest thread.
-    ``name``, ``pin_model``: the original library's; ``name`` is kept as ``.name``, host copies
-    are always pinned with PyTorch's allocator on GPU engines (its "alloc").
+    ``name``: kept as ``.name``. ``pin_model`` (GPU engines; on the CPU nothing is pinned, so all three
+    behave the same): "alloc" pins host copies, large ones as exact registered mappings and small ones
+    through PyTorch's allocator (which rounds them up to a power of two); "register" registers every
+    copy at its exact size (``cudaHostRegister``: no rounding, slower to set up); "off" pins nothing
+    (least pinned memory; copies to the GPU are slower, staged by the driver).
     ``memory_format``: ``torch.channels_last`` converts 4-D inputs to channels-last on the
     device and stores 4-D weights (and so their gradients and state-dict tensors) channels-last,
     so convolutions run NHWC kernels (faster on recent GPUs; memory_format.py). None: as given.
@@ -68,7 +74,7 @@ class RoundPipe(nn.Module):
 
     def __init__(
         self,
-        model: nn.Sequential,
+        model: nn.Module,
         optim_dtype: torch.dtype = torch.float32,
         model_run_config: Optional[RoundPipeRunConfig] = None,
         devices: Any = None,
@@ -87,13 +93,10 @@ class RoundPipe(nn.Module):
         super().__init__()
         check_args(model, optim_dtype, model_run_config, cuda_graphs, pin_model, tuning, optimizer_threads)
         self.name = name
-        self._single = False  # wrap.py made this engine around one module: its names drop the "0."
         self._tuning = tuning or Tuning()
         self.model = model
-        self._layers = list(model)
+        self._layers = list(model) if isinstance(model, nn.Sequential) else [model]
         self._run_config = model_run_config or RoundPipeRunConfig()
-        if self._run_config.execute_plan is not None:
-            self._run_config.execute_plan.check_layers(len(self._layers))
         self._devices = make_devices(devices)
         self._cuda = self._devices[0].is_cuda
         self._reducer = _reducer(process_group)
@@ -101,7 +104,7 @@ class RoundPipe(nn.Module):
         copies = host_keeps_compute_copies(resident, self._tuning.refresh_gpu_share)
         self.placement = check_fit(self._layers, optim_dtype, self._devices, resident, max_host_memory, max_gpu_memory, self._tuning.pin_frozen_share,
                                    *gpu_state_allowed(gpu_state, self._devices, resident, self._tuning), compute_copies=copies)
-        pins = self._devices[0].pins_memory
+        pins = self._devices[0].pins_memory and pin_model != "off" and ("register" if pin_model == "register" else True)
         memory_format = check_memory_format(memory_format)
         self._host = HostState(self._layers, optim_dtype, pin_memory=pins, pin_master=resident and pins,
                                pin_frozen_share=self._tuning.pin_frozen_share, channels_last=memory_format is torch.channels_last,
@@ -111,8 +114,18 @@ class RoundPipe(nn.Module):
         if self._reducer is not None:
             self._reducer.check_same(self._host.master_sample(), self._devices[0].torch_device)
         self._planner = Planner(len(self._layers), self._host, self._devices, self._tuning, self._reducer)
+        self._prepare = Preparer(self._run_config, len(self._layers), len(self._devices), self._cuda, self._planner)
         self._versions = Versions(self._host, self._executor, self._optimizer_thread(optimizer_threads), OptimizerCtx)
+        self._closed = False
+        self._synchronized: Optional[tuple[int, list[int]]] = None  # (version, the user's parameters' counters) at synchronize()
         register_step_queue(self)
+        self._initialized = True  # from here on, attributes RoundPipe lacks are the wrapped model's
+
+    @staticmethod
+    def default_num_microbatch(devices: Any = None) -> int:
+        """The ``num_microbatch`` a ``RoundPipe(..., devices=devices)`` uses when no run config sets one:
+        its GPUs + 1, or 1 on the CPU (callers planning batches ask here rather than counting GPUs)."""
+        return default_microbatches_for(devices)
 
     def _fits_resident(self, model: nn.Module, gpu_state: bool) -> bool:
         """Small models stay on every GPU (uploaded once per version, not per stage); larger with GPU state."""
@@ -140,6 +153,22 @@ class RoundPipe(nn.Module):
             if model is None:
                 raise
             return getattr(model, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """After construction, attributes RoundPipe does not have itself are written to the wrapped model."""
+        if self.__dict__.get("_initialized") and not self._owns(name):
+            setattr(self.model, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_initialized") and not self._owns(name):
+            delattr(self.model, name)
+        else:
+            super().__delattr__(name)
+
+    def _owns(self, name: str) -> bool:
+        return name in self.__dict__ or name in self._modules or name in self._parameters or name in self._buffers or hasattr(type(self), name)
 
     def _apply(self, fn: Callable, recurse: bool = True) -> "RoundPipe":
         raise RuntimeError("RoundPipe decides where weights live: do not call .to()/.cuda()/.half() on it; build the model in the dtype you want before wrapping it")
@@ -188,17 +217,14 @@ class RoundPipe(nn.Module):
     def forward(self, *args: Any, run_config: Optional[RoundPipeRunConfig] = None,
                 roundpipe_run_config: Optional[RoundPipeRunConfig] = None, **kwargs: Any) -> Any:
         """``roundpipe_run_config``: the original library's name for ``run_config``."""
-        self._versions.raise_errors()
-        cfg = self._resolve(run_config or roundpipe_run_config)
+        self._check_open()
+        call = self._prepare.forward(run_config or roundpipe_run_config)
+        cfg = call.cfg
         micro = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
-        plan = self._planner.forward(cfg)
-        if cfg.requires_grad and torch.is_grad_enabled():
-            return run_recorded(self, cfg, plan, micro)
+        if call.recorded:
+            return run_recorded(call, self._prepare.backward_jobs(call), micro, self._versions, self._executor, self._run_training_pass)
         version = self._versions.use()
-        state = PassState(
-            forward_schedule(plan, len(self._devices)), cfg.num_microbatch, [Args(a, k) for a, k in micro], version,
-            output_device=cfg.output_device,
-        )
+        state = PassState(call.jobs, cfg.num_microbatch, [Args(a, k) for a, k in micro], version, output_device=cfg.output_device)
         self._executor.run(state)
         return merge_outputs(state.outputs, cfg.merge_output)
 
@@ -214,37 +240,37 @@ class RoundPipe(nn.Module):
         """Forward, ``loss_fn(outputs, label)`` and backward over every microbatch.
 
         Returns the sum of the microbatch losses (and the merged outputs if ``return_outputs``).
+        ``loss_fn`` may return a sequence of scalar losses: each microbatch backpropagates all of them
+        (``torch.autograd.backward``, as the original library) and the call returns their sums, a list.
         Without ``loss_fn`` the model's output is the loss (the original library's default).
         Gradients accumulate in fp32 on the host until the next ``step()``.
         """
-        self._versions.raise_errors()
+        self._check_open()
         args, kwargs = check_inputs(input_args, input_kwargs)
         if not callable(loss_fn):
             raise TypeError("forward_backward needs loss_fn: a callable (outputs, label) -> scalar tensor")
-        cfg = self._resolve(run_config)
+        call = self._prepare.training(run_config)
+        cfg = call.cfg
         micro = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
         labels = split_label(label, cfg.num_microbatch, cfg.split_label)
-        plan, profile = self._planner.training(cfg)
         version = self._versions.use()
         buffer = self._versions.open_window()
-        jobs = training_schedule(plan, len(self._devices), cfg.recompute_grain)
         inputs = [float_tensors(Args(a, k)) for a, k in micro]
         state = PassState(
-            jobs, cfg.num_microbatch,
+            call.jobs, cfg.num_microbatch,
             [Args(a, k) for a, k in micro], version, labels=labels, loss_fn=loss_fn, grad_buffer=buffer,
             preserve_rng=cfg.preserve_rng_state, want_outputs=return_outputs, output_device=cfg.output_device,
-            profile=profile, offload=self._planner.offload(jobs, cfg.num_microbatch),
+            profile=call.profile, offload=call.offload,
             input_requires_grad=torch.is_grad_enabled() and any(t.requires_grad for i in inputs for t in i),
             recompute_follows=True,
         )
         self._run_training_pass(state)
-        if profile:
+        if call.profile:
             self._planner.measured(state)
         if state.input_requires_grad:  # e.g. an encoder's packed output: its backward runs now
             pairs = [(t, g) for i, grads in zip(inputs, state.input_grads) for t, g in zip(i, grads or ()) if t.requires_grad and g is not None]
             torch.autograd.backward([t for t, _ in pairs], [g.to(t.device) for t, g in pairs])
-        losses = [loss.to(cfg.output_device) for loss in state.losses]
-        loss = torch.stack(losses).sum()
+        loss = _summed(state.losses, cfg.output_device)
         if return_outputs:
             return loss, merge_outputs(state.outputs, cfg.merge_output)
         return loss
@@ -267,15 +293,34 @@ class RoundPipe(nn.Module):
         """Run ``step_fn(*args, **kwargs)`` (e.g. ``scaler.step(opt); opt.zero_grad()``) on the
         optimizer thread with the gradients accumulated since the last step as the master
         parameters' ``.grad``; there ``parameters()`` gives the master parameters."""
-        self._versions.raise_errors()
+        self._check_open()
         if not callable(step_fn):
             raise TypeError(f"step() needs a callable, got {type(step_fn).__name__}")
         self._versions.step(functools.partial(step_fn, *args, **kwargs), is_async)
 
     def synchronize(self) -> None:
-        """Wait for queued steps and make the compute copy equal to the master copy."""
+        """Wait for queued steps and make the compute copy (and the wrapped model's parameters) equal to
+        the master copy; the gradients accumulated since the last step show as the parameters' ``.grad``.
+        A user's own optimizer may then step those parameters (the original library's documented use):
+        the next call finds them changed, takes them as the new weights and drops the gradients they used."""
+        self._check_open()
+        self._synchronize()
+
+    def _synchronize(self) -> None:
         self._versions.synchronize()
         self._show_grads()
+        self._synchronized = (self._versions.written, self._host.user_param_versions())
+
+    def _adopt_user_steps(self) -> None:
+        """Parameters written since ``synchronize()``, with no step of ours in between: a plain optimizer
+        over the wrapped model's parameters has stepped them. They become the master (and every copy),
+        and the gradients that step consumed are dropped, as the original library moves them into ``.grad``."""
+        synced, self._synchronized = self._synchronized, None
+        if synced is None or synced[0] != self._versions.written or synced[1] == self._host.user_param_versions():
+            return
+        self._host.read_user_params()
+        self._versions.discard_window()
+        self._synchronize()
 
     def _show_grads(self) -> None:
         """The wrapped model's ``.grad``: the gradients accumulated since the last step (in the
@@ -290,8 +335,11 @@ class RoundPipe(nn.Module):
         self._versions.wait_all()
 
     def close(self) -> None:
-        """Stop the optimizer thread and free device memory; the object is not usable afterwards.
-        Raises the error of a step nobody has seen fail yet."""
+        """Stop the optimizer thread and free device memory; the object is not usable afterwards (every
+        call but ``close()`` then raises). Raises the error of a step nobody has seen fail yet."""
+        if self._closed:
+            return
+        self._closed = True
         self.wait_for_steps()
         self._versions.thread.close()
         # Let go of the process group: one still referenced when the interpreter exits is torn
@@ -304,18 +352,26 @@ class RoundPipe(nn.Module):
         """The plan (stages, layers, devices, residency) and every device's actions, transfers with
         their bytes, of the next ``forward_backward(input_args=example_inputs, input_kwargs=kwargs)``,
         without running anything on a device (explain.py)."""
-        from .explain import explain
+        self._check_open()
+        return explain(self._prepare.training(None), self._executor, self._planner, self.placement, example_inputs, kwargs)
 
-        return explain(self, example_inputs, kwargs)
+    def _check_open(self) -> None:
+        """Refuse calls after ``close()``; else raise what a step that this call waits on reported."""
+        if self._closed:
+            raise RuntimeError(f"RoundPipe{f' {self.name!r}' if self.name else ''} was closed: make a new one to train or evaluate again")
+        self._versions.raise_errors()
+        self._adopt_user_steps()
 
     # ----------------------------------------------------------------------------- state dicts
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
-        """Master weights (``optim_dtype``) and buffers under the wrapped Sequential's names."""
+        """Master weights (``optim_dtype``) and buffers under the wrapped model's names."""
+        self._check_open()
         self._versions.drain()
         master = self._host.master_of()
         return {k: master.get(id(t), t).detach().cpu() for k, t in self.model.state_dict(keep_vars=True).items()}
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False) -> IncompatibleKeys:
+        self._check_open()
         self._versions.drain()
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict needs a dict, got {type(state_dict).__name__}")
@@ -327,19 +383,20 @@ class RoundPipe(nn.Module):
                 if key in targets:
                     targets[key].copy_(value)
         self._executor.store.frozen_changed()
-        self.synchronize()
+        self._synchronize()
         return IncompatibleKeys(missing, unexpected)
 
     # ----------------------------------------------------------------------------- plans
-    def _resolve(self, run_config: Optional[RoundPipeRunConfig]) -> ResolvedRunConfig:
-        cfg = resolve(self._run_config.override(run_config), len(self._devices) + 1 if self._cuda else 1)
-        if cfg.execute_plan is not None:
-            cfg.execute_plan.check_layers(len(self._layers))
-        return cfg
-
     def _auto_plan(self, min_stages: Optional[int], memory_cap: Optional[int]) -> ExecutePlan:
         """``ExecutePlan.auto``: the measured costs when a call has measured them, else the sizes."""
         return self._planner.auto(min_stages, memory_cap)
+
+
+def _summed(losses: list, device: torch.device) -> Any:
+    """The microbatches' losses summed: a tensor, or a list of sums when ``loss_fn`` returned several."""
+    if isinstance(losses[0], torch.Tensor):
+        return torch.stack([loss.to(device) for loss in losses]).sum()
+    return [torch.stack([micro[i].to(device) for micro in losses]).sum() for i in range(len(losses[0]))]
 
 
 def _reducer(process_group: Any) -> Any:

@@ -9,6 +9,10 @@ Gradients go to one of two fp32 buffers: the open window's. A step hands the win
 the optimizer thread (as the master parameters' ``.grad``) and the next call opens the other one,
 so the next iteration's backward overlaps the optimizer step. A step that fails, or a step function
 that keeps a ``.grad``, leaves the buffer ``held`` until the next step lets it go.
+
+A step's error is raised once the caller has waited for that step (a call using its version or a
+later one, ``synchronize()``, a synchronous step, ``close()``), never because the thread happened
+to finish first: which call reports it, and so which calls ran, does not depend on thread timing.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class Versions:
         self.host, self.executor, self.thread, self.optimizer_ctx = host, executor, thread, optimizer_ctx
         self.tickets: dict[int, Ticket] = {}  # version -> the task writing it
         self.written = 0  # newest version submitted
+        self.waited = 0  # newest version the caller has waited for: errors up to it are reported
         self.required = 0  # version the next call uses
         self.shown = 0  # version the user's model parameters point at
         self.last_step = 0  # version the newest step writes
@@ -47,11 +52,19 @@ class Versions:
         self.wait(version)
         self.required = self.last_step = version
         self.use()
+        self.host.write_user_params()
+
+    def discard_window(self) -> None:
+        """Forget the gradients accumulated since the last step (someone else has used them)."""
+        if self.window_open:
+            self.host.grads[self.window].reset()
+        self.window_scalers = {}
 
     def wait_all(self) -> None:
         """Wait for queued optimizer work without raising its errors."""
         for ticket in list(self.tickets.values()):
             ticket.wait()
+        self.waited = self.written
 
     def open_buffer(self) -> Optional[GradBuffer]:
         """The open window's gradient buffer (None: no call since the last step)."""
@@ -99,11 +112,13 @@ class Versions:
         ticket = self.tickets.get(version)
         if ticket is not None:
             ticket.wait()
-            self.raise_errors()
+        self.waited = max(self.waited, version)  # tasks run in order: every earlier one is done too
+        self.raise_errors()
 
     def raise_errors(self) -> None:
+        """The first unreported error of the steps waited for (tickets up to ``waited``)."""
         for version, ticket in sorted(self.tickets.items()):
-            if ticket.done():
+            if version <= self.waited:
                 del self.tickets[version]
                 error, ticket.error = ticket.error, None  # reported once, also where engines share a ticket
                 if error is not None:
@@ -178,8 +193,7 @@ class Versions:
         buffer = self.host.grad_buffer(self.window)
         if not self.window_open:
             while not buffer.free.wait(timeout=0.5):
-                self.raise_errors()
-                if not self.tickets:  # no step left that would let it go (one failed holding it)
+                if all(t.done() for t in self.tickets.values()):  # no step left that would let it go (one failed holding it)
                     self.release(buffer)
             buffer.free.clear()
             buffer.reset()

@@ -49,10 +49,22 @@ class TaskThread:
             return ticket
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=_loop, args=(self._queue, self._threads), name=self._name, daemon=True)
-                self._thread.start()
+                self._start()
             self._queue.put((task, ticket))
         return ticket
+
+    def _start(self) -> None:
+        """Start the thread; with ``threads``, give the process its thread count back afterwards:
+        ``torch.set_num_threads`` also sets the count every thread started later begins with (a
+        process-wide default), so the device threads of this and later engines would compute with
+        the optimizer's count, and their sums would differ from the caller's."""
+        caller = torch.get_num_threads()
+        ready = threading.Event()
+        self._thread = threading.Thread(target=_loop, args=(self._queue, self._threads, ready), name=self._name, daemon=True)
+        self._thread.start()
+        if self._threads is not None:
+            ready.wait()
+            torch.set_num_threads(caller)  # the caller's count is unchanged; the default is the caller's again
 
     def close(self) -> None:
         with self._lock:
@@ -63,10 +75,11 @@ class TaskThread:
             thread.join()
 
 
-def _loop(tasks: "queue.Queue", threads: Optional[int]) -> None:
+def _loop(tasks: "queue.Queue", threads: Optional[int], ready: threading.Event) -> None:
     # Holds only the queue, not the engine, so an unused engine can be garbage-collected.
     if threads is not None:
         torch.set_num_threads(threads)
+    ready.set()
     while True:
         item = tasks.get()
         if item is None:

@@ -16,11 +16,14 @@ glue's own parameters included).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Container, Iterable, Iterator, Optional
 
+import torch
 from torch import nn
 
+from .batching import merge_outputs, split_inputs, split_label
 from .config import RoundPipeRunConfig
 from .optimizer_ctx import OptimizerCtx, in_optimizer_ctx
 from .roundpipe import RoundPipe
@@ -40,7 +43,7 @@ def wrap_model(model: nn.Module, model_run_config: Optional[RoundPipeRunConfig] 
     engines: list[tuple[str, RoundPipe]] = []
     claimed = _Claims()
     _wrap_children(model, "", claimed.checked(make), config, lower_threshold, skip_modules, engines)
-    return WrappedModel(model, engines)
+    return WrappedModel(model, engines, config)
 
 
 wrap_model_to_roundpipe = wrap_model  # the original library's name
@@ -55,15 +58,13 @@ class _Claims:
 
     def checked(self, make: Callable) -> Callable:
         """``make`` taking ``(prefix, model, **kwargs)``: claims the model's parameters, then builds."""
-        def build(prefix: str, model: nn.Sequential, single: bool = False, **kwargs: Any) -> RoundPipe:
+        def build(prefix: str, model: nn.Module, **kwargs: Any) -> RoundPipe:
             for name, p in model.named_parameters():
                 first = self.owner.setdefault(id(p), prefix)
                 if first != prefix:
-                    raise ValueError(f"wrap_model: {_original_name(prefix, single, name)} is tied to a parameter of {first.rstrip('.')}: engines "
+                    raise ValueError(f"wrap_model: {prefix}{name} is tied to a parameter of {first.rstrip('.')}: engines "
                                      "cannot share weights; untie them or build one nn.Sequential holding both users")
-            engine = make(model, **kwargs)
-            engine._single = single
-            return engine
+            return make(model, **kwargs)
         return build
 
 
@@ -84,12 +85,12 @@ def _wrap_children(module: nn.Module, prefix: str, make: Callable, config: Round
             last = len(child) - 1
             for i, element in enumerate(child):
                 packed = RoundPipeRunConfig(merge_output=False) if i < last else None
-                engine = make(f"{path}.{i}.", nn.Sequential(element), single=True, model_run_config=config.override(packed))
+                engine = make(f"{path}.{i}.", element, model_run_config=config.override(packed))
                 engines.append((f"{path}.{i}.", engine))
                 child[i] = engine
             continue
         elif _own_bytes(child) >= threshold:
-            engine = make(f"{path}.", nn.Sequential(child), single=True)
+            engine = make(f"{path}.", child)  # one layer (RoundPipe wraps a module that is not a Sequential whole)
             engines.append((f"{path}.", engine))
         else:
             _wrap_children(child, f"{path}.", make, config, threshold, skip, engines)
@@ -97,17 +98,13 @@ def _wrap_children(module: nn.Module, prefix: str, make: Callable, config: Round
         setattr(module, name, engine)
 
 
-def _original_name(prefix: str, single: bool, name: str) -> str:
-    """Engine names back to the model's: an engine made around one module (``single``) drops its ``0.``."""
-    return prefix + (name.split(".", 1)[1] if single else name)
-
-
 class WrappedModel(nn.Module):
     """A model with ``RoundPipe`` engines in place of its heavy children (``wrap_model``)."""
 
-    def __init__(self, model: nn.Module, engines: list[tuple[str, RoundPipe]]):
+    def __init__(self, model: nn.Module, engines: list[tuple[str, RoundPipe]], run_config: Optional[RoundPipeRunConfig] = None):
         super().__init__()
         self.model = model
+        self._run_config = run_config or RoundPipeRunConfig()
         self._engines = engines
         shared = engines[0][1]._versions.thread if engines else None
         for _, engine in engines[1:]:
@@ -118,6 +115,7 @@ class WrappedModel(nn.Module):
                 raise ValueError(f"wrap_model: {name} is tied to a parameter of {owner[id(p)]}: the host glue cannot share an "
                                  "engine's weights; untie them or pass the engine's module in skip_modules")
         self._glue = list({id(p): (n, p) for n, p in reversed(list(_glue_parameters(model, "")))}.values())[::-1]
+        self._initialized = True  # from here on, attributes WrappedModel lacks are the model's
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -125,24 +123,71 @@ class WrappedModel(nn.Module):
         except AttributeError:
             return getattr(self._modules["model"], name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """After construction, attributes WrappedModel does not have itself are written to the model."""
+        if self.__dict__.get("_initialized") and not self._owns(name):
+            setattr(self.model, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_initialized") and not self._owns(name):
+            delattr(self.model, name)
+        else:
+            super().__delattr__(name)
+
+    def _owns(self, name: str) -> bool:
+        return name in self.__dict__ or name in self._modules or hasattr(type(self), name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._raise_errors()
         return self.model(*args, **kwargs)
 
     def forward_backward(self, input_args: Any = (), input_kwargs: Optional[dict] = None, label: Any = None,
-                         loss_fn: Callable = lambda outputs, label: outputs, return_outputs: bool = False) -> Any:
-        """``loss_fn(model(...), label).backward()`` over the whole batch (the engines split it)."""
-        outputs = self(*input_args, **(input_kwargs or {}))
-        loss = loss_fn(outputs, label)
-        loss.backward()
-        return (loss.detach(), outputs) if return_outputs else loss.detach()
+                         loss_fn: Callable = lambda outputs, label: outputs, return_outputs: bool = False,
+                         run_config: Optional[RoundPipeRunConfig] = None) -> Any:
+        """The original library's semantics: the batch is split into ``num_microbatch`` microbatches
+        (the run config's, else the engines' default), and each runs ``loss_fn(model(...), label)``
+        and its backward; returns the sum of the microbatch losses (a list of sums when ``loss_fn``
+        returns several). So ``lambda out, _: out.loss / num_microbatch`` gives a Hugging Face model's
+        batch loss. The microbatches run one after another, each whole through every engine."""
+        self._raise_errors()
+        cfg = self._run_config.override(run_config)
+        n = cfg.num_microbatch or (self._engines[0][1]._prepare.default_microbatches if self._engines else 1)
+        args = (input_args,) if isinstance(input_args, torch.Tensor) else tuple(input_args)
+        micro = split_inputs(args, dict(input_kwargs or {}), n, cfg.split_input)
+        labels = split_label(label, n, cfg.split_label)
+        losses, outputs = [], []
+        with self._one_microbatch_each():
+            for (a, k), y in zip(micro, labels):
+                out = self(*a, **k)
+                loss = loss_fn(out, y)
+                parts = [loss] if isinstance(loss, torch.Tensor) else list(loss)
+                torch.autograd.backward([t for t in parts if t.requires_grad])
+                losses.append([t.detach() for t in parts])
+                outputs.append(out)
+        total = [torch.stack(column).sum() for column in zip(*losses)]
+        loss = total[0] if isinstance(loss, torch.Tensor) else total
+        return (loss, merge_outputs(outputs, cfg.merge_output)) if return_outputs else loss
+
+    @contextlib.contextmanager
+    def _one_microbatch_each(self) -> Iterator[None]:
+        """The engines run each microbatch of ``forward_backward`` whole (they would split it again)."""
+        one = RoundPipeRunConfig(num_microbatch=1)
+        for _, engine in self._engines:
+            engine._prepare.enclosing = one
+        try:
+            yield
+        finally:
+            for _, engine in self._engines:
+                engine._prepare.enclosing = None
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The model's names; inside ``OptimizerCtx`` (and step functions) the master parameters."""
         master = in_optimizer_ctx()
         for engine_prefix, engine in self._engines:
             for name, p in (engine.optim_named_parameters() if master else engine.model.named_parameters()):
-                yield prefix + _original_name(engine_prefix, engine._single, name), p
+                yield prefix + engine_prefix + name, p
         for name, p in self._glue:
             yield prefix + name, p
 
@@ -192,7 +237,7 @@ class WrappedModel(nn.Module):
         """Master weights and persistent buffers under the model's names."""
         out = {}
         for engine_prefix, engine in self._engines:
-            out.update({_original_name(engine_prefix, engine._single, k): v for k, v in engine.state_dict().items()})
+            out.update({engine_prefix + k: v for k, v in engine.state_dict().items()})
         out.update({name: p.detach() for name, p in self._glue})
         out.update(_glue_buffers(self.model, ""))
         return out

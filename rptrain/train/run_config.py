@@ -6,8 +6,9 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig
 
-from rptrain import ExecutePlan, RoundPipeRunConfig
+from rptrain import ExecutePlan, RoundPipe, RoundPipeRunConfig
 
+from . import dist
 from .errors import ConfigError, one_line
 
 CALLABLE_FIELDS = ("split_input", "split_label", "merge_output")
@@ -24,6 +25,14 @@ def _import_callable(key: str, path: Optional[str]) -> Optional[Callable]:
     if not callable(obj):
         raise ConfigError(f"run_config.{key}={path} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def default_num_microbatch() -> int:
+    """The engine's num_microbatch when run_config sets none, for the devices this process's engine
+    gets (dist.py: under torchrun a share of the machine's GPUs, or the one GPU a rank sees)."""
+    world, local_world = dist.world_size(), max(dist.env_int("LOCAL_WORLD_SIZE", 1), 1)
+    devices = dist.local_devices(dist.local_rank(), local_world) if world > 1 else None
+    return RoundPipe.default_num_microbatch(devices)
 
 
 def build_run_config(cfg: DictConfig, num_layers: int) -> RoundPipeRunConfig:

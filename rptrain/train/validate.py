@@ -23,11 +23,12 @@ from rptrain.models.hf_presets import QWEN3_PRESETS
 from . import dist, schema
 from .errors import ConfigError
 from .model import DATA_FOR, IMAGE, LM, data_kind, model_kind
+from .run_config import default_num_microbatch
 
 
 def default_microbatches() -> int:
-    """The engine's default num_microbatch: GPUs + 1, or 1 on the CPU fallback."""
-    return torch.cuda.device_count() + 1 if torch.cuda.is_available() else 1
+    """The engine's default num_microbatch for this process's devices (asked of the engine)."""
+    return default_num_microbatch()
 
 
 def num_microbatch(cfg: DictConfig) -> int:
