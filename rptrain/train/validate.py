@@ -235,6 +235,10 @@ def check_inputs(cfg: DictConfig) -> None:
     """The dataset or corpus the run will read is there; a missing CIFAR is downloaded now (if allowed),
     so that a failed download leaves no run directory behind."""
     d = cfg.data
+    path = cfg.model.get("path")
+    if path and not (Path(path).expanduser() / "config.json").is_file():  # before the tokenizer, which defaults to it
+        where = "no such folder" if not Path(path).expanduser().exists() else "no config.json there"
+        raise ConfigError(f"model.path={path}: {where}: point model.path at a Hugging Face model folder (config.json, *.safetensors, tokenizer files)")
     weights = cfg.model.get("weights")
     if weights and not Path(weights).expanduser().exists():
         raise ConfigError(f"model.weights={weights}: no such file or directory: give the path of a checkpoint of this model, or model.weights=null to start from random weights")
@@ -259,7 +263,8 @@ def check_inputs(cfg: DictConfig) -> None:
 
         source = tokenizer_source(cfg)
         if source != "byte" and not Path(source).expanduser().exists():
-            raise DataError(f"data.tokenizer={source}: no such file or folder: give a tokenizer.json, a folder holding one, or data.tokenizer=byte")
+            key = "data.tokenizer" if d.get("tokenizer") is not None else "model.path (the tokenizer's default)"
+            raise DataError(f"{key}={source}: no such file or folder: give a tokenizer.json, a folder holding one, or data.tokenizer=byte")
 
 
 @functools.lru_cache(maxsize=None)  # once per data set for all the jobs of a sweep
