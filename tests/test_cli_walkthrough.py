@@ -43,10 +43,40 @@ def test_a_max_seq_len_the_model_cannot_take_is_refused_naming_it(walk, tmp_path
     assert error_lines(proc.stderr)[-1].startswith("rptrain: error: data.max_seq_len=512 is longer than") and "256 positions" in proc.stderr
 
 
-def test_max_seq_len_null_follows_the_model_s_context(walk, tmp_path):
-    proc = run(walk, "trainer.max_steps=1", "trainer.hf_export=false", f"hydra.run.dir={tmp_path / 'run'}")
+@pytest.fixture(scope="module")
+def trained(walk):
+    """One step of the walkthrough as written (data.max_seq_len null, hf/ exported)."""
+    root = walk[0]
+    proc = run(walk, "trainer.max_steps=1", f"hydra.run.dir={root / 'run'}")
     assert proc.returncode == 0, explain(proc)
+    return proc, root / "run"
+
+
+def test_max_seq_len_null_follows_the_model_s_context(trained):
+    proc, _ = trained
     assert "at data.max_seq_len=256" in proc.stdout and "sequences of 256" in proc.stdout
+
+
+def test_the_chatml_fallback_is_said_and_exported_with_the_model(walk, trained):
+    """apply_chat_template on the exported folder gives the ids that were trained (the ChatML fallback)."""
+    from transformers import AutoTokenizer
+
+    from rptrain.data import load_tokenizer
+    from rptrain.data.chat import encode_conversation
+    from rptrain.data.chat_formats import Conversation
+    from rptrain.data.chat_template import CHATML, ChatTemplate
+
+    proc, run_dir = trained
+    _, model, _ = walk
+    assert f">>> chat template: ChatML, because {model} has no chat_template" in proc.stdout
+    exported = AutoTokenizer.from_pretrained(run_dir / "hf")
+    trained_with = load_tokenizer(model), ChatTemplate(CHATML)
+    for q, a in QA:
+        messages = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        ids = encode_conversation(Conversation(messages, "t"), *trained_with).ids
+        assert exported.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"] == ids
+        assert exported.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True) == \
+            ChatTemplate(CHATML).render(messages[:1], add_generation_prompt=True)[0]
 
 
 def test_an_error_inside_a_step_is_shown_as_itself_once(walk, tmp_path, monkeypatch):

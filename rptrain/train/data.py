@@ -150,9 +150,18 @@ def _token_data(cfg: DictConfig) -> TrainData:
 def _chat_tokenizer(cfg: DictConfig):
     """(tokenizer, chat template): data.tokenizer's (or the model's) with the template in its tokenizer_config.json."""
     tokenizer = build_tokenizer(cfg)
+    return tokenizer, _template_for(cfg, tokenizer)
+
+
+def _template_for(cfg: DictConfig, tokenizer: Any) -> ChatTemplate:
     path = getattr(tokenizer, "path", None)
     config = path.parent / "tokenizer_config.json" if path is not None else None
-    return tokenizer, ChatTemplate.for_tokenizer(config if config and config.is_file() else None, cfg.data.chat_template)
+    return ChatTemplate.for_tokenizer(config if config and config.is_file() else None, cfg.data.chat_template)
+
+
+def chat_template(cfg: DictConfig) -> ChatTemplate:
+    """The template a chat run renders with (and exports)."""
+    return _template_for(cfg, build_tokenizer(cfg))
 
 
 CHAT_SEQ_LEN = 4096  # data.max_seq_len=null: rows this long at most, whatever context the model has

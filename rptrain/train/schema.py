@@ -52,7 +52,8 @@ class OnNonfinite(Enum):
 
 class ChatFormat(Enum):
     auto = "auto"  # told apart record by record by their keys
-    messages = "messages"
+    messages = "messages"  # OpenAI's, tool calls included
+    sharegpt = "sharegpt"  # {"conversations": [{"from", "value"}]}
     prompt_completion = "prompt_completion"
     alpaca = "alpaca"
 

@@ -20,8 +20,9 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from rptrain import GradScaler, OptimizerCtx, RoundPipe
 
+from .chat_export import template_line
 from .checkpoint import load_checkpoint
-from .console import log, say
+from .console import log, loud, say
 from .data import TrainData, build_data
 from .dist import Dist, peer_errors
 from .memory_format import choose_memory_format
@@ -96,6 +97,8 @@ def build_components(cfg: DictConfig, run_dir: Path, overrides: list[str], conso
     b = cfg.trainer.batch_size
     ranks = f"; global batch {b} = {d.world} ranks x {b // d.world}" if d.world > 1 else ""
     say(console, f"model {cfg.model.name}: {prints['params']:,} parameters, compute {dtype}; data {data.description}{ranks}")
+    if data.template is not None:
+        loud(console, template_line(data.template, data.tokenizer))
     engine = build_engine(cfg, model, d)
     del model  # the engine owns the weights now
     try:
