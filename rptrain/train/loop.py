@@ -171,7 +171,9 @@ class Trainer:
     def _after_step(self, epoch: int, epoch_done: bool, stop: StopRequest, stopping: bool) -> None:
         c, p, every = self.c, self.c.progress, self.every
         last = p.step >= c.total_steps
-        if every.evaluates and (epoch_done or last or (every.eval and p.step % every.eval == 0)):
+        # trainer.eval_interval set: every that many steps (and at the end), not at every epoch's end too
+        # (a small chat set has epochs of a step or two); null: at the end of every epoch.
+        if every.evaluates and (last or (p.step % every.eval == 0 if every.eval else epoch_done)):
             self._evaluate(epoch)
         if epoch_done:
             c.report.end_epoch(p, epoch)

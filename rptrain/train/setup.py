@@ -117,6 +117,11 @@ def _train_parts(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     with OptimizerCtx():
         optimizer = instantiate(cfg.optim.optimizer, params=engine.parameters(), _convert_="all")
     scheduler = instantiate(cfg.optim.schedule, optimizer=optimizer, total_steps=total_steps)
+    warmup = cfg.optim.schedule.get("warmup_steps") or 0
+    if warmup > total_steps and d.main:
+        loud(console, f">>> optim.schedule.warmup_steps={warmup} is more than the run's {total_steps} steps: the learning rate never "
+                      f"reaches optim.optimizer.lr={cfg.optim.optimizer.lr:g} (it ends at {total_steps / warmup:.0%} of it); "
+                      f"lower optim.schedule.warmup_steps or train longer")
     scaler = build_scaler(cfg.precision)
     param_names = {name for name, _ in engine.named_parameters()}
     checkpoints = RunCheckpoints(cfg, run_dir, overrides, prints, d, param_names)

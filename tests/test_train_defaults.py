@@ -1,0 +1,27 @@
+"""Defaults a first fine-tune succeeds with: data=chat's own trainer/optim defaults (the command line still
+wins), evaluations (and samples) only where trainer.eval_interval puts them, and a warning for a warmup the
+run never finishes."""
+from __future__ import annotations
+
+import pytest
+
+from test_cli_helpers import TINY, explain, read_jsonl, rptrain_here
+from test_train_data import make  # noqa: F401  (a fixture: composes a config)
+
+
+def test_chat_data_brings_fine_tuning_defaults(make):
+    chat = make("model=llama_tiny", "data=chat", "data.path=x.jsonl")
+    assert (chat.trainer.batch_size, chat.trainer.epochs, chat.optim.schedule.warmup_steps) == (8, 3, 0)
+    mine = make("model=llama_tiny", "data=chat", "data.path=x.jsonl", "trainer.batch_size=2", "optim=adamw", "optim.schedule.warmup_steps=7")
+    assert (mine.trainer.batch_size, mine.optim.schedule.warmup_steps) == (2, 7)
+    assert make("optim=adamw").optim.schedule.warmup_steps == 100 and make().trainer.batch_size == 128  # the tutorial's, unchanged
+
+
+def test_eval_interval_is_honoured_and_a_short_warmup_is_warned_about(tmp_path):
+    """4 steps an epoch, 2 epochs, eval_interval=3: evaluations at steps 3, 6 and the last (8), not at step 4."""
+    run = tmp_path / "run"
+    proc = rptrain_here([*TINY, "trainer.epochs=2", "trainer.eval_interval=3", "optim=adamw", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"] == [3, 6, 8]
+    assert ">>> optim.schedule.warmup_steps=100 is more than the run's 8 steps: the learning rate never reaches optim.optimizer.lr=0.001 " \
+           "(it ends at 8% of it)" in proc.stdout
