@@ -94,3 +94,40 @@ def test_an_error_inside_a_step_is_shown_as_itself_once(walk, tmp_path, monkeypa
         f"rptrain: error: ValueError: the embedding broke (unexpected: the traceback is in {run_dir / 'rptrain.log'})"], explain(proc)
     assert "Traceback" in (run_dir / "rptrain.log").read_text()
     assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+
+
+@pytest.fixture(scope="module")
+def lora_run(walk):
+    """Three LoRA steps of the walkthrough, exporting the adapters alone (adapter/)."""
+    root = walk[0]
+    proc = run(walk, "model.lora.rank=4", "model.lora.alpha=8", "model.lora.export=adapter", "trainer.max_steps=3",
+               "optim.optimizer.lr=1e-2", "precision=fp32", f"hydra.run.dir={root / 'lora'}")
+    assert proc.returncode == 0, explain(proc)
+    return proc, root / "lora"
+
+
+def test_lora_runs_say_their_trainable_and_total_parameters(lora_run):
+    proc, _ = lora_run
+    assert "model hf: 43,168 parameters (4,096 trainable, 9.49%)" in proc.stdout, proc.stdout[-3000:]  # 39,072 + the adapters
+
+
+def test_rptrain_generate_takes_an_adapter_folder_with_its_base(lora_run, walk, capsys):
+    """The adapter folded into its base (adapter_config.json's base_model_name_or_path, or --base) is the
+    LoRA run's model: the same loss on a batch (fp32, rel 1e-5) and the same greedy answer."""
+    import torch
+
+    from rptrain.cli.generate import load_for_generation, main as generate_cli
+
+    _, run_dir = lora_run
+    lora_model, _, _ = load_for_generation(str(run_dir), torch.float32)
+    folded, _, template = load_for_generation(str(run_dir / "adapter"), torch.float32)
+    base, _, _ = load_for_generation(str(walk[1]), torch.float32)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got, plain = (m((ids[:, :-1], ids[:, 1:])).item() for m in (lora_model, folded, base))
+    assert got == pytest.approx(want, rel=1e-5) and got != pytest.approx(plain, rel=1e-5)
+    answers = []
+    for path in (str(run_dir), str(run_dir / "adapter"), f"{run_dir / 'adapter'} --base {walk[1]}"):
+        generate_cli([*path.split(), QA[0][0], "--max-tokens", "6"])
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] == answers[2] and answers[0].strip()

@@ -25,3 +25,31 @@ def test_eval_interval_is_honoured_and_a_short_warmup_is_warned_about(tmp_path):
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"] == [3, 6, 8]
     assert ">>> optim.schedule.warmup_steps=100 is more than the run's 8 steps: the learning rate never reaches optim.optimizer.lr=0.001 " \
            "(it ends at 8% of it)" in proc.stdout
+
+
+@pytest.mark.parametrize("cores, cpus, load, free", [(2, 2, 0.1, 2), (2, 2, 1.0, 1), (2, 2, 6.9, 1), (8, 64, 32.0, 4), (16, 16, 3.4, 13)])
+def test_threads_follow_the_cores_free_to_the_process(monkeypatch, cores, cpus, load, free):
+    """The affinity's cores less the load average's share of them (at least one), unless OMP_NUM_THREADS
+    or engine.threads says otherwise; the choice is printed."""
+    import os
+
+    import torch
+
+    from rptrain.train import threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    assert threads.choose_threads(None)[0] == free
+    assert threads.choose_threads(3) == (3, "engine.threads")
+    before = torch.get_num_threads()
+    try:
+        line = threads.set_threads(None, None, cuda=True)
+        assert torch.get_num_threads() == free
+        assert line.startswith(f"CPU threads: {free} intra-op ({cores} cores allowed, load {load * cores / cpus:.1f}")
+        assert line.endswith(f"optimizer step {max(1, free - 1)} threads")
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert threads.choose_threads(None)[1] == "OMP_NUM_THREADS"
+    finally:
+        torch.set_num_threads(before)

@@ -350,6 +350,7 @@ class EngineConfig:
     """RoundPipe's remaining constructor arguments, and cuDNN's algorithm search."""
 
     cuda_graphs: bool = True
+    threads: Optional[int] = None  # PyTorch's intra-op threads; None: the cores free to the process (train/threads.py)
     optimizer_threads: Optional[int] = None  # None: the engine's default
     channels_last: Optional[bool] = None  # None: on for convolution models on CUDA (train/memory_format.py)
     cudnn_benchmark: bool = True  # torch.backends.cudnn.benchmark while the run trains (train/kernels.py)

@@ -37,6 +37,7 @@ from .run_config import build_run_config
 from .samples import Sampler, make_sampler
 from .step_fn import StepFunctions
 from .tasks import Task, make_task
+from .threads import set_threads
 from .validate import check_vocab, num_microbatch, validate_config
 
 
@@ -88,6 +89,7 @@ def build_data_and_model(cfg: DictConfig) -> tuple[torch.dtype, TrainData, torch
 
 def build_components(cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, d: Dist,
                      on_record: Any = None) -> Components:
+    threads = set_threads(cfg.engine.threads, cfg.engine.optimizer_threads, torch.cuda.is_available())
     dtype, data, model = build_data_and_model(cfg)
     prints = fingerprint(cfg.model.name, model)
     resume = choose_resume(cfg, run_dir, overrides, d, console)
@@ -96,7 +98,10 @@ def build_components(cfg: DictConfig, run_dir: Path, overrides: list[str], conso
         check_resume_state(resume, state, cfg)
     b = cfg.trainer.batch_size
     ranks = f"; global batch {b} = {d.world} ranks x {b // d.world}" if d.world > 1 else ""
-    say(console, f"model {cfg.model.name}: {prints['params']:,} parameters, compute {dtype}; data {data.description}{ranks}")
+    trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
+    share = f" ({trainable:,} trainable, {trainable / max(prints['params'], 1):.2%})" if trainable != prints["params"] else ""
+    say(console, f"model {cfg.model.name}: {prints['params']:,} parameters{share}, compute {dtype}; data {data.description}{ranks}")
+    say(console, threads)
     if data.template is not None:
         loud(console, template_line(data.template, data.tokenizer))
     engine = build_engine(cfg, model, d)

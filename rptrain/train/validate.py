@@ -107,6 +107,7 @@ def validate_config(cfg: DictConfig) -> None:
     micro = micro or default_microbatches()
     source = "run_config.num_microbatch" if cfg.run_config.num_microbatch else "the default num_microbatch (GPUs + 1)"
     _positive("engine.optimizer_threads", cfg.engine.optimizer_threads)
+    _positive("engine.threads", cfg.engine.threads)
     for key in ("max_host_memory", "max_gpu_memory"):
         try:
             parse_size(cfg.engine[key], f"engine.{key}")
