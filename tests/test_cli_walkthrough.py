@@ -131,3 +131,13 @@ def test_rptrain_generate_takes_an_adapter_folder_with_its_base(lora_run, walk, 
         generate_cli([*path.split(), QA[0][0], "--max-tokens", "6"])
         answers.append(capsys.readouterr().out)
     assert answers[0] == answers[1] == answers[2] and answers[0].strip()
+
+
+def test_preview_prints_the_first_examples_with_the_trained_tokens_marked(walk, tmp_path):
+    proc = run(walk, "--preview", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0 and not (tmp_path / "run").exists(), explain(proc)
+    out = proc.stdout
+    assert out.startswith(">>> chat template: ChatML, because") and out.count("--- ") == 3
+    assert f"<|im_start|>user\n{QA[0][0]}<|im_end|>\n<|im_start|>assistant\n⟦{QA[0][1]}<|im_end|>⟧\n" in out
+    bad = run(walk, "--preview", "-m", "trainer.batch_size=1,2")
+    assert bad.returncode == 2 and "--preview takes one run's overrides" in bad.stderr, explain(bad)
