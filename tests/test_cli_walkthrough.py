@@ -139,5 +139,5 @@ def test_preview_prints_the_first_examples_with_the_trained_tokens_marked(walk, 
     out = proc.stdout
     assert out.startswith(">>> chat template: ChatML, because") and out.count("--- ") == 3
     assert f"<|im_start|>user\n{QA[0][0]}<|im_end|>\n<|im_start|>assistant\n⟦{QA[0][1]}<|im_end|>⟧\n" in out
-    bad = run(walk, "--preview", "-m", "trainer.batch_size=1,2")
+    bad = rptrain_here(["--preview", "-m", "model=llama_tiny", "data=chat", f"data.path={walk[2]}", "trainer.batch_size=1,2"], walk[0])
     assert bad.returncode == 2 and "--preview takes one run's overrides" in bad.stderr, explain(bad)
