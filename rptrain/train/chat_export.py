@@ -37,4 +37,5 @@ def template_line(template: ChatTemplate, tokenizer: object) -> str:
                 f"the exported hf/ carries it. data.chat_template=FILE.jinja chooses another")
     if name.startswith("chatml (data.chat_template"):
         return ">>> chat template: ChatML (data.chat_template=chatml); the exported hf/ carries it"
-    return f">>> chat template: {name} ({'data.chat_template' if name.endswith('.jinja') else 'the tokenizer' + chr(39) + 's own'}); the exported hf/ carries it"
+    why = "data.chat_template" if name.endswith(".jinja") else "the tokenizer's own"
+    return f">>> chat template: {name} ({why}); the exported hf/ carries it"
