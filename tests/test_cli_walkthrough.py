@@ -87,12 +87,22 @@ def test_an_error_inside_a_step_is_shown_as_itself_once(walk, tmp_path, monkeypa
         raise ValueError("the embedding broke")
 
     monkeypatch.setattr(decoder.TokenEmbedding, "forward", broken)
+    from rptrain.engine.roundpipe import RoundPipe
+
+    close = RoundPipe.close
+
+    def close_and_fail(self):  # a cleanup error after the step's: it must not replace it
+        close(self)
+        raise RuntimeError("closing broke too")
+
+    monkeypatch.setattr(RoundPipe, "close", close_and_fail)
     run_dir = tmp_path / "run"
     proc = run(walk, "trainer.max_steps=1", f"hydra.run.dir={run_dir}")
     lines = error_lines(proc.stderr)
     assert proc.returncode == 1 and lines == [
         f"rptrain: error: ValueError: the embedding broke (unexpected: the traceback is in {run_dir / 'rptrain.log'})"], explain(proc)
-    assert "Traceback" in (run_dir / "rptrain.log").read_text()
+    log = (run_dir / "rptrain.log").read_text()
+    assert "Traceback" in log and "closing the run after its error failed too: RuntimeError('closing broke too')" in log
     assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
 
 

@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig
 from rich.console import Console
 
-from .console import ProgressBar, say
+from .console import ProgressBar, log, say
 from .dist import Dist, peer_errors
 from .export import export_run, exportable
 from .kernels import cudnn_benchmark
@@ -69,8 +69,10 @@ class Trainer:
             self.save()
             summary = c.report.summary(c.progress, self.cfg, self.overrides, c.checkpoints.fingerprint["params"], c.checkpoints.path, c.resume)
             del c
-        finally:
-            self.cleanup()
+        except BaseException:
+            self._cleanup_after_error()
+            raise
+        self.cleanup()
         # Sweeps run every job in this process: the next job must start from a clean slate.
         summary["threads_before"], summary["threads_after"] = threads_before, threading.active_count()
         summary["engine_released"] = engine_ref() is None
@@ -102,6 +104,14 @@ class Trainer:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+    def _cleanup_after_error(self) -> None:
+        """Cleanup while an error is on its way out: a second error here must not replace the first,
+        which is what the user has to see (it goes to the log instead)."""
+        try:
+            self.cleanup()
+        except Exception as err:
+            log.warning("closing the run after its error failed too: %r", err)
 
     # ----------------------------------------------------------------------------- the loop
     def train(self, stop: StopRequest) -> None:
