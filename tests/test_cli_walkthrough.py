@@ -141,6 +141,9 @@ def test_rptrain_generate_takes_an_adapter_folder_with_its_base(lora_run, walk, 
         generate_cli([*path.split(), QA[0][0], "--max-tokens", "6"])
         answers.append(capsys.readouterr().out)
     assert answers[0] == answers[1] == answers[2] and answers[0].strip()
+    from rptrain.data.chat_template import CHATML
+
+    assert (run_dir / "adapter" / "chat_template.jinja").read_text() == template.source == CHATML  # the fallback trained with
 
 
 def test_preview_prints_the_first_examples_with_the_trained_tokens_marked(walk, tmp_path):

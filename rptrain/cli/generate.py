@@ -102,6 +102,8 @@ def _from_adapter(adapter: Path, base: Optional[str], dtype: torch.dtype):
     if not base or not (Path(base).expanduser() / "config.json").is_file():
         raise ConfigError(f"{adapter}: its base model {base!r} is not a Hugging Face folder (config.json) here: give it with --base DIR")
     model, tokenizer, template = _from_folder(Path(base).expanduser(), dtype)
+    if (adapter / "chat_template.jinja").is_file():  # the template the adapters were trained with
+        template = ChatTemplate((adapter / "chat_template.jinja").read_text(encoding="utf-8"), template.special_tokens, str(adapter / "chat_template.jinja"))
     rank, alpha = config["r"], config.get("lora_alpha", config["r"])
     scaling = alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
     weights, state = load_file(str(adapter / "adapter_model.safetensors")), model.state_dict()

@@ -89,7 +89,10 @@ class Trainer:
             self._checkpoint()
         c.report.write_files()
         if main and cfg.trainer.hf_export and wants_adapter(cfg):
-            say(self.console, f"LoRA adapters (PEFT format): {export_adapter(cfg, c.engine.model, c.engine.state_dict(), self.run_dir)}")
+            folder = export_adapter(cfg, c.engine.model, c.engine.state_dict(), self.run_dir)
+            if c.data.template is not None:  # the template trained with, beside the adapters (rptrain-generate reads it)
+                (folder / "chat_template.jinja").write_text(c.data.template.source, encoding="utf-8")
+            say(self.console, f"LoRA adapters (PEFT format): {folder}")
         elif main and cfg.trainer.hf_export and exportable(cfg):
             say(self.console, f"Hugging Face folder: {export_run(cfg, c.engine.state_dict(), self.run_dir, c.dtype)}")
 
