@@ -38,6 +38,7 @@ def test_threads_follow_the_cores_free_to_the_process(monkeypatch, cores, cpus, 
     from rptrain.train import threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     monkeypatch.setattr(os, "cpu_count", lambda: cpus)
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
@@ -49,6 +50,8 @@ def test_threads_follow_the_cores_free_to_the_process(monkeypatch, cores, cpus, 
         assert torch.get_num_threads() == free
         assert line.startswith(f"CPU threads: {free} intra-op ({cores} cores allowed, load {load * cores / cpus:.1f}")
         assert line.endswith(f"optimizer step {max(1, free - 1)} threads")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun, two processes on this machine: half each
+        assert threads.choose_threads(None)[0] == max(1, free // 2)
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
         assert threads.choose_threads(None)[1] == "OMP_NUM_THREADS"
     finally:

@@ -7,7 +7,7 @@ against 17 s with OMP_NUM_THREADS=1 (2 cores, issue #32). So a run takes the cor
 
     cores   the CPUs this process may run on (os.sched_getaffinity: taskset, cgroups' cpusets, SLURM)
     busy    the 1-minute load average (runnable processes, system-wide), scaled to those cores
-    free    cores - busy, rounded, at least 1
+    free    cores - busy, rounded, split between torchrun's processes on this machine, at least 1
 
 The load average is what other processes ran over the last minute, read before this run adds its
 own (start-up counts for a few seconds of it at most): no measurement run that would cost the start
@@ -31,7 +31,8 @@ def free_cores() -> tuple[int, int, float]:
         load = os.getloadavg()[0] * cores / (os.cpu_count() or cores)
     except OSError:  # no load average on this system
         load = 0.0
-    return cores, max(1, min(cores, round(cores - load))), load
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))  # torchrun's processes on this machine share them
+    return cores, max(1, min(cores, round(cores - load)) // ranks), load
 
 
 def choose_threads(setting: Optional[int]) -> tuple[int, str]:
