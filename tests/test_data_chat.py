@@ -90,8 +90,8 @@ def test_formats_read_and_render_like_their_messages(tmp_path, folders):
     tok, template = _ours(folders["llama3"][1])
     for conv in convs:
         assert encode_conversation(conv, tok, template).ids == hf.apply_chat_template(conv.messages, tokenize=True, return_dict=True)["input_ids"]
-    with pytest.raises(DataError, match="data.format=sharegpt is not a chat format"):
-        list(read_conversations(data, "sharegpt"))
+    with pytest.raises(DataError, match="data.format=openai is not a chat format"):
+        list(read_conversations(data, "openai"))
 
 
 def test_parquet_rows_are_records(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ the run with exit code 1.
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -126,6 +127,11 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
         status("failed", error=one_line(repr(err)))
         if dist.world_size() > 1 and not isinstance(err, SystemExit):  # one line before the traceback, naming the rank
             print(f"rptrain: error: rank {dist.rank()}: {one_line(repr(err))[:300]}", file=sys.stderr, flush=True)
+        if isinstance(err, Exception) and dist.world_size() == 1 and not _in_sweep() and os.environ.get("HYDRA_FULL_ERROR") != "1":
+            # A bug, not a user error: the traceback goes to rptrain.log, and the error itself is the one
+            # line the user sees, not whatever note or cleanup message Hydra's trimmed traceback ends with.
+            log.exception("the run failed")
+            fail(f"{type(err).__name__}: {one_line(err)} (unexpected: the traceback is in {run_dir / 'rptrain.log'})", code=1, to_log=False)
         raise
     finally:  # a run that did not complete: the trackers close with the state status.json holds
         loggers.finish(None, read_status(run_dir).get("state", "failed"))
@@ -137,6 +143,13 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
     rate = f"{summary['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in summary else f"{summary['samples_per_s']:,.0f} samples/s"
     say(console, f"done: {summary['steps']} steps | {final} | {rate} | {run_dir}")
     return summary
+
+
+def _in_sweep() -> bool:
+    """A -m job: job_result.run_and_report turns its failure into the sweep's row and one line."""
+    from hydra.types import RunMode
+
+    return HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _wait_for_rank0(group: dist.Dist) -> None:

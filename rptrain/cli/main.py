@@ -4,6 +4,7 @@
     rptrain -m run_config.num_microbatch=1,2,4      a sweep, every job in this process
     rptrain --cfg job                               the composed config, resolved
     rptrain --explain model=resnet18 ...            the engine's plan and actions for one batch, no training
+    rptrain --preview data=chat data.path=...       the first conversations rendered, trained tokens marked
 
 Every job is composed and checked first (preflight.py), so a bad command line costs one
 line on stderr and exit code 2 instead of Hydra's multi-line report and a stray run directory.
@@ -45,12 +46,15 @@ def _app(cfg: DictConfig) -> Union[float, JobFailed]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    explain = "--explain" in argv  # ours, not Hydra's: taken out before Hydra parses the rest
-    argv = [a for a in argv if a != "--explain"]
+    explain, preview = "--explain" in argv, "--preview" in argv  # ours, not Hydra's: taken out before Hydra parses the rest
+    argv = [a for a in argv if a not in ("--explain", "--preview")]
     try:
         rank = dist.rank()
-        if explain:
-            print(explain_config(compose_job(argv)), flush=True)
+        if explain or preview:
+            from rptrain.train.preview import preview_config
+
+            flag = "--preview" if preview else "--explain"
+            print((preview_config if preview else explain_config)(compose_job(argv, flag)), flush=True)
             return
         place = preflight(argv)
         claimed = rundir.claim(place) if place is not None else None  # a directory of its own, before Hydra makes one

@@ -103,11 +103,11 @@ def preflight(argv: list[str]) -> Optional[Place]:
     return place
 
 
-def compose_job(argv: list[str]) -> DictConfig:
-    """One run's config as its job would see it, composed without running it (rptrain --explain)."""
+def compose_job(argv: list[str], flag: str = "--explain") -> DictConfig:
+    """One run's config as its job would see it, composed without running it (rptrain --explain, --preview)."""
     args = parse_args(argv)
     if args.multirun or args.cfg is not None or args.help or args.hydra_help or args.info or args.shell_completion:
-        raise ConfigError("--explain takes one run's overrides: leave out -m, --cfg, --help, --info and --shell-completion")
+        raise ConfigError(f"{flag} takes one run's overrides: leave out -m, --cfg, --help, --info and --shell-completion")
     try:
         cfg = _hydra(args).compose_config(args.config_name or CONFIG_NAME, list(args.overrides), run_mode=RunMode.RUN,
                                           with_log_configuration=False)

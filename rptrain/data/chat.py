@@ -37,15 +37,16 @@ TRAIN_ON = ("assistant", "completion", "all")
 TOO_LONG = ("truncate", "drop")
 
 
-def assistant_spans(template: ChatTemplate, messages: list[dict], text: str, where: str) -> list[tuple[int, int]]:
+def assistant_spans(template: ChatTemplate, messages: list[dict], text: str, where: str,
+                    tools: Optional[list] = None) -> list[tuple[int, int]]:
     """Character spans of `text` (the whole conversation, rendered without generation tags) that
     belong to assistant turns."""
     spans: list[tuple[int, int]] = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = template.render(messages[:i], add_generation_prompt=True)[0]
-        upto = template.render(messages[: i + 1])[0]
+        prompt = template.render(messages[:i], add_generation_prompt=True, tools=tools)[0]
+        upto = template.render(messages[: i + 1], tools=tools)[0]
         if text.startswith(prompt) and text.startswith(upto) and len(prompt) <= len(upto.rstrip()):
             spans.append((len(prompt), len(upto.rstrip())))
             continue
@@ -80,11 +81,11 @@ class Example:
 def encode_conversation(
     conv: Conversation, tokenizer: Tokenizer, template: ChatTemplate, train_on: str = "assistant"
 ) -> Example:
-    text, marked = template.render(conv.messages)
+    text, marked = template.render(conv.messages, tools=conv.tools)
     ids, offsets = tokenizer.encode_offsets(text)
     if train_on == "all":
         return Example(ids, [True] * len(ids))
-    spans = marked or assistant_spans(template, conv.messages, text, conv.where)
+    spans = marked or assistant_spans(template, conv.messages, text, conv.where, conv.tools)
     if train_on == "completion":
         spans = spans[-1:]
     mask = [any(s < b and e > a for a, b in spans) for s, e in offsets]
@@ -99,12 +100,17 @@ class ChatStats:
     no_trainable: int = 0  # nothing left to learn (no assistant turn, or cut off by truncation)
     tokens: int = 0  # positions kept
     trained: int = 0  # positions whose target counts in the loss
+    first_skipped: str = ""  # "file:line (why)" of the first conversation left out
+
+    def skip(self, where: str, why: str) -> None:
+        self.first_skipped = self.first_skipped or f"{where}: {why}"
 
     def line(self, max_seq_len: int, too_long: str) -> str:
         long = f"{self.truncated} truncated" if too_long == "truncate" else f"{self.dropped} dropped"
+        first = f"; first skipped: {self.first_skipped}" if self.first_skipped else ""
         return (
             f"{self.conversations} conversations ({long} at data.max_seq_len={max_seq_len}, "
-            f"{self.no_trainable} skipped with no trainable tokens); {self.tokens} tokens, {self.trained} trained"
+            f"{self.no_trainable} skipped with no trainable tokens{first}); {self.tokens} tokens, {self.trained} trained"
         )
 
 
@@ -127,9 +133,11 @@ def encode_all(
     for conv in conversations:
         s.conversations += 1
         ex = encode_conversation(conv, tokenizer, template, train_on)
-        if len(ex.ids) > max_seq_len + 1:
+        cut = len(ex.ids) > max_seq_len + 1
+        if cut:
             if too_long == "drop":
                 s.dropped += 1
+                s.skip(conv.where, f"{len(ex.ids)} tokens, longer than data.max_seq_len={max_seq_len} (data.too_long=drop)")
                 continue
             s.truncated += 1
             ex = Example(ex.ids[: max_seq_len + 1], ex.mask[: max_seq_len + 1])
@@ -137,11 +145,21 @@ def encode_all(
         trained = int((targets != IGNORE_INDEX).sum())
         if trained == 0:
             s.no_trainable += 1
+            s.skip(conv.where, _why_untrained(conv, train_on, cut))
             continue
         s.tokens += len(inputs)
         s.trained += trained
         out.pairs.append((inputs, targets))
     return out
+
+
+def _why_untrained(conv: Conversation, train_on: str, truncated: bool) -> str:
+    roles = sorted({m["role"] for m in conv.messages})
+    if "assistant" not in roles:
+        return f"no assistant turn (roles {', '.join(roles)}; data.train_on={train_on} trains assistant turns)"
+    if truncated:
+        return "its assistant turns start after data.max_seq_len (truncated)"
+    return f"no token left to train on (data.train_on={train_on})"
 
 
 def pack(pairs: list[tuple[torch.Tensor, torch.Tensor]], seq_len: int, pad_id: int = 0) -> tuple[torch.Tensor, ...]:

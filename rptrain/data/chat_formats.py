@@ -2,6 +2,11 @@
 
 Formats (data.format; `auto` tells them apart by their keys, record by record):
   messages           {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+                     OpenAI's tool calling too: an assistant turn with "tool_calls" (content may be
+                     null), "tool" turns answering them ("tool_call_id", "name"), and the record's
+                     "tools" (the function schemas), all handed to the chat template as transformers does
+  sharegpt           {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...]}
+                     (also "user"/"assistant", and "function_call"/"observation" -> assistant/tool)
   prompt_completion  {"prompt": "...", "completion": "..."}  -> user, assistant
                      (prompt and completion may also be lists of messages, as TRL writes them)
   alpaca             {"instruction": "...", "input": "...", "output": "..."}
@@ -14,19 +19,24 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from .errors import DataError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
-FORMATS = ("auto", "messages", "prompt_completion", "alpaca")
-KEYS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "alpaca": ("instruction", "output")}
+FORMATS = ("auto", "messages", "sharegpt", "prompt_completion", "alpaca")
+KEYS = {"messages": ("messages",), "sharegpt": ("conversations",), "prompt_completion": ("prompt", "completion"),
+        "alpaca": ("instruction", "output")}
+# ShareGPT's speakers (and the aliases other exports use) -> chat template roles.
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "function_call": "assistant", "observation": "tool", "tool": "tool"}
 
 
 @dataclass
 class Conversation:
     messages: list[dict]
     where: str  # "file:line", for messages about this record
+    tools: Optional[list] = None  # OpenAI-style function schemas, the template's `tools`
 
 
 def chat_files(path: str | Path) -> list[Path]:
@@ -90,19 +100,63 @@ def _text(record: dict, key: str, where: str, required: bool = True) -> str:
 
 
 def _messages(value, where: str, field: str) -> list[dict]:
+    """role/content messages; an assistant turn may carry tool_calls instead of content, a tool turn answers one."""
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: field '{field}' must be a non-empty list of {{\"role\", \"content\"}} objects")
     out = []
     for i, m in enumerate(value):
+        at = f"{where}: field '{field}[{i}]"
         if not isinstance(m, dict):
-            raise DataError(f"{where}: field '{field}[{i}]' must be an object with 'role' and 'content'")
-        for key in ("role", "content"):
-            if key not in m:
-                raise DataError(f"{where}: field '{field}[{i}].{key}' is missing")
-            if not isinstance(m[key], str):
-                raise DataError(f"{where}: field '{field}[{i}].{key}' must be a string, got {type(m[key]).__name__}")
-        out.append(dict(m))
+            raise DataError(f"{at}' must be an object with 'role' and 'content'")
+        if not isinstance(m.get("role"), str):
+            raise DataError(f"{at}.role' is missing" if "role" not in m else f"{at}.role' must be a string, got {type(m['role']).__name__}")
+        calls = m.get("tool_calls")
+        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list) or not all(_is_call(c) for c in calls)):
+            raise DataError(f"{at}.tool_calls' must be a list of {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}} "
+                            f"objects on an assistant turn")
+        if "content" not in m and not calls:
+            raise DataError(f"{at}.content' is missing")
+        content = m.get("content")
+        if not isinstance(content, str) and not (content is None and calls):
+            raise DataError(f"{at}.content' must be a string, got {type(content).__name__}")
+        out.append(dict(m))  # content stays None where it is: the template sees what apply_chat_template passes
     return out
+
+
+def _is_call(call) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    return isinstance(function, dict) and isinstance(function.get("name"), str)
+
+
+def _sharegpt(value, where: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: field 'conversations' must be a non-empty list of {{\"from\", \"value\"}} objects")
+    out = []
+    for i, turn in enumerate(value):
+        at = f"{where}: field 'conversations[{i}]"
+        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+            raise DataError(f"{at}' must be an object with 'from' and 'value'")
+        role = SHAREGPT_ROLES.get(turn["from"]) if isinstance(turn["from"], str) else None
+        if role is None:
+            raise DataError(f"{at}.from' is {turn['from']!r}: expected one of {', '.join(SHAREGPT_ROLES)}")
+        if not isinstance(turn["value"], str):
+            raise DataError(f"{at}.value' must be a string, got {type(turn['value']).__name__}")
+        out.append({"role": role, "content": turn["value"]})
+    return out
+
+
+def _tools(record: dict, where: str) -> Optional[list]:
+    tools = record.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, str):  # some exports store the schemas as a JSON string
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{where}: field 'tools' is a string but not JSON ({err.msg})") from err
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"{where}: field 'tools' must be a list of function schemas (objects)")
+    return tools
 
 
 def detect(record: dict, where: str) -> str:
@@ -110,8 +164,8 @@ def detect(record: dict, where: str) -> str:
         if all(k in record for k in keys):
             return name
     raise DataError(
-        f"{where}: no known format (keys {sorted(record)[:8]}): expected 'messages', 'prompt'+'completion' or "
-        f"'instruction'+'output'; or set data.format"
+        f"{where}: no known format (keys {sorted(record)[:8]}): expected 'messages', 'conversations' (ShareGPT), "
+        f"'prompt'+'completion' or 'instruction'+'output'; or set data.format"
     )
 
 
@@ -121,6 +175,8 @@ def to_messages(record: object, fmt: str, where: str) -> list[dict]:
     fmt = detect(record, where) if fmt == "auto" else fmt
     if fmt == "messages":
         return _messages(record.get("messages"), where, "messages")
+    if fmt == "sharegpt":
+        return _sharegpt(record.get("conversations"), where)
     if fmt == "prompt_completion":
         prompt, completion = record.get("prompt"), record.get("completion")
         if isinstance(prompt, list) or isinstance(completion, list):
@@ -137,4 +193,5 @@ def read_conversations(path: str | Path, fmt: str = "auto") -> Iterator[Conversa
         raise DataError(f"data.format={fmt} is not a chat format: choose {'|'.join(FORMATS)}")
     for file in chat_files(path):
         for where, record in _records(file):
-            yield Conversation(to_messages(record, fmt, where), where)
+            messages = to_messages(record, fmt, where)
+            yield Conversation(messages, where, _tools(record, where) if isinstance(record, dict) else None)

@@ -81,12 +81,13 @@ class ChatTemplate:
             return cls(CHATML, special, "chatml (the tokenizer has no chat_template)")
         return cls(template, special, f"{config}")
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: Optional[list] = None) -> tuple[str, list[tuple[int, int]]]:
+        """`tools`: function schemas, the template's `tools` (None when there are none, as transformers passes it)."""
         import jinja2
 
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
-        variables = {**self.special_tokens, "messages": messages, "add_generation_prompt": add_generation_prompt}
+        variables = {**self.special_tokens, "messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt}
         try:
             with self.template.environment.tracking(blocks, spans):
                 for block in self.template.generate(**variables):

@@ -48,6 +48,12 @@ def say(console: Console, text: str) -> None:
     log.info(text)
 
 
+def loud(console: Console, text: str) -> None:
+    """A line that must not be missed (bold on a terminal), and in the run's log file."""
+    console.print(text, markup=False, highlight=False, style="bold yellow")
+    log.warning(text)
+
+
 def _f(value: object) -> str:
     """A metric as the lines show it; null (a NaN/inf in metrics.jsonl, e.g. a GradScaler overflow) as nan."""
     return "nan" if value is None else f"{value:.4f}"

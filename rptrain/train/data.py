@@ -150,16 +150,38 @@ def _token_data(cfg: DictConfig) -> TrainData:
 def _chat_tokenizer(cfg: DictConfig):
     """(tokenizer, chat template): data.tokenizer's (or the model's) with the template in its tokenizer_config.json."""
     tokenizer = build_tokenizer(cfg)
+    return tokenizer, _template_for(cfg, tokenizer)
+
+
+def _template_for(cfg: DictConfig, tokenizer: Any) -> ChatTemplate:
     path = getattr(tokenizer, "path", None)
     config = path.parent / "tokenizer_config.json" if path is not None else None
-    return tokenizer, ChatTemplate.for_tokenizer(config if config and config.is_file() else None, cfg.data.chat_template)
+    return ChatTemplate.for_tokenizer(config if config and config.is_file() else None, cfg.data.chat_template)
+
+
+def chat_template(cfg: DictConfig) -> ChatTemplate:
+    """The template a chat run renders with (and exports)."""
+    return _template_for(cfg, build_tokenizer(cfg))
 
 
 CHAT_SEQ_LEN = 4096  # data.max_seq_len=null: rows this long at most, whatever context the model has
 
 
+def model_context(cfg: DictConfig) -> Optional[int]:
+    """The longest sequence the model takes: model.max_seq_len, or for model=hf (null) its config.json's."""
+    if cfg.model.get("max_seq_len") is not None or not cfg.model.get("path"):
+        return cfg.model.get("max_seq_len")
+    from rptrain.models.hf_config import decoder_config, read_config_json
+
+    try:
+        return decoder_config(read_config_json(cfg.model.path), "config.json").max_seq_len
+    except ValueError:  # an unsupported config.json: building the model says why, naming the field
+        return None
+
+
 def chat_seq_len(cfg: DictConfig) -> int:
-    return cfg.data.max_seq_len or min(cfg.model.get("max_seq_len") or CHAT_SEQ_LEN, CHAT_SEQ_LEN)
+    """data.max_seq_len, or (null) the model's context, at most CHAT_SEQ_LEN."""
+    return cfg.data.max_seq_len or min(model_context(cfg) or CHAT_SEQ_LEN, CHAT_SEQ_LEN)
 
 
 def _chat_data(cfg: DictConfig) -> TrainData:

@@ -22,6 +22,7 @@ from rptrain.models import LLAMA_PRESETS, LlamaConfig
 from rptrain.models.hf_export import hf_export
 from rptrain.models.hf_presets import QWEN3_PRESETS, llama_hf_config
 
+from .chat_export import write_chat_template
 from .errors import USER_ERRORS, ConfigError, one_line
 from .lora import merged
 from .tokenizer import build_tokenizer, tokenizer_source
@@ -46,7 +47,7 @@ def _source_json(cfg: DictConfig, name: str) -> Optional[dict]:
 
 
 def _token_ids(cfg: DictConfig) -> dict:
-    if cfg.data.name != "text":
+    if cfg.data.name not in ("text", "chat"):
         return {}
     tok = build_tokenizer(cfg)
     ids = dict(bos_token_id=getattr(tok, "bos_id", None), eos_token_id=tok.eos_id, pad_token_id=getattr(tok, "pad_id", None))
@@ -80,10 +81,14 @@ def export_weights(cfg: DictConfig, state: dict[str, torch.Tensor], out_dir: Pat
         raise ConfigError(f"the weights of model={cfg.model.name} have no {EMBEDDING}: not a decoder this rptrain exports")
     config = hf_config(cfg, int(state[EMBEDDING].shape[0]))
     generation = _source_json(cfg, "generation_config.json") if cfg.model.get("path") else None
-    tokenizer = tokenizer_source(cfg) if cfg.data.name == "text" or cfg.model.get("path") else None
+    tokenizer = tokenizer_source(cfg) if cfg.data.name in ("text", "chat") or cfg.model.get("path") else None
     out = hf_export(state, config, out_dir, dtype=dtype, tokenizer=tokenizer, generation_config=generation)
     if tokenizer == "byte":
         write_byte_tokenizer(out)
+    if cfg.data.name == "chat":  # the template trained with, also when it was the ChatML fallback
+        from .data import chat_template
+
+        write_chat_template(out, chat_template(cfg))
     return out
 
 

@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig
 from rich.console import Console
 
-from .console import ProgressBar, say
+from .console import ProgressBar, log, say
 from .dist import Dist, peer_errors
 from .export import export_run, exportable
 from .kernels import cudnn_benchmark
@@ -69,8 +69,10 @@ class Trainer:
             self.save()
             summary = c.report.summary(c.progress, self.cfg, self.overrides, c.checkpoints.fingerprint["params"], c.checkpoints.path, c.resume)
             del c
-        finally:
-            self.cleanup()
+        except BaseException:
+            self._cleanup_after_error()
+            raise
+        self.cleanup()
         # Sweeps run every job in this process: the next job must start from a clean slate.
         summary["threads_before"], summary["threads_after"] = threads_before, threading.active_count()
         summary["engine_released"] = engine_ref() is None
@@ -87,7 +89,10 @@ class Trainer:
             self._checkpoint()
         c.report.write_files()
         if main and cfg.trainer.hf_export and wants_adapter(cfg):
-            say(self.console, f"LoRA adapters (PEFT format): {export_adapter(cfg, c.engine.model, c.engine.state_dict(), self.run_dir)}")
+            folder = export_adapter(cfg, c.engine.model, c.engine.state_dict(), self.run_dir)
+            if c.data.template is not None:  # the template trained with, beside the adapters (rptrain-generate reads it)
+                (folder / "chat_template.jinja").write_text(c.data.template.source, encoding="utf-8")
+            say(self.console, f"LoRA adapters (PEFT format): {folder}")
         elif main and cfg.trainer.hf_export and exportable(cfg):
             say(self.console, f"Hugging Face folder: {export_run(cfg, c.engine.state_dict(), self.run_dir, c.dtype)}")
 
@@ -102,6 +107,14 @@ class Trainer:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+    def _cleanup_after_error(self) -> None:
+        """Cleanup while an error is on its way out: a second error here must not replace the first,
+        which is what the user has to see (it goes to the log instead)."""
+        try:
+            self.cleanup()
+        except Exception as err:
+            log.warning("closing the run after its error failed too: %r", err)
 
     # ----------------------------------------------------------------------------- the loop
     def train(self, stop: StopRequest) -> None:
@@ -171,7 +184,9 @@ class Trainer:
     def _after_step(self, epoch: int, epoch_done: bool, stop: StopRequest, stopping: bool) -> None:
         c, p, every = self.c, self.c.progress, self.every
         last = p.step >= c.total_steps
-        if every.evaluates and (epoch_done or last or (every.eval and p.step % every.eval == 0)):
+        # trainer.eval_interval set: every that many steps (and at the end), not at every epoch's end too
+        # (a small chat set has epochs of a step or two); null: at the end of every epoch.
+        if every.evaluates and (last or (p.step % every.eval == 0 if every.eval else epoch_done)):
             self._evaluate(epoch)
         if epoch_done:
             c.report.end_epoch(p, epoch)

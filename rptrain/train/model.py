@@ -50,8 +50,9 @@ def build_model(cfg: DictConfig, dtype: torch.dtype, device: Any = None, vocab_s
         raise ConfigError(f"model={cfg.model.name}: {one_line(cause)}: fix the model.* values") from err
     limit, seq_len = getattr(model[0], "max_seq_len", None), cfg.data.get("seq_len") or cfg.data.get("max_seq_len")
     if cfg.model.get("max_seq_len", 0) is None and limit is not None and seq_len is not None and seq_len > limit:
-        raise ConfigError(f"data.seq_len={seq_len} is longer than {cfg.model.path}'s {limit} positions: "
-                          f"lower data.seq_len, or set model.max_seq_len to train longer anyway")
+        key = "data.seq_len" if cfg.data.get("seq_len") else "data.max_seq_len"
+        raise ConfigError(f"{key}={seq_len} is longer than {cfg.model.path}'s {limit} positions: "
+                          f"lower {key}, or set model.max_seq_len to train longer anyway")
     if weights is not None and (checkpoint := run_checkpoint(weights)) is not None:
         load_run_weights(model, checkpoint)  # a finished run seeds this one (checked on meta too: preflight)
     elif weights is not None and device != "meta":

@@ -52,7 +52,8 @@ class OnNonfinite(Enum):
 
 class ChatFormat(Enum):
     auto = "auto"  # told apart record by record by their keys
-    messages = "messages"
+    messages = "messages"  # OpenAI's, tool calls included
+    sharegpt = "sharegpt"  # {"conversations": [{"from", "value"}]}
     prompt_completion = "prompt_completion"
     alpaca = "alpaca"
 
@@ -349,6 +350,7 @@ class EngineConfig:
     """RoundPipe's remaining constructor arguments, and cuDNN's algorithm search."""
 
     cuda_graphs: bool = True
+    threads: Optional[int] = None  # PyTorch's intra-op threads; None: the cores free to the process (train/threads.py)
     optimizer_threads: Optional[int] = None  # None: the engine's default
     channels_last: Optional[bool] = None  # None: on for convolution models on CUDA (train/memory_format.py)
     cudnn_benchmark: bool = True  # torch.backends.cudnn.benchmark while the run trains (train/kernels.py)

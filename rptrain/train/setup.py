@@ -20,8 +20,9 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from rptrain import GradScaler, OptimizerCtx, RoundPipe
 
+from .chat_export import template_line
 from .checkpoint import load_checkpoint
-from .console import log, say
+from .console import log, loud, say
 from .data import TrainData, build_data
 from .dist import Dist, peer_errors
 from .memory_format import choose_memory_format
@@ -36,6 +37,7 @@ from .run_config import build_run_config
 from .samples import Sampler, make_sampler
 from .step_fn import StepFunctions
 from .tasks import Task, make_task
+from .threads import set_threads
 from .validate import check_vocab, num_microbatch, validate_config
 
 
@@ -87,6 +89,7 @@ def build_data_and_model(cfg: DictConfig) -> tuple[torch.dtype, TrainData, torch
 
 def build_components(cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, d: Dist,
                      on_record: Any = None) -> Components:
+    threads = set_threads(cfg.engine.threads, cfg.engine.optimizer_threads, torch.cuda.is_available())
     dtype, data, model = build_data_and_model(cfg)
     prints = fingerprint(cfg.model.name, model)
     resume = choose_resume(cfg, run_dir, overrides, d, console)
@@ -95,7 +98,12 @@ def build_components(cfg: DictConfig, run_dir: Path, overrides: list[str], conso
         check_resume_state(resume, state, cfg)
     b = cfg.trainer.batch_size
     ranks = f"; global batch {b} = {d.world} ranks x {b // d.world}" if d.world > 1 else ""
-    say(console, f"model {cfg.model.name}: {prints['params']:,} parameters, compute {dtype}; data {data.description}{ranks}")
+    trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
+    share = f" ({trainable:,} trainable, {trainable / max(prints['params'], 1):.2%})" if trainable != prints["params"] else ""
+    say(console, f"model {cfg.model.name}: {prints['params']:,} parameters{share}, compute {dtype}; data {data.description}{ranks}")
+    say(console, threads)
+    if data.template is not None:
+        loud(console, template_line(data.template, data.tokenizer))
     engine = build_engine(cfg, model, d)
     del model  # the engine owns the weights now
     try:
@@ -114,6 +122,11 @@ def _train_parts(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     with OptimizerCtx():
         optimizer = instantiate(cfg.optim.optimizer, params=engine.parameters(), _convert_="all")
     scheduler = instantiate(cfg.optim.schedule, optimizer=optimizer, total_steps=total_steps)
+    warmup = cfg.optim.schedule.get("warmup_steps") or 0
+    if warmup > total_steps and d.main:
+        loud(console, f">>> optim.schedule.warmup_steps={warmup} is more than the run's {total_steps} steps: the learning rate never "
+                      f"reaches optim.optimizer.lr={cfg.optim.optimizer.lr:g} (it ends at {total_steps / warmup:.0%} of it); "
+                      f"lower optim.schedule.warmup_steps or train longer")
     scaler = build_scaler(cfg.precision)
     param_names = {name for name, _ in engine.named_parameters()}
     checkpoints = RunCheckpoints(cfg, run_dir, overrides, prints, d, param_names)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -62,15 +62,16 @@ class Task:
         share = total / self.world
         return share, share / count  # 1.0 exactly when every rank holds the same count
 
-    def run_config(self, batch: int, output_device: Optional[torch.device] = None, evaluating: bool = False) -> Optional[RoundPipeRunConfig]:
+    def run_config(self, batch: int, output_device: Optional[torch.device] = None, evaluating: bool = False,
+                   merge_output: Optional[Callable[[list], Tensor]] = None) -> Optional[RoundPipeRunConfig]:
         """A per-call override for a batch smaller than num_microbatch (e.g. the tutorial's last
-        batch), for an evaluation's own microbatch count, and where the outputs should land (None:
-        the run config's choice)."""
+        batch), for an evaluation's own microbatch count, where the outputs should land (None:
+        the run config's choice) and how the microbatches' outputs merge (None: the engine's way)."""
         wanted = self.eval_microbatch if evaluating and self.eval_microbatch else self.num_microbatch
         count = min(batch, wanted) if batch < wanted or wanted != self.num_microbatch else None
-        if count is None and output_device is None:
+        if count is None and output_device is None and merge_output is None:
             return None
-        return RoundPipeRunConfig(num_microbatch=count, output_device=output_device)
+        return RoundPipeRunConfig(num_microbatch=count, output_device=output_device, merge_output=merge_output)
 
     def inputs(self, batch: tuple) -> tuple:
         """The engine's input arguments for this batch (the model's forward arguments)."""
@@ -144,7 +145,10 @@ class LanguageTask(Task):
         loss_sums, total = [], 0
         for batch in batches:
             ids, targets = batch[:2]
-            loss_sums.append(engine(tuple(batch), run_config=self.run_config(len(ids), evaluating=True)).double().sum())
+            # Each microbatch returns its summed token loss: they add up (the engine's automatic merge
+            # of 0-d outputs is their mean, which would divide the loss by the number of microbatches).
+            call = self.run_config(len(ids), evaluating=True, merge_output=device_sum)
+            loss_sums.append(engine(tuple(batch), run_config=call).double())
             total += count_tokens(targets)
         loss = (float(device_sum(loss_sums)) if loss_sums else 0.0) / max(total, 1)
         return {"loss": loss, "ppl": perplexity(loss)}

@@ -108,6 +108,7 @@ def validate_config(cfg: DictConfig) -> None:
     micro = micro or default_microbatches()
     source = "run_config.num_microbatch" if cfg.run_config.num_microbatch else "the default num_microbatch (GPUs + 1)"
     _positive("engine.optimizer_threads", cfg.engine.optimizer_threads)
+    _positive("engine.threads", cfg.engine.threads)
     for key in ("max_host_memory", "max_gpu_memory"):
         try:
             parse_size(cfg.engine[key], f"engine.{key}")
@@ -236,6 +237,10 @@ def check_inputs(cfg: DictConfig) -> None:
     """The dataset or corpus the run will read is there; a missing CIFAR is downloaded now (if allowed),
     so that a failed download leaves no run directory behind."""
     d = cfg.data
+    path = cfg.model.get("path")
+    if path and not (Path(path).expanduser() / "config.json").is_file():  # before the tokenizer, which defaults to it
+        where = "no such folder" if not Path(path).expanduser().exists() else "no config.json there"
+        raise ConfigError(f"model.path={path}: {where}: point model.path at a Hugging Face model folder (config.json, *.safetensors, tokenizer files)")
     weights = cfg.model.get("weights")
     if weights and not Path(weights).expanduser().exists():
         raise ConfigError(f"model.weights={weights}: no such file or directory: give the path of a checkpoint of this model, or model.weights=null to start from random weights")
@@ -260,7 +265,8 @@ def check_inputs(cfg: DictConfig) -> None:
 
         source = tokenizer_source(cfg)
         if source != "byte" and not Path(source).expanduser().exists():
-            raise DataError(f"data.tokenizer={source}: no such file or folder: give a tokenizer.json, a folder holding one, or data.tokenizer=byte")
+            key = "data.tokenizer" if d.get("tokenizer") is not None else "model.path (the tokenizer's default)"
+            raise DataError(f"{key}={source}: no such file or folder: give a tokenizer.json, a folder holding one, or data.tokenizer=byte")
 
 
 @functools.lru_cache(maxsize=None)  # once per data set for all the jobs of a sweep
