@@ -8,7 +8,9 @@ Tensor names map through hf_names; a tied head reuses the embedding (transformer
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -20,10 +22,25 @@ from rptrain.models.llama_weights import listing
 from rptrain.models.registry import register_model
 
 
+# safetensors' names of the dtypes a weight may have; any other (I32, U8, F8_*, ...) is refused, never cast.
+FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+
+
+@contextmanager
+def open_shard(file: Path) -> Iterator[Any]:
+    """safe_open, with any failure to read the shard (truncated, not safetensors) as one line naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as err:
+        raise HFModelError(f"{file}: cannot be read as safetensors ({err}): the file is damaged or incomplete; "
+                           f"download or save it again") from None
+
+
 def weight_files(path: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> the shard holding it (model.safetensors.index.json, else every shard's header)."""
-    from safetensors import safe_open
-
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -41,7 +58,7 @@ def weight_files(path: Path) -> dict[str, Path]:
         raise HFModelError(f"model.path={path}: no *.safetensors weights{hint}")
     files = {}
     for shard in shards:
-        with safe_open(shard, framework="pt") as f:
+        with open_shard(shard) as f:
             files.update((name, shard) for name in f.keys())
     return files
 
@@ -55,9 +72,7 @@ def _by_file(names, files: dict[str, Path]) -> dict[Path, list[str]]:
 
 
 def _plan(model: nn.Sequential, files: dict[str, Path], path: Path) -> dict[str, str]:
-    """Our parameter name for every checkpoint tensor to load; raise if names or shapes do not match."""
-    from safetensors import safe_open
-
+    """Our parameter name for every checkpoint tensor to load; raise if names, dtypes or shapes do not match."""
     n_layers = len(model) - 2
     params = dict(model.named_parameters())  # a tied head is not listed: it is the embedding
     wanted = {hf_name(name, n_layers): name for name in params}
@@ -77,7 +92,12 @@ def _plan(model: nn.Sequential, files: dict[str, Path], path: Path) -> dict[str,
     by_file = _by_file(plan, files)
     wrong = []
     for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with open_shard(file) as f:
+            for n in names:
+                dtype = f.get_slice(n).get_dtype()
+                if dtype not in FLOAT_DTYPES:
+                    raise HFModelError(f"{file}: tensor {n} is {dtype}, not a floating-point weight; rptrain does not cast "
+                                       f"it silently (quantized checkpoints are not supported): use a bf16/fp16/fp32 export")
             wrong += [f"{n} {tuple(f.get_slice(n).get_shape())} vs {tuple(params[plan[n]].shape)}" for n in names
                       if tuple(f.get_slice(n).get_shape()) != tuple(params[plan[n]].shape)]
     if wrong:
@@ -87,13 +107,11 @@ def _plan(model: nn.Sequential, files: dict[str, Path], path: Path) -> dict[str,
 
 def load_hf_weights(model: nn.Sequential, files: dict[str, Path], plan: dict[str, str]) -> None:
     """Copy each tensor from its memory-mapped shard into the allocated model, converting its dtype."""
-    from safetensors import safe_open
-
     params = dict(model.named_parameters())
     by_file = _by_file(plan, files)
     with torch.no_grad():
         for file, names in by_file.items():
-            with safe_open(file, framework="pt") as f:
+            with open_shard(file) as f:
                 for name in names:
                     params[plan[name]].copy_(f.get_tensor(name))
 
