@@ -16,17 +16,27 @@ GEMMA2 = frozenset({"attention_bias", "hidden_activation", "use_bidirectional_at
 # Qwen3-MoE / Mixtral: the router and its load-balancing loss.
 NO_BIAS = {"attention_bias": (False, "this family has no attention biases in transformers: it must be false")}
 CAUSAL = {"use_bidirectional_attention": (False, "rptrain trains causal decoders: it must be false")}
-MOE = frozenset({"num_experts_per_tok", "router_aux_loss_coef", "output_router_logits"})
+MOE = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits"})
+NO_WINDOW = {"use_sliding_window": (False, "rptrain does not train this family with sliding windows: it must be false")}
+NO_JITTER = {"router_jitter_noise": (0.0, "router jitter is not supported: set it to 0.0")}
 
 
 @dataclass(frozen=True)
-class MoeNames:
-    """How a family's checkpoint spells an MoE layer (transformers' own in-memory names are ours:
-    `mlp.gate` or `mlp.router`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`)."""
+class MoeRecord:
+    """An MoE family's router and experts, and how its checkpoint spells them (transformers' in-memory
+    names are ours: `mlp.gate` or `mlp.router`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`)."""
 
+    expert_size_field: str = "moe_intermediate_size"  # Mixtral, GPT-OSS: intermediate_size
+    routing: str = "softmax_topk"  # DecoderConfig.MoeConfig.routing
+    norm_topk: bool | str = False  # a constant, or the config field that says it (Qwen3-MoE: norm_topk_prob)
+    sparse_step: bool = False  # decoder_sparse_step and mlp_only_layers choose the MoE layers (else: all)
+    bias: bool = False
+    activation: str = "silu"
+    interleaved: bool = False
+    router: str = "gate"  # the router's module name in the checkpoint and in ours
     block: str = "mlp"  # the checkpoint's name of the MoE block inside a layer (Mixtral: block_sparse_moe)
-    router: str = "gate"  # the router's module name inside the block, in the checkpoint and in ours
-    per_expert: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")  # experts.{e}.<name>.weight; None: fused on disk
+    # experts.{e}.<name>.weight for gate, up, down in the checkpoint; None: stored fused, as in memory (GPT-OSS)
+    per_expert: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,7 @@ class Family:
     switches: Mapping[str, Any] = field(default_factory=dict)  # DecoderConfig fields fixed by the family
     gemma: bool = False  # embeddings times sqrt(hidden_size), norms scale by (1 + weight)
     gemma2: bool = False  # query_pre_attn_scalar and soft-capping fields apply
-    moe: MoeNames | None = None  # an MoE family: its checkpoint names (its config fields are in `reads`)
+    moe: MoeRecord | None = None  # an MoE family (its config fields are in `reads`)
 
 
 def _families(*records: Family) -> dict[str, Family]:
@@ -79,6 +89,14 @@ FAMILIES: dict[str, Family] = _families(
            must=NO_BIAS, dropouts=("attention_dropout", "embd_pdrop", "resid_pdrop"),
            defaults={"rms_norm_eps": 1e-5}, layers="sliding", partial_rotary=True,
            switches={"fused_qkv": True, "fused_gate_up": True}),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", SLIDING | MOE | {"attention_bias", "norm_topk_prob", "moe_intermediate_size",
+                                                                 "decoder_sparse_step", "mlp_only_layers"},
+           must=NO_WINDOW, defaults={"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+           switches={"qk_norm": True}, moe=MoeRecord(norm_topk="norm_topk_prob", sparse_step=True)),
+    Family("mixtral", "MixtralForCausalLM", MOE | {"sliding_window", "router_jitter_noise"}, must=NO_JITTER,
+           defaults={"num_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1e6, "rms_norm_eps": 1e-5}, layers="sliding",
+           moe=MoeRecord(expert_size_field="intermediate_size", norm_topk=True, block="block_sparse_moe",
+                         per_expert=("w1", "w3", "w2"))),
 )
 
 

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rptrain.models.decoder_config import DecoderConfig
+from rptrain.models.decoder_config import DecoderConfig, MoeConfig
 from rptrain.models.families import FAMILIES, Family, family
 from rptrain.models.hf_fields import COMMON, HARMLESS, ROPE_TYPES_OF, type_error
 from rptrain.models.rope import ROPE_TYPES, Rope
@@ -187,6 +187,30 @@ def _activation(f: _Fields) -> str:
     return allowed[value]
 
 
+def _moe(f: _Fields, n_layers: int) -> MoeConfig | None:
+    """The MoE layers as the family's transformers builds them (Qwen3MoeDecoderLayer, MixtralSparseMoeBlock)."""
+    record = f.record.moe
+    if record is None:
+        return None
+    new, old = f.raw.get("num_experts"), f.raw.get("num_local_experts")
+    if new is not None and old is not None and new != old:
+        raise f.fail("num_experts", f"num_local_experts={old} says otherwise: transformers reads them as one field; keep one")
+    n_experts = int(new if new is not None else old if old is not None else f.get("num_experts"))
+    layers = (True,) * n_layers
+    if record.sparse_step:
+        step, dense = int(f.get("decoder_sparse_step", 1)), set(f.get("mlp_only_layers", []))
+        layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
+    norm = record.norm_topk if isinstance(record.norm_topk, bool) else bool(f.get(record.norm_topk, False))
+    size_field = record.expert_size_field
+    return MoeConfig(
+        n_experts=n_experts, top_k=int(f.get("num_experts_per_tok")), layers=layers,
+        expert_size=int(f.need(size_field) if size_field == "intermediate_size" else f.get(size_field)),
+        routing=record.routing, norm_topk=norm, router_name=record.router, bias=record.bias, activation=record.activation,
+        swiglu_alpha=float(f.get("swiglu_alpha", 1.702)), swiglu_limit=float(f.get("swiglu_limit", 7.0)),
+        interleaved=record.interleaved, aux_coef=float(f.get("router_aux_loss_coef", 0.001)),
+        aux_in_loss=bool(f.get("output_router_logits", False)))
+
+
 def _check(f: _Fields) -> None:
     """Every field known to the family, of its type, at a value rptrain computes as transformers does."""
     record, raw = f.record, f.raw
@@ -234,10 +258,11 @@ def decoder_config(raw: Any, where: str = "config.json", max_seq_len: int | None
     switches = dict(record.switches)
     gemma2 = record.gemma2
     try:
+        moe = _moe(f, n_layers)
         return DecoderConfig(
             vocab_size=vocab, hidden_size=hidden, n_layers=n_layers, n_heads=heads,
             n_kv_heads=int(f.get("num_key_value_heads", heads)), head_dim=head_dim,
-            intermediate_size=int(f.need("intermediate_size")),
+            intermediate_size=int(f.need("intermediate_size")), moe=moe,
             norm_eps=float(f.get("rms_norm_eps", 1e-6)), norm_offset=record.gemma, activation=activation,
             qkv_bias=bias or switches.pop("qkv_bias", False), o_bias=bias, mlp_bias=bool(f.get("mlp_bias", False)),
             embed_scale=math.sqrt(hidden) if record.gemma else None,

@@ -49,7 +49,7 @@ TYPES: dict[str, str] = {
     **dict.fromkeys(["bos_token_id", "eos_token_id"], "token_ids"),
     **dict.fromkeys(["rms_norm_eps", "attention_dropout", "embd_pdrop", "resid_pdrop", "rope_theta", "rope_local_base_freq",
                      "partial_rotary_factor", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
-                     "router_aux_loss_coef", "router_jitter_noise", "swiglu_limit", "initializer_range"], "number"),
+                     "router_aux_loss_coef", "router_jitter_noise", "swiglu_alpha", "swiglu_limit", "initializer_range"], "number"),
     **dict.fromkeys(["tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "use_bidirectional_attention",
                      "norm_topk_prob", "output_router_logits", "use_cache"], "bool"),
     **dict.fromkeys(["model_type", "hidden_act", "hidden_activation"], "text"),

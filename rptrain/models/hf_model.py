@@ -17,11 +17,14 @@ from torch import nn
 
 from rptrain.models.decoder import Device, build_decoder
 from rptrain.models.hf_config import HFModelError, decoder_config, read_config_json
+from rptrain.models.expert_names import Index, parts
+from rptrain.models.families import Family, family
 from rptrain.models.hf_names import hf_name
 from rptrain.models.llama_weights import listing
 from rptrain.models.registry import register_model
 
 
+Plan = dict[str, tuple[str, Index]]  # checkpoint tensor -> (our parameter, the index into it that it fills)
 # safetensors' names of the dtypes a weight may have; any other (I32, U8, F8_*, ...) is refused, never cast.
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 
@@ -71,11 +74,13 @@ def _by_file(names, files: dict[str, Path]) -> dict[Path, list[str]]:
     return out
 
 
-def _plan(model: nn.Sequential, files: dict[str, Path], path: Path) -> dict[str, str]:
-    """Our parameter name for every checkpoint tensor to load; raise if names, dtypes or shapes do not match."""
+def _plan(model: nn.Sequential, files: dict[str, Path], path: Path, record: Family) -> Plan:
+    """Where every checkpoint tensor goes: (our parameter name, index into it); raise if names, dtypes or
+    shapes do not match. Expert matrices stored one per expert fill slices of ours (expert_names)."""
     n_layers = len(model) - 2
     params = dict(model.named_parameters())  # a tied head is not listed: it is the embedding
-    wanted = {hf_name(name, n_layers): name for name in params}
+    wanted = {part: (name, index) for name, p in params.items()
+              for part, index in parts(hf_name(name, n_layers), tuple(p.shape), record)}
     tied = model[-1].tied
     plan, unexpected = {}, []
     for name in files:
@@ -98,14 +103,15 @@ def _plan(model: nn.Sequential, files: dict[str, Path], path: Path) -> dict[str,
                 if dtype not in FLOAT_DTYPES:
                     raise HFModelError(f"{file}: tensor {n} is {dtype}, not a floating-point weight; rptrain does not cast "
                                        f"it silently (quantized checkpoints are not supported): use a bf16/fp16/fp32 export")
-            wrong += [f"{n} {tuple(f.get_slice(n).get_shape())} vs {tuple(params[plan[n]].shape)}" for n in names
-                      if tuple(f.get_slice(n).get_shape()) != tuple(params[plan[n]].shape)]
+                ours = tuple(params[plan[n][0]][plan[n][1]].shape)
+                if tuple(f.get_slice(n).get_shape()) != ours:
+                    wrong.append(f"{n} {tuple(f.get_slice(n).get_shape())} vs {ours}")
     if wrong:
         raise HFModelError(f"model.path={path}: tensor shapes differ from config.json (file vs model): {listing(wrong)}")
     return plan
 
 
-def load_hf_weights(model: nn.Sequential, files: dict[str, Path], plan: dict[str, str]) -> None:
+def load_hf_weights(model: nn.Sequential, files: dict[str, Path], plan: Plan) -> None:
     """Copy each tensor from its memory-mapped shard into the allocated model, converting its dtype."""
     params = dict(model.named_parameters())
     by_file = _by_file(plan, files)
@@ -113,7 +119,8 @@ def load_hf_weights(model: nn.Sequential, files: dict[str, Path], plan: dict[str
         for file, names in by_file.items():
             with open_shard(file) as f:
                 for name in names:
-                    params[plan[name]].copy_(f.get_tensor(name))
+                    ours, index = plan[name]
+                    params[ours][index].copy_(f.get_tensor(name))
 
 
 @register_model("hf")
@@ -128,13 +135,14 @@ def build_hf(path: str, device: Device = None, dtype: torch.dtype | None = None,
     if attention not in ("auto", "sdpa", "flex"):
         raise HFModelError(f"model.attention={attention}: use auto, sdpa or flex")
     folder = Path(path).expanduser()
-    cfg = decoder_config(read_config_json(folder), f"{folder / 'config.json'}", max_seq_len, loss_chunk_tokens, attention, fused)
+    raw = read_config_json(folder)
+    cfg = decoder_config(raw, f"{folder / 'config.json'}", max_seq_len, loss_chunk_tokens, attention, fused)
     if vocab_size is not None and vocab_size > cfg.vocab_size:
         raise HFModelError(f"model.path={path}: the data has {vocab_size} token ids (its tokenizer or data.vocab_size) but "
                            f"the model embeds {cfg.vocab_size}: use the folder's own tokenizer")
     model = build_decoder(cfg, "meta", dtype)
     files = weight_files(folder)
-    plan = _plan(model, files, folder)
+    plan = _plan(model, files, folder, family(raw["model_type"]))
     if device is not None and torch.device(device).type == "meta":
         return model
     model = model.to_empty(device=torch.get_default_device() if device is None else device)

@@ -1,0 +1,122 @@
+"""Mixture-of-experts families from config.json against transformers with the same weights (fp32, rel 1e-5):
+logits, loss with the load-balancing term, every gradient (router included), the aux loss itself; alone
+and through the engine with several microbatches and recompute, where the routing of the forward is replayed."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from reference import engine_gradients
+from rptrain import ExecutePlan, RoundPipeRunConfig
+from rptrain.models import build_model
+from rptrain.models.hf_names import hf_name
+from rptrain.models.moe import take_balance
+from test_models_hf import TINY, batch, rel
+
+MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.3)
+CASES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=16, norm_topk_prob=True)),
+    # 3 layers: layer 0 dense by mlp_only_layers, layer 1 dense by decoder_sparse_step=2, layer 2 MoE... and no renormalisation
+    "qwen3_moe_sparse": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=16, norm_topk_prob=False,
+                                                                        num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, sliding_window=5)),
+}
+
+
+def save_moe(name: str, folder) -> torch.nn.Module:
+    config_cls, model_cls, extra = CASES[name]
+    config = getattr(transformers, config_cls)(**{**TINY, **MOE, **extra}, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(folder, max_shard_size="30KB")
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            folder = tmp_path_factory.mktemp(name)
+            cache[name] = folder, save_moe(name, folder)
+        return cache[name]
+
+    return get
+
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_transformers(saved, name):
+    folder, theirs = saved(name)
+    ours = build_model("hf", path=str(folder), loss_chunk_tokens=7)
+    ids, targets = batch()
+    theirs.zero_grad()
+    out = theirs(ids, output_router_logits=True)
+    valid = (targets != -100).sum()
+    ce = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    expected = ce + theirs.config.router_aux_loss_coef * out.aux_loss * valid  # their mean loss, times the tokens
+    expected.backward()
+    with torch.no_grad():
+        assert rel(ours((ids, None)), out.logits.detach()) < 1e-5
+    take_balance()
+    loss = ours((ids, targets))
+    assert abs(take_balance() - out.aux_loss.item()) <= 1e-5 * out.aux_loss.item()
+    assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+    loss.backward()
+    hf_params = dict(theirs.named_parameters())
+    L = len(ours) - 2
+    for our_name, p in ours.named_parameters():
+        assert rel(p.grad, hf_params[hf_name(our_name, L)].grad) < 1e-5, our_name
+
+
+PLAN = ExecutePlan.from_cuts(4, [1, 2], [2])  # backward stages differ from the forward ones: layers are recomputed
+
+
+def test_through_the_engine_with_replayed_routing(saved, monkeypatch):
+    folder, _ = saved("qwen3_moe")
+    model = build_model("hf", path=str(folder))
+    ids, targets = batch(B=4)
+    # Each microbatch is its own batch for the load-balancing term: the reference is the sum over microbatches.
+    for i in range(2):
+        model((ids[2 * i:2 * i + 2], targets[2 * i:2 * i + 2])).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    from rptrain.models import router
+
+    calls = {"n": 0}
+    original = router.doing_recompute
+
+    def spy():
+        calls["n"] += original()
+        return original()
+
+    monkeypatch.setattr(router, "doing_recompute", spy)
+    grads = engine_gradients(model, (ids, targets), RoundPipeRunConfig(num_microbatch=2, execute_plan=PLAN))
+    assert calls["n"] > 0  # routing was replayed in recomputed forwards
+    for g, e in zip(grads, expected):
+        assert rel(g, e) < 1e-5
+
+
+def test_recompute_replays_the_forward_routing():
+    """The experts chosen in the forward come back in the recompute even where the logits would now choose others."""
+    from rptrain.engine.recompute import layer_call
+    from rptrain.models.decoder_config import MoeConfig
+    from rptrain.models.router import TopKRouter
+
+    r = TopKRouter(MoeConfig(n_experts=4, top_k=2, expert_size=8, layers=(True,), norm_topk=True), 8)
+    torch.nn.init.normal_(r.weight)
+    x, store = torch.randn(5, 8), {}
+    with layer_call(store, "layer", recomputing=False):
+        _, weights, experts = r(x)
+    with torch.no_grad():
+        r.weight.neg_()  # the opposite preferences
+    with layer_call(store, "layer", recomputing=True):
+        logits, again_weights, again = r(x)
+    assert torch.equal(again, experts) and not torch.equal(logits.topk(2).indices, experts)
+    assert torch.allclose(again_weights.sum(-1), torch.ones(5))  # weights recomputed from the new logits, renormalised
