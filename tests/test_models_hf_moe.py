@@ -22,6 +22,8 @@ CASES = {
     "qwen3_moe_sparse": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=16, norm_topk_prob=False,
                                                                         num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, sliding_window=5)),
+    # sinks, sliding layer 0 and full layer 1, YaRN (its defaults), biased router and experts, clamped SwiGLU (limit low enough to bite)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, sliding_window=5, swiglu_limit=0.5)),
 }
 
 
@@ -78,8 +80,9 @@ def test_matches_transformers(saved, name):
 PLAN = ExecutePlan.from_cuts(4, [1, 2], [2])  # backward stages differ from the forward ones: layers are recomputed
 
 
-def test_through_the_engine_with_replayed_routing(saved, monkeypatch):
-    folder, _ = saved("qwen3_moe")
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_through_the_engine_with_replayed_routing(saved, monkeypatch, name):
+    folder, _ = saved(name)
     model = build_model("hf", path=str(folder))
     ids, targets = batch(B=4)
     # Each microbatch is its own batch for the load-balancing term: the reference is the sum over microbatches.
@@ -120,3 +123,52 @@ def test_recompute_replays_the_forward_routing():
         logits, again_weights, again = r(x)
     assert torch.equal(again, experts) and not torch.equal(logits.topk(2).indices, experts)
     assert torch.allclose(again_weights.sum(-1), torch.ones(5))  # weights recomputed from the new logits, renormalised
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_greedy_generation_and_export(saved, tmp_path, name):
+    """Greedy tokens equal transformers' (our KV cache, their generate); the export holds the source's tensors bit
+    for bit, in the family's own layout (per-expert matrices, Mixtral's w1/w2/w3, GPT-OSS's fused experts)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from rptrain.models.generate import generate
+    from rptrain.models.hf_export import hf_export
+
+    folder, theirs = saved(name)
+    ours = build_model("hf", path=str(folder)).eval()
+    prompt = [5, 9, 2, 33, 17, 40, 8]  # past the window of 5: the sliding layers' cache matters
+    want = theirs.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert generate(ours, prompt, 8) == want[0, len(prompt):].tolist()
+    out = hf_export(ours, json.loads((folder / "config.json").read_text()), tmp_path / "out", max_shard_bytes=30_000)
+    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    source = theirs.state_dict()
+    assert back.state_dict().keys() == source.keys()
+    assert all(torch.equal(t, source[k]) for k, t in back.state_dict().items())
+    ids, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, theirs(ids).logits, rtol=0, atol=0)
+
+
+REFUSALS = [
+    ("qwen3_moe", dict(num_experts=8), "num_experts=8 (qwen3_moe): num_local_experts=4 says otherwise"),
+    ("qwen3_moe", dict(num_experts_per_tok=5), "num_experts_per_tok 5 must be between 1 and the 4 experts"),
+    ("qwen3_moe", dict(use_sliding_window=True), "use_sliding_window=true (qwen3_moe): rptrain does not train this family with sliding windows"),
+    ("qwen3_moe", dict(mlp_only_layers=[0.5]), "mlp_only_layers=[0.5] (qwen3_moe): must be a list of integers"),
+    ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 (mixtral): router jitter is not supported"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}), "quantized weights (mxfp4) are not supported: save a bf16 copy"),
+]
+
+
+@pytest.mark.parametrize("name, change, fragment", REFUSALS, ids=[f"{n}-{next(iter(c))}" for n, c, _ in REFUSALS])
+def test_refusals(saved, name, change, fragment):
+    import json
+
+    from rptrain.models import HFModelError
+    from rptrain.models.hf_config import decoder_config
+
+    folder, _ = saved(name)
+    with pytest.raises(HFModelError) as info:
+        decoder_config({**json.loads((folder / "config.json").read_text()), **change})
+    assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)

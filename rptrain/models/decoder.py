@@ -68,6 +68,8 @@ class SelfAttention(nn.Module):
             self.k_proj = _linear(cfg.hidden_size, kv_out, cfg.qkv_bias, device, dtype)
             self.v_proj = _linear(cfg.hidden_size, kv_out, cfg.qkv_bias, device, dtype)
         self.o_proj = _linear(q_out, cfg.hidden_size, cfg.o_bias, device, dtype)
+        if cfg.attn_sinks:
+            self.sinks = nn.Parameter(torch.empty(cfg.n_heads, device=device, dtype=dtype))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset, device, dtype, cfg.fused)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset, device, dtype, cfg.fused)
@@ -86,7 +88,8 @@ class SelfAttention(nn.Module):
         # q/k norms (Qwen3, Gemma-3), heads before time, rotary: one kernel per tensor when fused.
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset) if hasattr(self, "q_norm") else (None, None, 0.0, False)
         q, k = kernel(qk_rotary, self.fused)(q, k, cos, sin, *norms)
-        y = causal_attention(q, k, v, self.scale, self.softcap, self.window, segments, self.flex)
+        sinks = getattr(self, "sinks", None)
+        y = causal_attention(q, k, v, self.scale, self.softcap, self.window, segments, self.flex, sinks)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

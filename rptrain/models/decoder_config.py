@@ -68,6 +68,7 @@ class DecoderConfig:
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None
+    attn_sinks: bool = False  # GPT-OSS: a learnt per-head logit that joins every softmax and then is dropped
     final_softcap: float | None = None
     rope: Rope = field(default_factory=Rope)
     local_rope: Rope | None = None  # the sliding-window layers' own rotary settings (Gemma-3)

@@ -97,6 +97,15 @@ FAMILIES: dict[str, Family] = _families(
            defaults={"num_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1e6, "rms_norm_eps": 1e-5}, layers="sliding",
            moe=MoeRecord(expert_size_field="intermediate_size", norm_topk=True, block="block_sparse_moe",
                          per_expert=("w1", "w3", "w2"))),
+    # Attention sinks, alternating sliding and full layers, YaRN; biased router and experts with a clamped SwiGLU.
+    Family("gpt_oss", "GptOssForCausalLM", MOE | {"attention_bias", "sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit"},
+           defaults={"num_experts": 128, "num_experts_per_tok": 4, "head_dim": 64, "rms_norm_eps": 1e-5, "attention_bias": True,
+                     "sliding_window": 128, "max_position_embeddings": 131072,
+                     "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0}},
+           layers="alternate", switches={"attn_sinks": True},
+           moe=MoeRecord(expert_size_field="intermediate_size", routing="topk_softmax", bias=True, activation="clamped_swiglu",
+                         interleaved=True, router="router", per_expert=None)),
 )
 
 

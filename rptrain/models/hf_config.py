@@ -125,7 +125,7 @@ def _ropes(f: _Fields, max_positions: int) -> tuple[Rope, Rope | None]:
 
     transformers (PreTrainedConfig.convert_rope_params_to_dict) takes a non-empty rope_scaling over
     rope_parameters, and a rope_theta beside them only where the dict has none: so does this."""
-    scaling, new = f.raw.get("rope_scaling"), f.raw.get("rope_parameters")
+    scaling, new = f.raw.get("rope_scaling"), f.get("rope_parameters")
     if f.record.rope == "per_layer_type":
         if scaling and new is not None:
             raise f.fail("rope_scaling", "rope_parameters is given too: keep one of the two (rptrain cannot tell which rotary "
@@ -214,6 +214,12 @@ def _moe(f: _Fields, n_layers: int) -> MoeConfig | None:
 def _check(f: _Fields) -> None:
     """Every field known to the family, of its type, at a value rptrain computes as transformers does."""
     record, raw = f.record, f.raw
+    quantized = raw.get("quantization_config")
+    if quantized is not None:
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+        raise f.fail("quantization_config", f"quantized weights ({method or 'unknown method'}) are not supported: save a bf16 copy "
+                                            "first (transformers: from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)) "
+                                            "for MXFP4, then save_pretrained)")
     for arch in f.get("architectures", []) if type_error("architectures", raw.get("architectures")) is None else ():
         if not arch.endswith("ForCausalLM"):
             raise f.fail("architectures", "rptrain trains causal language models (*ForCausalLM) only")
