@@ -65,8 +65,11 @@ class Experts(nn.Module):
         gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x (N, D), experts and weights (N, k) -> (N, D): sum over k of weight * expert(x)."""
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, lora: dict | None = None) -> torch.Tensor:
+        """x (N, D), experts and weights (N, k) -> (N, D): sum over k of weight * expert(x).
+
+        lora: parameter name -> (a (E, in, r), b (E, r, out), scaling): each expert's low-rank update of that
+        matrix (rptrain.models.lora.LoraExperts), applied to the sorted rows by two more grouped GEMMs."""
         choice = experts.flatten()
         order = choice.argsort(stable=True)
         group, token = choice[order], order // self.top_k
@@ -75,10 +78,19 @@ class Experts(nn.Module):
         offsets = counts.cumsum(0, dtype=torch.int32)
         w_gate_up = self.gate_up_proj if self.interleaved else self.gate_up_proj.transpose(1, 2)
         w_down = self.down_proj if self.interleaved else self.down_proj.transpose(1, 2)
-        h = grouped_mm(x[token], w_gate_up, offsets, group)
+        rows = x[token]
+
+        def project(inputs: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
+            out = grouped_mm(inputs, weight, offsets, group)
+            if lora and name in lora:
+                a, b, scaling = lora[name]
+                out = out + grouped_mm(grouped_mm(inputs, a, offsets, group), b, offsets, group) * scaling
+            return out
+
+        h = project(rows, w_gate_up, "gate_up_proj")
         if hasattr(self, "gate_up_proj_bias"):
             h = h + self.gate_up_proj_bias[group]
-        y = grouped_mm(self._gated(h), w_down, offsets, group)
+        y = project(self._gated(h), w_down, "down_proj")
         if hasattr(self, "down_proj_bias"):
             y = y + self.down_proj_bias[group]
         y = y * weights.flatten()[order, None].to(y.dtype)

@@ -89,6 +89,7 @@ class LoraConfig:
     alpha: float = MISSING
     dropout: float = MISSING
     targets: list[str] = MISSING
+    train_router: bool = MISSING
     export: LoraExport = MISSING
 
 
