@@ -25,6 +25,7 @@ from torch import Tensor
 
 from rptrain import GradScaler, RoundPipe, RoundPipeRunConfig
 from rptrain.models import count_tokens
+from rptrain.models.moe import take_balance
 
 from .model import IMAGE
 
@@ -142,12 +143,14 @@ class LanguageTask(Task):
 
     def evaluate(self, engine: RoundPipe, batches: Iterable[tuple]) -> dict[str, float]:
         loss_sums, total = [], 0
+        take_balance()  # the training microbatches' belong to the next train record
         for batch in batches:
             ids, targets = batch[:2]
             loss_sums.append(engine(tuple(batch), run_config=self.run_config(len(ids), evaluating=True)).double().sum())
             total += count_tokens(targets)
         loss = (float(device_sum(loss_sums)) if loss_sums else 0.0) / max(total, 1)
-        return {"loss": loss, "ppl": perplexity(loss)}
+        balance = take_balance()  # MoE models: the routers' load-balancing loss over the eval batches
+        return {"loss": loss, "ppl": perplexity(loss), **({} if balance is None else {"router_balance": balance})}
 
 
 def device_sum(values: list[Tensor]) -> Tensor:
