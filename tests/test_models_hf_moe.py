@@ -11,6 +11,7 @@ import transformers
 from reference import engine_gradients
 from rptrain import ExecutePlan, RoundPipeRunConfig
 from rptrain.models import build_model
+from rptrain.models.hf_export import hf_export
 from rptrain.models.hf_names import hf_name
 from rptrain.models.moe import take_balance
 from test_models_hf import TINY, batch, rel
@@ -157,7 +158,8 @@ REFUSALS = [
     ("qwen3_moe", dict(use_sliding_window=True), "use_sliding_window=true (qwen3_moe): rptrain does not train this family with sliding windows"),
     ("qwen3_moe", dict(mlp_only_layers=[0.5]), "mlp_only_layers=[0.5] (qwen3_moe): must be a list of integers"),
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 (mixtral): router jitter is not supported"),
-    ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}), "quantized weights (mxfp4) are not supported: save a bf16 copy"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "bitsandbytes"}), "quantized weights (bitsandbytes) are not supported"),
+    ("mixtral", dict(quantization_config={"quant_method": "mxfp4"}), "quantized weights (mxfp4) are not supported: save a bf16 copy"),
 ]
 
 
@@ -172,3 +174,37 @@ def test_refusals(saved, name, change, fragment):
     with pytest.raises(HFModelError) as info:
         decoder_config({**json.loads((folder / "config.json").read_text()), **change})
     assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_mxfp4_experts_are_dequantized_at_load(tmp_path):
+    """A GPT-OSS folder whose experts are MXFP4 (as published): they load as transformers dequantizes them,
+    and the export is plain weights transformers loads."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config = transformers.GptOssConfig(**{**TINY, **MOE, "num_local_experts": 4, "intermediate_size": 64, "sliding_window": 5})
+    transformers.GptOssForCausalLM(config).save_pretrained(tmp_path / "src")
+    state = load_file(tmp_path / "src" / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    packed = {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, n_in, rows = state.pop(name).shape
+        packed[name] = (torch.randint(0, 256, (E, rows, n_in // 32, 16), dtype=torch.uint8, generator=g),
+                        torch.randint(120, 130, (E, rows, n_in // 32), dtype=torch.uint8, generator=g))
+        state[name + "_blocks"], state[name + "_scales"] = packed[name]
+    save_file(state, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((tmp_path / "src" / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                                      "model.embed_tokens", "lm_head"]}
+    (tmp_path / "src" / "config.json").write_text(json.dumps(raw))
+    ours = build_model("hf", path=str(tmp_path / "src"))
+    params = {hf_name(n, len(ours) - 2): p for n, p in ours.named_parameters()}
+    for name, (blocks, scales) in packed.items():
+        assert torch.equal(params[name], convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)), name
+    out = hf_export(ours, raw, tmp_path / "out")
+    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert all(torch.equal(p, params[n]) for n, p in back.named_parameters())

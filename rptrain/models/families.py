@@ -57,6 +57,8 @@ class Family:
     gemma: bool = False  # embeddings times sqrt(hidden_size), norms scale by (1 + weight)
     gemma2: bool = False  # query_pre_attn_scalar and soft-capping fields apply
     moe: MoeRecord | None = None  # an MoE family (its config fields are in `reads`)
+    harmless: frozenset[str] = frozenset()  # fields this family's checkpoints carry that transformers does not read
+    mxfp4: bool = False  # MXFP4 expert weights (quantization_config quant_method mxfp4) are dequantized at load
 
 
 def _families(*records: Family) -> dict[str, Family]:
@@ -103,7 +105,8 @@ FAMILIES: dict[str, Family] = _families(
                      "sliding_window": 128, "max_position_embeddings": 131072,
                      "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                          "original_max_position_embeddings": 4096, "rope_theta": 150000.0}},
-           layers="alternate", switches={"attn_sinks": True},
+           layers="alternate", switches={"attn_sinks": True}, mxfp4=True,
+           harmless=frozenset({"experts_per_token", "initial_context_length"}),  # duplicates in the published config.json
            moe=MoeRecord(expert_size_field="intermediate_size", routing="topk_softmax", bias=True, activation="clamped_swiglu",
                          interleaved=True, router="router", per_expert=None)),
 )

@@ -215,16 +215,15 @@ def _check(f: _Fields) -> None:
     """Every field known to the family, of its type, at a value rptrain computes as transformers does."""
     record, raw = f.record, f.raw
     quantized = raw.get("quantization_config")
-    if quantized is not None:
-        method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+    method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+    if quantized is not None and not (record.mxfp4 and method == "mxfp4"):
         raise f.fail("quantization_config", f"quantized weights ({method or 'unknown method'}) are not supported: save a bf16 copy "
-                                            "first (transformers: from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)) "
-                                            "for MXFP4, then save_pretrained)")
-    for arch in f.get("architectures", []) if type_error("architectures", raw.get("architectures")) is None else ():
-        if not arch.endswith("ForCausalLM"):
-            raise f.fail("architectures", "rptrain trains causal language models (*ForCausalLM) only")
-    allowed = HARMLESS | COMMON | record.reads
+                                            "first (transformers: from_pretrained(..., quantization_config=...(dequantize=True)), "
+                                            "then save_pretrained)")
+    allowed = HARMLESS | COMMON | record.reads | record.harmless | ({"quantization_config"} if record.mxfp4 else set())
     for key, value in raw.items():
+        if key == "quantization_config":
+            continue  # checked above
         if key not in allowed:
             raise f.fail(key, f"rptrain does not know this field, which may change the model's math; the {f.family} fields it reads: "
                               f"{', '.join(sorted(COMMON | record.reads))}")

@@ -119,6 +119,7 @@ def hf_export(
     dtype_name = str(dtype).removeprefix("torch.")
     # transformers 5 writes "dtype", 4.x "torch_dtype"; both versions read the other key too.
     written = {**config, "torch_dtype": dtype_name, "tie_word_embeddings": tied}
+    written.pop("quantization_config", None)  # weights are written as `dtype`: a source's MXFP4 experts were dequantized at load
     if "dtype" in written:
         written["dtype"] = dtype_name
     (out / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")

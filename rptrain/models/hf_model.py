@@ -21,9 +21,11 @@ from rptrain.models.expert_names import Index, parts
 from rptrain.models.families import Family, family
 from rptrain.models.hf_names import hf_name
 from rptrain.models.llama_weights import listing
+from rptrain.models.mxfp4 import dequantize
 from rptrain.models.registry import register_model
 
 
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"  # GPT-OSS's quantized experts: <name>_blocks and <name>_scales
 Plan = dict[str, tuple[str, Index]]  # checkpoint tensor -> (our parameter, the index into it that it fills)
 # safetensors' names of the dtypes a weight may have; any other (I32, U8, F8_*, ...) is refused, never cast.
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
@@ -66,6 +68,11 @@ def weight_files(path: Path) -> dict[str, Path]:
     return files
 
 
+def _mxfp4_files(plan: Plan, files: dict[str, Path]) -> dict[str, Path]:
+    """`files` plus, for each planned tensor stored as MXFP4 blocks, the shard of its blocks."""
+    return {**files, **{n: files[n + MXFP4_BLOCKS] for n in plan if n not in files}}
+
+
 def _by_file(names, files: dict[str, Path]) -> dict[Path, list[str]]:
     """Tensor names grouped by shard, so each shard is opened once."""
     out: dict[Path, list[str]] = {}
@@ -86,6 +93,12 @@ def _plan(model: nn.Sequential, files: dict[str, Path], path: Path, record: Fami
     for name in files:
         if name in wanted:
             plan[name] = wanted[name]
+        elif record.mxfp4 and name.endswith(MXFP4_BLOCKS) and name.removesuffix(MXFP4_BLOCKS) in wanted:
+            plan[name.removesuffix(MXFP4_BLOCKS)] = wanted[name.removesuffix(MXFP4_BLOCKS)]  # dequantized at load
+            if name.removesuffix(MXFP4_BLOCKS) + MXFP4_SCALES not in files:
+                raise HFModelError(f"model.path={path}: {name} has no {MXFP4_SCALES.lstrip('_')} tensor beside it")
+        elif record.mxfp4 and name.endswith(MXFP4_SCALES) and name.removesuffix(MXFP4_SCALES) in wanted:
+            continue  # read with its blocks
         elif name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue  # a derived table of old files; a tied head's copy (the embedding wins, as in transformers)
         else:
@@ -94,11 +107,16 @@ def _plan(model: nn.Sequential, files: dict[str, Path], path: Path, record: Fami
     if missing or unexpected:
         raise HFModelError(f"model.path={path}: the weights do not match config.json: missing {len(missing)} "
                            f"[{listing(missing)}], unexpected {len(unexpected)} [{listing(unexpected)}]")
-    by_file = _by_file(plan, files)
+    by_file = _by_file(plan, _mxfp4_files(plan, files))
     wrong = []
     for file, names in by_file.items():
         with open_shard(file) as f:
             for n in names:
+                if n not in files:  # MXFP4: (E, rows, in / 32, 16) bytes for our (E, in, rows)
+                    blocks, ours = tuple(f.get_slice(n + MXFP4_BLOCKS).get_shape()), tuple(params[plan[n][0]][plan[n][1]].shape)
+                    if f.get_slice(n + MXFP4_BLOCKS).get_dtype() != "U8" or blocks != (ours[0], ours[2], ours[1] // 32, 16):
+                        wrong.append(f"{n + MXFP4_BLOCKS} {blocks} vs MXFP4 blocks of {ours}")
+                    continue
                 dtype = f.get_slice(n).get_dtype()
                 if dtype not in FLOAT_DTYPES:
                     raise HFModelError(f"{file}: tensor {n} is {dtype}, not a floating-point weight; rptrain does not cast "
@@ -114,13 +132,18 @@ def _plan(model: nn.Sequential, files: dict[str, Path], path: Path, record: Fami
 def load_hf_weights(model: nn.Sequential, files: dict[str, Path], plan: Plan) -> None:
     """Copy each tensor from its memory-mapped shard into the allocated model, converting its dtype."""
     params = dict(model.named_parameters())
-    by_file = _by_file(plan, files)
+    by_file = _by_file(plan, _mxfp4_files(plan, files))
     with torch.no_grad():
         for file, names in by_file.items():
             with open_shard(file) as f:
                 for name in names:
                     ours, index = plan[name]
-                    params[ours][index].copy_(f.get_tensor(name))
+                    if name not in files:  # MXFP4 blocks here, their scales in their own shard
+                        with open_shard(files[name + MXFP4_SCALES]) as g:
+                            scales = g.get_tensor(name + MXFP4_SCALES)
+                        params[ours][index].copy_(dequantize(f.get_tensor(name + MXFP4_BLOCKS), scales, torch.float32))
+                    else:
+                        params[ours][index].copy_(f.get_tensor(name))
 
 
 @register_model("hf")
