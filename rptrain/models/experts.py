@@ -21,14 +21,15 @@ _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
 def _grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm takes these operands (measured on torch 2.14: CPU float32/bfloat16;
-    CUDA bfloat16; every row and column stride a multiple of 16 bytes)."""
+    """Whether torch._grouped_mm takes these operands (tried on torch 2.14: CPU float32/bfloat16/float16,
+    every row and column stride a multiple of 16 bytes; CUDA: bfloat16 on compute capability 9+, its
+    grouped-GEMM kernel's documented case, not tried here)."""
     if not _HAS_GROUPED_MM or x.dtype != w.dtype:
         return False
     if x.device.type == "cuda":
         if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9:
             return False
-    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     return all(n * x.element_size() % 16 == 0 for n in (x.size(-1), w.size(-1), w.size(-2)))
 
