@@ -26,6 +26,7 @@ BAD_TYPES = [
     (dict(architectures="LlamaForCausalLM"), 'architectures="LlamaForCausalLM" (llama): must be a list of strings'),
     (dict(head_dim=0), "head_dim=0 (llama): must be a positive integer"),
     (dict(pad_token_id=2.0), "pad_token_id=2.0 (llama): must be an integer"),
+    (dict(architectures=["LlamaForSequenceClassification"]), "rptrain trains causal language models (*ForCausalLM) only"),
 ]
 
 

@@ -220,6 +220,9 @@ def _check(f: _Fields) -> None:
         raise f.fail("quantization_config", f"quantized weights ({method or 'unknown method'}) are not supported: save a bf16 copy "
                                             "first (transformers: from_pretrained(..., quantization_config=...(dequantize=True)), "
                                             "then save_pretrained)")
+    for arch in f.get("architectures", []) if type_error("architectures", raw.get("architectures")) is None else ():
+        if not arch.endswith("ForCausalLM"):
+            raise f.fail("architectures", "rptrain trains causal language models (*ForCausalLM) only")
     allowed = HARMLESS | COMMON | record.reads | record.harmless | ({"quantization_config"} if record.mxfp4 else set())
     for key, value in raw.items():
         if key == "quantization_config":
