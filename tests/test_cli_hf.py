@@ -57,7 +57,9 @@ REFUSED = {
     "rope_key": (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "beta_fast": 4}),
                  ["rope_parameters=", "beta_fast is not a linear rope setting", "supports factor"]),
     "dropout": (dict(attention_dropout=0.1), ["attention_dropout=0.1 (llama)", "dropout is not supported", "set it to 0.0"]),
-    "unknown": (dict(quantization_config={"bits": 4}), ["quantization_config=", "(llama)", "does not know this field", "attention_bias"]),
+    "unknown": (dict(rope_interleaved=True), ["rope_interleaved=true", "(llama)", "does not know this field", "attention_bias"]),
+    "quantized": (dict(quantization_config={"bits": 4}), ["quantization_config=", "(llama)", "quantized weights (unknown method) are not supported"]),
+    "types": (dict(hidden_size=32.5), ["hidden_size=32.5 (llama): must be a positive integer"]),
     "architecture": (dict(model_type="gpt2"), ['model_type="gpt2" is not supported', "llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3"]),
     "head": (dict(architectures=["LlamaForSequenceClassification"]), ["architectures=", "*ForCausalLM"]),
     "missing": (dict(hidden_size=None), ["hidden_size=(absent) (llama)", "is required"]),
@@ -79,3 +81,30 @@ def test_bad_folders(cli, folder, tmp_path):  # noqa: F811
     expect_error(cli("model=hf", f"model.path={no_weights}", *DATA), "no *.safetensors weights")
     expect_error(cli("model=hf", f"model.path={folder}", *DATA, "data.seq_len=128"), "data.seq_len=128 is longer than", "64 positions")
     expect_error(cli("model=hf", f"model.path={folder}", *DATA, "data.vocab_size=100"), "the data has 100 token ids", "the model embeds 64")
+
+
+def test_trains_exports_and_generates_an_moe_folder(tmp_path):
+    """Qwen3-MoE end to end: trains with the load-balancing loss logged (train and eval records), exports in
+    the per-expert layout transformers loads, and rptrain-generate answers from the export."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_fixture import tokenizer_folder
+    from rptrain.cli.generate import main as generate_main
+
+    folder = tmp_path / "moe"
+    config = transformers.Qwen3MoeConfig(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(folder)
+    tokenizer_folder(folder)
+    run = tmp_path / "run"
+    data = [d for d in DATA if not d.startswith("data.vocab_size")]
+    proc = rptrain_here(["model=hf", f"model.path={folder}", *data, "data.vocab_size=320", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    records = read_jsonl(run / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    assert len(train) == 2 and all(r["router_balance"] > 0 for r in train)  # num_experts_per_tok (2) when perfectly balanced
+    assert any("router_balance" in r for r in records if r["kind"] == "eval")
+    back = AutoModelForCausalLM.from_pretrained(run / "hf")
+    assert type(back).__name__ == "Qwen3MoeForCausalLM"
+    generate_main([str(run / "hf"), "The quick", "--raw", "--max-tokens", "3"])

@@ -179,3 +179,30 @@ def test_merge_outputs():
     with pytest.raises(ValueError, match="differs between microbatches"):
         merge_outputs([1, 2])
     assert merge_outputs([1, 2], sum) == 3
+
+
+def moe_like(n: int = 8) -> list[LayerCost]:
+    """Equal compute per layer; the first half hold 8x the weights (MoE layers before dense ones)."""
+    return [LayerCost(800 if i < n // 2 else 100, 800 if i < n // 2 else 100, 1.0, 2.0, 10, 50) for i in range(n)]
+
+
+def test_planner_balances_bytes_as_well_as_compute():
+    costs, devices = moe_like(), 3
+    by_time = plan_stages(costs, devices)
+    by_bytes = plan_stages(costs, devices, transfer_rate=100.0)  # 8 s to upload an MoE layer, 1 s to compute it
+
+    def slowest(plan, stages):  # the longest stage: its compute or its weights' upload
+        return max(max(sum(c.forward_time for c in costs[a:b]), sum(c.param_bytes for c in costs[a:b]) / 100.0) for a, b in stages)
+
+    assert slowest(by_bytes, by_bytes.forward[:-1]) < slowest(by_time, by_time.forward[:-1])
+    assert len(by_bytes.forward) >= devices  # still a stage per device at least
+    # Without a rate, or with transfers far faster than compute, the plan is the compute-balanced one.
+    assert plan_stages(costs, devices, transfer_rate=1e12) == by_time
+
+
+def test_transfer_rate_keeps_the_memory_cap():
+    costs = moe_like(10)
+    cap = backward_memory(costs, 0, 2)  # two MoE layers fit a backward stage
+    plan = plan_stages(costs, 2, cap, transfer_rate=50.0)
+    assert all(forward_memory(costs, a, b) <= cap for a, b in plan.forward)
+    assert all(backward_memory(costs, a, b) <= cap for a, b in plan.backward)

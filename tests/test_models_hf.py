@@ -135,7 +135,7 @@ REFUSALS = [
      "(qwen2): partial_rotary_factor other than 1 is supported for phi3 only"),
     ("phi3", dict(resid_pdrop=0.1), "resid_pdrop=0.1 (phi3): dropout is not supported"),
     ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope type 'longrope' is not supported"),
-    ("mistral", dict(attention_bias=True), "attention_bias=true (mistral): transformers' mistral has no attention biases"),
+    ("mistral", dict(attention_bias=True), "attention_bias=true (mistral): this family has no attention biases in transformers"),
     ("qwen3", dict(layer_types=["full_attention", "chunked_attention"]), "layer_types="),
     ("llama3", dict(sliding_window=4), "sliding_window=4 (llama): rptrain does not know this field"),
 ]

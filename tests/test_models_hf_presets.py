@@ -59,3 +59,36 @@ def test_shrunken_preset_exports_with_our_logits(make, tmp_path, name):
     ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))  # past 16: the scaled rotary band matters
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "gpt_oss_20b"])
+def test_moe_presets_have_the_published_shapes(make, name):
+    from rptrain.models.hf_presets import MOE_PRESETS
+
+    preset = MOE_PRESETS[name]
+    validate_config(make(f"model={name}", "data=synthetic_tokens"))
+    ours = build_model(name, device="meta")
+    with torch.device("meta"):
+        theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**preset))
+    assert type(theirs).__name__ == preset["architectures"][0]
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    expected = {"qwen3_30b_a3b": 30.5e9, "gpt_oss_20b": 20.9e9}[name]  # the published totals
+    assert abs(sum(p.numel() for p in ours.parameters()) / expected - 1) < 0.02
+
+
+MOE_TINY = ["model.hidden_size=32", "model.intermediate_size=48", "model.num_hidden_layers=3", "model.num_attention_heads=4",
+            "model.num_key_value_heads=2", "model.head_dim=8", "model.num_experts=4", "model.num_experts_per_tok=2", "model.max_seq_len=64"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "gpt_oss_20b"])
+def test_shrunken_moe_preset_exports_with_our_logits(make, tmp_path, name):
+    extra = ["model.moe_intermediate_size=16"] if name.startswith("qwen3") else []
+    cfg = make(f"model={name}", *MOE_TINY, *extra, "data=synthetic_tokens", "data.vocab_size=96", "data.seq_len=32", "precision=fp32")
+    validate_config(cfg)
+    torch.manual_seed(0)
+    ours = build_run_model(cfg, torch.float32, vocab_size=96).eval()
+    out = export_weights(cfg, ours.state_dict(), tmp_path / "hf", torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), ref(ids).logits, rtol=1e-5, atol=1e-5)

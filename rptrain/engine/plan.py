@@ -5,7 +5,8 @@ Their last stage is the same and runs fused: forward, loss and backward of that 
 with no recompute. The other backward stages recompute their forward from saved inputs.
 
 ``plan_stages`` picks the boundaries: balance stage times under a memory cap per device, with the
-largest fused last stage that fits (every layer in it is one recompute saved).
+largest fused last stage that fits (every layer in it is one recompute saved). A stage's time is
+its compute or, given a transfer rate, its weights' transfer, whichever is longer.
 """
 from __future__ import annotations
 
@@ -117,20 +118,29 @@ def backward_memory(costs: Sequence[LayerCost], a: int, b: int) -> int:
     return 2 * weights + 3 * grads + graph
 
 
-def _min_parts(costs: list[float], fits, a: int, b: int, limit: float) -> Optional[list[int]]:
+Cost = tuple[float, ...]  # one layer's seconds on each resource a stage uses at once: compute, upload, download
+
+
+def _part_cost(costs: Sequence[Cost], a: int, b: int) -> float:
+    """A stage's time: its busiest resource (weights stream in while the previous stage computes)."""
+    return max(sum(c[k] for c in costs[a:b]) for k in range(len(costs[a])))
+
+
+def _min_parts(costs: list[Cost], fits, a: int, b: int, limit: float) -> Optional[list[int]]:
     """Greedy cut points splitting [a, b) into the fewest parts of cost <= limit that fit."""
-    cuts, start, total = [], a, 0.0
+    cuts, start, totals = [], a, [0.0] * len(costs[a])
     for i in range(a, b):
-        if i > start and (total + costs[i] > limit or not fits(start, i + 1)):
+        grown = [t + c for t, c in zip(totals, costs[i])]
+        if i > start and (max(grown) > limit or not fits(start, i + 1)):
             cuts.append(i)
-            start, total = i, 0.0
+            start, grown = i, list(costs[i])
         if not fits(start, i + 1):
             return None  # a single layer does not fit
-        total += costs[i]
+        totals = grown
     return cuts
 
 
-def _partition(costs: list[float], fits, a: int, b: int, min_parts: int) -> list[int]:
+def _partition(costs: list[Cost], fits, a: int, b: int, min_parts: int) -> list[int]:
     """Cut points splitting [a, b) into at least ``min_parts`` parts, minimising the costliest part."""
     if b - a <= 0:
         return []
@@ -138,7 +148,7 @@ def _partition(costs: list[float], fits, a: int, b: int, min_parts: int) -> list
     fewest = _min_parts(costs, fits, a, b, float("inf"))
     if fewest is None:
         raise ValueError("a single layer does not fit in the device memory cap; give the engine more memory or split the layer")
-    lo, hi = max(costs[a:b]), sum(costs[a:b])
+    lo, hi = max(_part_cost(costs, i, i + 1) for i in range(a, b)), _part_cost(costs, a, b)
     best = fewest
     for _ in range(60):  # bisection on the costliest part
         mid = (lo + hi) / 2
@@ -153,20 +163,26 @@ def _partition(costs: list[float], fits, a: int, b: int, min_parts: int) -> list
     # Split the largest parts until there are enough of them (splitting never raises the maximum).
     while len(cuts) + 1 < min_parts:
         points = [a, *cuts, b]
-        widest = max(range(len(points) - 1), key=lambda k: (points[k + 1] - points[k] > 1, sum(costs[points[k] : points[k + 1]])))
+        widest = max(range(len(points) - 1), key=lambda k: (points[k + 1] - points[k] > 1, _part_cost(costs, points[k], points[k + 1])))
         lo_i, hi_i = points[widest], points[widest + 1]
-        half, acc, cut = sum(costs[lo_i:hi_i]) / 2, 0.0, lo_i + 1
+        whole, cut = _part_cost(costs, lo_i, hi_i), lo_i + 1
         for i in range(lo_i, hi_i - 1):
-            acc += costs[i]
             cut = i + 1
-            if acc >= half:
+            if _part_cost(costs, lo_i, i + 1) >= whole / 2:
                 break
         cuts = sorted(cuts + [cut])
     return cuts
 
 
-def plan_stages(costs: Sequence[LayerCost], num_devices: int = 1, memory_cap: Optional[int] = None) -> ExecutePlan:
-    """Choose stage boundaries for ``costs`` on ``num_devices`` devices of ``memory_cap`` bytes each."""
+def plan_stages(costs: Sequence[LayerCost], num_devices: int = 1, memory_cap: Optional[int] = None,
+                transfer_rate: Optional[float] = None) -> ExecutePlan:
+    """Choose stage boundaries for ``costs`` on ``num_devices`` devices of ``memory_cap`` bytes each.
+
+    ``transfer_rate`` (bytes per second between host and device, each direction): stages are balanced
+    by bytes as well as by compute, a stage taking as long as its compute or its weights' upload (and,
+    backward, its gradients' download), whichever is longer. An MoE layer holds many times a dense
+    layer's weights for the same FLOPs, so balancing compute alone would give its stages the longest
+    transfers. None: compute alone."""
     n = len(costs)
     if n == 0:
         raise ValueError("the model has no layers")
@@ -178,16 +194,22 @@ def plan_stages(costs: Sequence[LayerCost], num_devices: int = 1, memory_cap: Op
     def fits_bwd(a: int, b: int) -> bool:
         return memory_cap is None or backward_memory(costs, a, b) <= memory_cap
 
-    fwd_cost = [c.forward_time for c in costs]
-    bwd_cost = [c.forward_time + c.backward_time for c in costs]  # recompute + backward
-    fused_cost = [c.forward_time + c.backward_time for c in costs]
+    def upload(c: LayerCost) -> Cost:
+        return () if transfer_rate is None else (c.param_bytes / transfer_rate,)
+
+    def download(c: LayerCost) -> Cost:
+        return () if transfer_rate is None else (c.grad_bytes / transfer_rate,)
+
+    fwd_cost = [(c.forward_time, *upload(c)) for c in costs]
+    bwd_cost = [(c.forward_time + c.backward_time, *upload(c), *download(c)) for c in costs]  # recompute + backward
+    fused_cost = bwd_cost
 
     # The fused last stage: as long as it fits, and with several devices no more than their share.
-    share = sum(fused_cost) / num_devices if num_devices > 1 else float("inf")
+    share = _part_cost(fused_cost, 0, n) / num_devices if num_devices > 1 else float("inf")
     start = n - 1
     if not fits_bwd(start, n):
         raise ValueError(f"the last layer alone does not fit in the device memory cap of {memory_cap} bytes")
-    while start > 0 and fits_bwd(start - 1, n) and sum(fused_cost[start - 1 : n]) <= share:
+    while start > 0 and fits_bwd(start - 1, n) and _part_cost(fused_cost, start - 1, n) <= share:
         start -= 1
     min_parts = max(num_devices - 1, 1)
     fwd_cuts = _partition(fwd_cost, fits_fwd, 0, start, min_parts)

@@ -128,6 +128,21 @@ def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
 
 
+def explicit_attention(q, k, v, allowed: torch.Tensor, scale=None, softcap=None, sinks=None) -> torch.Tensor:
+    """Scores, soft-capping, the mask, the sinks' extra column and the softmax written out (allowed: True where
+    a query may read a key). Also the decoding step of generation (rptrain.models.generate)."""
+    k, v = _repeat_kv(q, k, v)
+    scores = (q @ k.transpose(-1, -2)) * (q.size(-1) ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)
+    return probs[..., :-1].to(q.dtype) @ v
+
+
 def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -137,21 +152,19 @@ def causal_attention(
     window: int | None = None,
     segments: torch.Tensor | None = None,
     flex: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: (B, H, T, hd); k, v: (B, H_kv, T, hd) with H a multiple of H_kv. scale None: 1/sqrt(hd).
     flex: FlexAttention on CUDA for masked attention (packed rows, windows) with heads of at least
-    FLEX_MIN_HEAD_DIM; SDPA elsewhere."""
+    FLEX_MIN_HEAD_DIM; SDPA elsewhere. sinks (H,): GPT-OSS's per-head logit that joins each softmax
+    and is then dropped, computed explicitly (neither SDPA nor this FlexAttention path takes it)."""
     T = q.size(2)
     if window is not None and window >= T:
         window = None  # a window longer than the sequence masks nothing
-    if flex and q.is_cuda and q.size(-1) >= FLEX_MIN_HEAD_DIM and (window is not None or segments is not None):
+    if flex and sinks is None and q.is_cuda and q.size(-1) >= FLEX_MIN_HEAD_DIM and (window is not None or segments is not None):
         return flex_attention(q, k, v, scale, softcap, window, segments)
-    if softcap is not None:
-        k, v = _repeat_kv(q, k, v)
-        scores = (q @ k.transpose(-1, -2)) * (q.size(-1) ** -0.5 if scale is None else scale)
-        scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~attention_mask(T, q.device, segments, window), float("-inf"))
-        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    if softcap is not None or sinks is not None:
+        return explicit_attention(q, k, v, attention_mask(T, q.device, segments, window), scale, softcap, sinks)
     mask = None if window is None and segments is None else attention_mask(T, q.device, segments, window)
     kw = dict(scale=scale, is_causal=mask is None, attn_mask=mask)
     # enable_gqa saves copying the kv heads, but on CUDA only the flash and cuDNN kernels take it,

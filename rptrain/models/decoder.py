@@ -6,7 +6,8 @@ nn.Sequential configured by a `DecoderConfig`.
 Feed `(input_ids, targets)` or, for packed sequences, `(input_ids, targets, segment_ids)`; the
 model returns the summed token cross entropy (logits when targets is None). Activations travel
 between elements as the same tuple with the hidden states in place of the ids, so the last
-layer can make the loss without a side channel. Parameter names follow `hf_names`: each layer's
+layer can make the loss without a side channel. A model with mixture-of-experts layers carries
+the router statistics third: `(hidden, targets, stats[, segment_ids])` (rptrain.models.moe). Parameter names follow `hf_names`: each layer's
 modules carry transformers' names (self_attn.q_proj, mlp.gate_proj, input_layernorm, ...).
 """
 from __future__ import annotations
@@ -21,7 +22,9 @@ from torch.nn.utils import skip_init
 from rptrain.models.attention import causal_attention, positions, uses_flex
 from rptrain.models.decoder_config import DecoderConfig
 from rptrain.models.fused import add_rms_norm, gated, kernel, qk_rotary, rms_norm
-from rptrain.models.llama_loss import LinearCrossEntropy
+from rptrain.models.llama_loss import IGNORE_INDEX, LinearCrossEntropy
+from rptrain.models.moe import SparseMoe, record_balance
+from rptrain.models.router import balance_loss
 from rptrain.models.rope import rotary_cos_sin
 
 Device = torch.device | str | None
@@ -65,6 +68,8 @@ class SelfAttention(nn.Module):
             self.k_proj = _linear(cfg.hidden_size, kv_out, cfg.qkv_bias, device, dtype)
             self.v_proj = _linear(cfg.hidden_size, kv_out, cfg.qkv_bias, device, dtype)
         self.o_proj = _linear(q_out, cfg.hidden_size, cfg.o_bias, device, dtype)
+        if cfg.attn_sinks:
+            self.sinks = nn.Parameter(torch.empty(cfg.n_heads, device=device, dtype=dtype))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset, device, dtype, cfg.fused)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset, device, dtype, cfg.fused)
@@ -83,7 +88,8 @@ class SelfAttention(nn.Module):
         # q/k norms (Qwen3, Gemma-3), heads before time, rotary: one kernel per tensor when fused.
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset) if hasattr(self, "q_norm") else (None, None, 0.0, False)
         q, k = kernel(qk_rotary, self.fused)(q, k, cos, sin, *norms)
-        y = causal_attention(q, k, v, self.scale, self.softcap, self.window, segments, self.flex)
+        sinks = getattr(self, "sinks", None)
+        y = causal_attention(q, k, v, self.scale, self.softcap, self.window, segments, self.flex, sinks)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -115,6 +121,7 @@ class TokenEmbedding(nn.Module):
     def __init__(self, cfg: DecoderConfig, device: Device = None, dtype=None):
         super().__init__()
         self.max_seq_len, self.init_std, self.scale, self.padding_idx = cfg.max_seq_len, cfg.init_std, cfg.embed_scale, cfg.padding_idx
+        self.n_experts = 0 if cfg.moe is None else cfg.moe.n_experts
         self.embed_tokens = skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size,
                                       device=torch.get_default_device() if device is None else device, dtype=dtype)
         self.reset_parameters()
@@ -129,6 +136,9 @@ class TokenEmbedding(nn.Module):
         h = F.embedding(input_ids, self.embed_tokens.weight, self.padding_idx)
         if self.scale is not None:  # a float32 scalar rounded to the compute dtype, as transformers does
             h = h * torch.tensor(self.scale, dtype=torch.float32).to(h.dtype)
+        if self.n_experts:  # the router statistics start at zero (rptrain.models.moe)
+            targets, *segments = rest
+            return (h, targets, torch.zeros(2, self.n_experts, device=h.device, dtype=torch.float32), *segments)
         return (h, *rest)
 
 
@@ -148,33 +158,40 @@ class DecoderBlock(nn.Module):
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
-        self.mlp = MLP(cfg, device, dtype)
+        self.moe = cfg.moe is not None  # the batch carries router statistics
+        self.mlp = SparseMoe(cfg.moe, cfg.hidden_size, device, dtype) if cfg.routes(layer) else MLP(cfg, device, dtype)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         outputs = []
         for name, p in self.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
+            if "norm" in name or name.endswith("bias"):
                 nn.init.constant_(p, 0.0 if "norm" not in name or self.input_layernorm.offset else 1.0)
-            elif name.startswith(("self_attn.o_proj", "mlp.down_proj")):
+            elif name.startswith(("self_attn.o_proj", "mlp.down_proj", "mlp.experts.down_proj")):
                 outputs.append(p)
             else:
                 nn.init.normal_(p, std=self.init_std)
         for p in outputs:  # drawn last: the order (and so the seeded weights) of the first presets
             nn.init.normal_(p, std=self.out_std)
 
+    def _mlp(self, x: torch.Tensor, stats: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.mlp(x, stats) if isinstance(self.mlp, SparseMoe) else (self.mlp(x), stats)
+
     def forward(self, batch: Batch) -> Batch:
         h, targets, *rest = batch
+        stats = rest.pop(0) if self.moe else None
         segments = rest[0] if rest else None
         attn = self.self_attn(self.input_layernorm(h), segments)
         if hasattr(self, "pre_feedforward_layernorm"):
             h = h + self.post_attention_layernorm(attn)
-            h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            out, stats = self._mlp(self.pre_feedforward_layernorm(h), stats)
+            h = h + self.post_feedforward_layernorm(out)
         else:  # the residual add and the norm after it: one kernel when fused
             norm = self.post_attention_layernorm
             h, normed = kernel(add_rms_norm, self.fused)(h, attn, norm.weight, norm.eps, norm.offset)
-            h = h + self.mlp(normed)
-        return (h, targets, *rest)
+            out, stats = self._mlp(normed, stats)
+            h = h + out
+        return (h, targets, stats, *rest) if self.moe else (h, targets, *rest)
 
 
 class LMHead(nn.Module):
@@ -197,6 +214,7 @@ class LMHeadLoss(nn.Module):
         super().__init__()
         self.chunk_tokens, self.init_std, self.softcap, self.fused = cfg.loss_chunk_tokens, cfg.init_std, cfg.final_softcap, cfg.fused
         self.tied = tied_weight is not None
+        self.moe = cfg.moe
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset, device, dtype, cfg.fused)
         weight = tied_weight if self.tied else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype))
         self.lm_head = LMHead(weight)
@@ -208,15 +226,24 @@ class LMHeadLoss(nn.Module):
             nn.init.normal_(self.lm_head.weight, std=self.init_std)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        h, targets, *_ = batch
+        h, targets, *rest = batch
         h, weight = self.norm(h), self.lm_head.weight
         if targets is None:
             logits = F.linear(h, weight).float()
             return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
         # Function.forward cannot see the grad mode, so tell it whether to make grads.
         need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-        return LinearCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1),
+        loss = LinearCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1),
                                         self.chunk_tokens, need_grad, self.softcap, self.fused)
+        if self.moe is None or not self.moe.n_layers:
+            return loss
+        aux = balance_loss(rest[0], targets.numel(), self.moe.n_layers)
+        record_balance(aux)
+        if self.moe.aux_in_loss:
+            # transformers adds coef * aux to the mean loss; this sum is divided by the batch's token count
+            # later, so the term is scaled by this microbatch's tokens (one microbatch: exactly transformers').
+            loss = loss + self.moe.aux_coef * aux * (targets != IGNORE_INDEX).sum()
+        return loss
 
 
 def build_decoder(cfg: DecoderConfig, device: Device = None, dtype: torch.dtype | None = None) -> nn.Sequential:

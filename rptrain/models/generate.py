@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rptrain.models.attention import _repeat_kv
+from rptrain.models.attention import _repeat_kv, explicit_attention
 from rptrain.models.decoder import SelfAttention
 from rptrain.models.rope import apply_rotary, rotary_cos_sin
 
@@ -53,13 +53,11 @@ class CachedAttention(nn.Module):
         allowed = j <= i
         if a.window is not None:
             allowed = allowed & (i - j < a.window)
-        keys, values = _repeat_kv(q, self.k, self.v)
-        scale = a.head_dim ** -0.5 if a.scale is None else a.scale
-        if a.softcap is not None:
-            scores = torch.tanh((q @ keys.transpose(-1, -2)) * scale / a.softcap) * a.softcap
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            y = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
+        sinks = getattr(a, "sinks", None)
+        if a.softcap is not None or sinks is not None:
+            y = explicit_attention(q, self.k, self.v, allowed, a.scale, a.softcap, sinks)
         else:
+            keys, values = _repeat_kv(q, self.k, self.v)
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=a.scale)
         return a.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 

@@ -20,6 +20,8 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
+from rptrain.models.expert_names import parts
+from rptrain.models.families import Family, family
 from rptrain.models.hf_names import hf_name
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -29,10 +31,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def hf_state(state: Mapping[str, torch.Tensor], n_layers: int) -> tuple[dict[str, torch.Tensor], bool]:
-    """Our state dict under transformers' names, and whether the head is tied to the embedding
-    (no head tensor, or the embedding's very memory): then it is left out."""
-    named = {hf_name(name, n_layers): tensor for name, tensor in state.items()}
+def hf_state(state: Mapping[str, torch.Tensor], n_layers: int, record: Optional[Family] = None) -> tuple[dict[str, torch.Tensor], bool]:
+    """Our state dict under the checkpoint's names, and whether the head is tied to the embedding
+    (no head tensor, or the embedding's very memory): then it is left out. An MoE family's experts are
+    written as its checkpoints store them (expert_names: one tensor per expert, or fused)."""
+    named = {}
+    for name, tensor in state.items():
+        hf = hf_name(name, n_layers)
+        for part, index in (parts(hf, tuple(tensor.shape), record) if record is not None else [(hf, ())]):
+            named[part] = tensor[index] if index else tensor
     if EMBED not in named:
         raise ValueError(f"no embedding ({EMBED}) among the {len(named)} tensors: not a decoder of the hf_names convention")
     head, embed = named.get(HEAD), named[EMBED]
@@ -100,7 +107,7 @@ def hf_export(
     generation_config: generation_config.json's fields (None: bos/eos/pad ids from `config`).
     """
     state = model.state_dict() if isinstance(model, nn.Module) else dict(model)
-    named, tied = hf_state(state, int(config["num_hidden_layers"]))
+    named, tied = hf_state(state, int(config["num_hidden_layers"]), family(config.get("model_type")))
     if dtype is None:
         dtypes = {t.dtype for t in named.values() if t.is_floating_point()}
         if len(dtypes) != 1:
@@ -112,6 +119,7 @@ def hf_export(
     dtype_name = str(dtype).removeprefix("torch.")
     # transformers 5 writes "dtype", 4.x "torch_dtype"; both versions read the other key too.
     written = {**config, "torch_dtype": dtype_name, "tie_word_embeddings": tied}
+    written.pop("quantization_config", None)  # weights are written as `dtype`: a source's MXFP4 experts were dequantized at load
     if "dtype" in written:
         written["dtype"] = dtype_name
     (out / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")

@@ -10,6 +10,8 @@ export and LoRA adapters need no per-family name tables:
 
 `<suffix>` is transformers' own name inside the layer for that family (`self_attn.q_proj.weight`,
 `mlp.gate_up_proj.weight`, `input_layernorm.weight`, ...), so a layer's modules carry the same names.
+MoE layers carry transformers' in-memory names (`mlp.gate.weight`, `mlp.experts.gate_up_proj`); where a
+family's checkpoint spells its experts otherwise (one tensor per expert), expert_names.py translates.
 """
 from __future__ import annotations
 

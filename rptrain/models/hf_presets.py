@@ -1,5 +1,8 @@
 """Published model shapes as config.json dicts, and the config.json of a Llama preset.
 
+MoE presets (MOE_PRESETS: qwen3_30b_a3b, gpt_oss_20b) are random-init models of the published shapes,
+for benchmarks; they build through `qwen3_config` like the Qwen3 ones and export as their architecture.
+
 The Qwen3 presets are random-init models with the shapes Qwen published (Qwen3-0.6B/1.7B/8B config.json:
 q/k RMSNorm, head_dim 128 independent of hidden_size, tied embeddings for the two small ones); they build
 through the same decoder as `model=hf` and export as Qwen3ForCausalLM. A Llama preset (LlamaConfig)
@@ -33,13 +36,43 @@ QWEN3_PRESETS: dict[str, dict] = {
 }
 
 
+# Mixtures of experts, for benchmarks: Qwen3-30B-A3B's and GPT-OSS-20B's published config.json shapes
+# (GPT-OSS's bf16 layout: its published weights are MXFP4, which model=hf refuses).
+_GPT_OSS_LAYERS = 24
+MOE_PRESETS: dict[str, dict] = {
+    "qwen3_30b_a3b": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], router_aux_loss_coef=0.001, output_router_logits=False, tie_word_embeddings=False,
+                          max_window_layers=48),
+    "gpt_oss_20b": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+                        intermediate_size=2880, num_hidden_layers=_GPT_OSS_LAYERS, num_attention_heads=64, num_key_value_heads=8,
+                        head_dim=64, num_experts=32, num_experts_per_tok=4, sliding_window=128,
+                        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(_GPT_OSS_LAYERS)],
+                        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                          original_max_position_embeddings=4096),
+                        rope_theta=150000.0, max_position_embeddings=131072, rms_norm_eps=1e-5, swiglu_limit=7.0,
+                        attention_bias=True, tie_word_embeddings=False, router_aux_loss_coef=0.9, output_router_logits=False,
+                        hidden_act="silu", initializer_range=0.02),
+}
+PRESETS: dict[str, dict] = {**QWEN3_PRESETS, **MOE_PRESETS}  # every preset written as a config.json
+
+
+def preset_json(name: str, **fields) -> dict:
+    """A preset's config.json with some fields replaced (None keeps the published value, e.g. vocab_size).
+    A GPT-OSS preset with another num_hidden_layers gets its alternating layer_types to match."""
+    raw = {**PRESETS[name], **{k: v for k, v in fields.items() if v is not None}}
+    if raw["model_type"] == "gpt_oss" and fields.get("num_hidden_layers") is not None:
+        raw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(raw["num_hidden_layers"])]
+    return raw
+
+
 def qwen3_config(name: str, max_seq_len: int | None = None, init_std: float = 0.02, loss_chunk_tokens: int = 4096,
                  fused: bool = False, **fields) -> DecoderConfig:
-    """A Qwen3 preset with some config.json fields replaced (None keeps the published value, e.g. vocab_size)."""
-    if name not in QWEN3_PRESETS:
-        raise ValueError(f"unknown qwen3 preset {name!r}; allowed: {', '.join(QWEN3_PRESETS)}")
-    raw = {**QWEN3_PRESETS[name], **{k: v for k, v in fields.items() if v is not None}}
-    cfg = decoder_config(raw, f"model={name}", max_seq_len, loss_chunk_tokens, fused=fused)
+    """A preset (Qwen3 or MoE) with some config.json fields replaced (None keeps the published value)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+    cfg = decoder_config(preset_json(name, **fields), f"model={name}", max_seq_len, loss_chunk_tokens, fused=fused)
     return dataclasses.replace(cfg, init_std=init_std)
 
 
@@ -47,7 +80,7 @@ def build_qwen3(name: str, device: Device = None, dtype: torch.dtype | None = No
     return build_decoder(qwen3_config(name, **overrides), device, dtype)
 
 
-for _name in QWEN3_PRESETS:
+for _name in PRESETS:
     register_model(_name)(functools.partial(build_qwen3, _name))
 
 

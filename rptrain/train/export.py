@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from rptrain.data.byte_tokenizer_files import write_byte_tokenizer
 from rptrain.models import LLAMA_PRESETS, LlamaConfig
 from rptrain.models.hf_export import hf_export
-from rptrain.models.hf_presets import QWEN3_PRESETS, llama_hf_config
+from rptrain.models.hf_presets import PRESETS, llama_hf_config, preset_json
 
 from .chat_export import write_chat_template
 from .errors import USER_ERRORS, ConfigError, one_line
@@ -32,7 +32,7 @@ EMBEDDING = "0.embed_tokens.weight"
 
 def exportable(cfg: DictConfig) -> bool:
     m = cfg.model
-    return bool(m.get("path")) or m.name in LLAMA_PRESETS or m.name in QWEN3_PRESETS
+    return bool(m.get("path")) or m.name in LLAMA_PRESETS or m.name in PRESETS
 
 
 def _source_json(cfg: DictConfig, name: str) -> Optional[dict]:
@@ -65,9 +65,8 @@ def hf_config(cfg: DictConfig, vocab_size: int) -> dict:
     if m["name"] in LLAMA_PRESETS:
         fields = {f.name for f in dataclasses.fields(LlamaConfig)}
         config = llama_hf_config(LlamaConfig(**{k: v for k, v in m.items() if k in fields and k != "vocab_size"}, vocab_size=vocab_size))
-    elif m["name"] in QWEN3_PRESETS:
-        preset = QWEN3_PRESETS[m["name"]]
-        config = {**preset, **{k: v for k, v in m.items() if k in preset}, "vocab_size": vocab_size,
+    elif m["name"] in PRESETS:
+        config = {**preset_json(m["name"], **{k: v for k, v in m.items() if k in PRESETS[m["name"]]}), "vocab_size": vocab_size,
                   "max_position_embeddings": m["max_seq_len"], "initializer_range": m["init_std"]}
     else:
         raise ConfigError(f"model={m['name']} has no Hugging Face architecture: only language models (model=hf, llama_*, qwen3_*) export")

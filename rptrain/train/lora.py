@@ -23,7 +23,7 @@ def with_lora(model: nn.Sequential, lora: Optional[dict]) -> nn.Sequential:
         raise ConfigError(f"model.lora: rank={lora['rank']} alpha={lora['alpha']} dropout={lora['dropout']}: "
                           "rank must be >= 0, alpha > 0 and dropout in [0, 1)")
     try:
-        return apply_lora(model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"])
+        return apply_lora(model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"], bool(lora.get("train_router", False)))
     except ValueError as err:
         raise ConfigError(f"{err}: fix model.lora.targets") from err
 

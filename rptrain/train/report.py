@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from rich.console import Console
 
+from rptrain.models.moe import take_balance
+
 from .console import ProgressBar, epoch_line, epoch_rate_line, log, say, step_line
 from .dist import Dist
 from .meters import Meter, RunProgress, epoch_rate, global_progress
@@ -63,6 +65,9 @@ class Report:
             step_wall_time=wall / w.steps,
         )
         values[metric] = w.metric(metric)
+        balance = take_balance()  # MoE models: the routers' load-balancing loss, mean over this rank's microbatches since the last record
+        if balance is not None:
+            values["router_balance"] = balance
         if metric == "ppl":
             values["tokens_per_s"] = w.count / seconds
         record = self.metrics.add("train", **values, time=p.train_seconds)

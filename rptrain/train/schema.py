@@ -90,6 +90,7 @@ class LoraConfig:
     alpha: float = MISSING
     dropout: float = MISSING
     targets: list[str] = MISSING
+    train_router: bool = MISSING
     export: LoraExport = MISSING
 
 
@@ -149,6 +150,32 @@ class Qwen3ModelConfig:
     loss_chunk_tokens: int = 4096
     fused: bool = False  # rptrain.models.DecoderConfig.fused: the elementwise work between the matmuls torch.compile'd
     weights: Optional[str] = None  # as LlamaModelConfig.weights
+
+
+@dataclass
+class MoeModelConfig:
+    """A published mixture-of-experts shape (rptrain.models.hf_presets.MOE_PRESETS), random init, for
+    benchmarks; the keys are config.json's, null keeps the published value."""
+
+    _target_: str = "rptrain.models.build_model"
+    name: str = MISSING
+    vocab_size: Optional[int] = None  # None: the data's vocabulary (tokenizer or synthetic_tokens)
+    hidden_size: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    moe_intermediate_size: Optional[int] = None  # Qwen3-MoE's expert width (GPT-OSS: intermediate_size)
+    num_hidden_layers: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    num_experts: Optional[int] = None
+    num_experts_per_tok: Optional[int] = None
+    output_router_logits: Optional[bool] = None  # true: the load-balancing loss joins the loss
+    max_seq_len: int = MISSING  # rotary positions up to this (config.json's max_position_embeddings)
+    init_std: float = 0.02
+    loss_chunk_tokens: int = 4096
+    fused: bool = False
+    weights: Optional[str] = None  # as LlamaModelConfig.weights
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -421,6 +448,7 @@ def register_configs() -> None:
     cs.store(group="schema/model", name="llama", node=LlamaModelConfig)
     cs.store(group="schema/model", name="qwen3", node=Qwen3ModelConfig)
     cs.store(group="schema/model", name="hf", node=HFModelConfig)
+    cs.store(group="schema/model", name="moe", node=MoeModelConfig)
     cs.store(group="schema/data", name="cifar", node=CifarDataConfig)
     cs.store(group="schema/data", name="synthetic", node=SyntheticImagesConfig)
     cs.store(group="schema/data", name="text", node=TextDataConfig)

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from rptrain import GradScaler, RoundPipe, RoundPipeRunConfig
 from rptrain.models import count_tokens
+from rptrain.models.moe import take_balance
 
 from .model import IMAGE
 
@@ -143,6 +144,7 @@ class LanguageTask(Task):
 
     def evaluate(self, engine: RoundPipe, batches: Iterable[tuple]) -> dict[str, float]:
         loss_sums, total = [], 0
+        take_balance()  # the training microbatches' belong to the next train record
         for batch in batches:
             ids, targets = batch[:2]
             # Each microbatch returns its summed token loss: they add up (the engine's automatic merge
@@ -151,7 +153,8 @@ class LanguageTask(Task):
             loss_sums.append(engine(tuple(batch), run_config=call).double())
             total += count_tokens(targets)
         loss = (float(device_sum(loss_sums)) if loss_sums else 0.0) / max(total, 1)
-        return {"loss": loss, "ppl": perplexity(loss)}
+        balance = take_balance()  # MoE models: the routers' load-balancing loss over the eval batches
+        return {"loss": loss, "ppl": perplexity(loss), **({} if balance is None else {"router_balance": balance})}
 
 
 def device_sum(values: list[Tensor]) -> Tensor:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rptrain.data import DataError
 from rptrain.engine.fit import parse_size
-from rptrain.models.hf_presets import QWEN3_PRESETS
+from rptrain.models.hf_presets import MOE_PRESETS, QWEN3_PRESETS
 
 from . import dist, schema
 from .errors import ConfigError
@@ -72,6 +72,8 @@ def _model_schema(model_cfg: DictConfig) -> type:
         return schema.HFModelConfig
     if model_kind(model_cfg) != LM:
         return schema.ResNetConfig
+    if model_cfg.name in MOE_PRESETS:
+        return schema.MoeModelConfig
     return schema.Qwen3ModelConfig if model_cfg.name in QWEN3_PRESETS else schema.LlamaModelConfig
 
 

@@ -1,0 +1,98 @@
+"""The experts of an MoE layer as grouped matrix multiplications over tokens sorted by expert.
+
+Each (token, choice) pair is one row; the rows are sorted by expert so that every expert's rows are
+contiguous, and one grouped GEMM (`torch._grouped_mm`, one kernel for all experts) multiplies each
+group by its expert's matrix. Where the grouped kernel cannot run (an old torch, a dtype or an
+alignment it refuses), the groups are padded to the largest and multiplied with one `bmm`. Neither
+loops over experts in Python.
+
+Weights are stored as transformers holds them in memory (so LoRA targets them by the same names):
+`gate_up_proj` (E, 2I, D) and `down_proj` (E, D, I), gate rows before up rows (Qwen3-MoE, Mixtral);
+GPT-OSS (`interleaved`): (E, D, 2I) with gate and up columns alternating, (E, I, D), and biases.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rptrain.models.decoder_config import MoeConfig
+
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def _grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes these operands (tried on torch 2.14: CPU float32/bfloat16/float16,
+    every row and column stride a multiple of 16 bytes; CUDA: bfloat16 on compute capability 9+, its
+    grouped-GEMM kernel's documented case, not tried here)."""
+    if not _HAS_GROUPED_MM or x.dtype != w.dtype:
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9:
+            return False
+    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    return all(n * x.element_size() % 16 == 0 for n in (x.size(-1), w.size(-1), w.size(-2)))
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """x (rows, K) sorted by group, w (E, K, N), offsets (E,) int32 cumulative row counts, group (rows,) each
+    row's group -> (rows, N): row r times w[group[r]]."""
+    if _grouped_mm_runs(x, w):
+        return torch._grouped_mm(x, w, offs=offsets)
+    starts = offsets.long() - torch.bincount(group, minlength=w.size(0))
+    slot = torch.arange(x.size(0), device=x.device) - starts[group]
+    capacity = int(slot.max()) + 1 if x.size(0) else 1  # one host sync: the fallback's price
+    padded = x.new_zeros(w.size(0), capacity, x.size(-1)).index_put((group, slot), x)
+    return torch.bmm(padded, w)[group, slot]
+
+
+class Experts(nn.Module):
+    def __init__(self, moe: MoeConfig, hidden_size: int, device=None, dtype=None):
+        super().__init__()
+        E, D, I = moe.n_experts, hidden_size, moe.expert_size
+        self.n_experts, self.top_k, self.interleaved = E, moe.top_k, moe.interleaved
+        self.activation, self.alpha, self.limit = moe.activation, moe.swiglu_alpha, moe.swiglu_limit
+        empty = lambda *shape: nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))  # noqa: E731
+        self.gate_up_proj = empty(E, D, 2 * I) if moe.interleaved else empty(E, 2 * I, D)
+        self.down_proj = empty(E, I, D) if moe.interleaved else empty(E, D, I)
+        if moe.bias:
+            self.gate_up_proj_bias, self.down_proj_bias = empty(E, 2 * I), empty(E, D)
+
+    def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.activation == "silu":
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch.nn.functional.silu(gate) * up
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]  # GPT-OSS: clamped, and up shifted by one
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, lora: dict | None = None) -> torch.Tensor:
+        """x (N, D), experts and weights (N, k) -> (N, D): sum over k of weight * expert(x).
+
+        lora: parameter name -> (a (E, in, r), b (E, r, out), scaling): each expert's low-rank update of that
+        matrix (rptrain.models.lora.LoraExperts), applied to the sorted rows by two more grouped GEMMs."""
+        choice = experts.flatten()
+        order = choice.argsort(stable=True)
+        group, token = choice[order], order // self.top_k
+        counts = torch.zeros(self.n_experts, device=x.device, dtype=torch.int32)
+        counts.index_add_(0, choice, torch.ones_like(choice, dtype=torch.int32))
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        w_gate_up = self.gate_up_proj if self.interleaved else self.gate_up_proj.transpose(1, 2)
+        w_down = self.down_proj if self.interleaved else self.down_proj.transpose(1, 2)
+        rows = x[token]
+
+        def project(inputs: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
+            out = grouped_mm(inputs, weight, offsets, group)
+            if lora and name in lora:
+                a, b, scaling = lora[name]
+                out = out + grouped_mm(grouped_mm(inputs, a, offsets, group), b, offsets, group) * scaling
+            return out
+
+        h = project(rows, w_gate_up, "gate_up_proj")
+        if hasattr(self, "gate_up_proj_bias"):
+            h = h + self.gate_up_proj_bias[group]
+        y = project(self._gated(h), w_down, "down_proj")
+        if hasattr(self, "down_proj_bias"):
+            y = y + self.down_proj_bias[group]
+        y = y * weights.flatten()[order, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
