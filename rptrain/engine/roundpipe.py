@@ -310,10 +310,15 @@ class RoundPipe(nn.Module):
 
     # ----------------------------------------------------------------------------- state dicts
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
-        """Master weights (``optim_dtype``) and buffers under the wrapped Sequential's names."""
+        """Master weights (``optim_dtype``) and buffers under the wrapped Sequential's names, on the host."""
+        return {k: t.cpu() for k, t in self.master_state().items()}
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """``state_dict()``'s tensors where they live, nothing copied (a GPU share's on its GPU): what a
+        streaming writer reads a chunk at a time (checkpoints, exports) instead of a host copy of the share."""
         self._versions.drain()
         master = self._host.master_of()
-        return {k: master.get(id(t), t).detach().cpu() for k, t in self.model.state_dict(keep_vars=True).items()}
+        return {k: master.get(id(t), t).detach() for k, t in self.model.state_dict(keep_vars=True).items()}
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False) -> IncompatibleKeys:
         self._versions.drain()

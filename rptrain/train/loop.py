@@ -89,7 +89,7 @@ class Trainer:
         if main and cfg.trainer.hf_export and wants_adapter(cfg):
             say(self.console, f"LoRA adapters (PEFT format): {export_adapter(cfg, c.engine.model, c.engine.state_dict(), self.run_dir)}")
         elif main and cfg.trainer.hf_export and exportable(cfg):
-            say(self.console, f"Hugging Face folder: {export_run(cfg, c.engine.state_dict(), self.run_dir, c.dtype)}")
+            say(self.console, f"Hugging Face folder: {export_run(cfg, c.engine, self.run_dir, c.dtype)}")
 
     def cleanup(self) -> None:
         """Close the metrics file and the engine, also after an error; drop every reference to them."""
