@@ -23,7 +23,10 @@ from rptrain import GradScaler, OptimizerCtx, RoundPipe
 from .checkpoint import load_checkpoint
 from .console import log, say
 from .data import TrainData, build_data
+from .disk_check import check_disk, disk_needs, export_nbytes
 from .dist import Dist, peer_errors
+from .export import exportable
+from .lora import wants_adapter
 from .memory_format import choose_memory_format
 from .meters import RunProgress, rank_share
 from .metrics import MetricsLog
@@ -106,6 +109,21 @@ def build_components(cfg: DictConfig, run_dir: Path, overrides: list[str], conso
         raise
 
 
+def check_checkpoint_space(cfg: DictConfig, run_dir: Path, engine: RoundPipe, optimizer: torch.optim.Optimizer,
+                           dtype: torch.dtype, console: Console) -> None:
+    """Refuse a run whose next checkpoint cannot fit on the output file system (disk_check.py); say
+    when fewer than trainer.keep_checkpoints + 1 fit, else log the numbers."""
+    state = engine.master_state()
+    exports = cfg.trainer.hf_export and exportable(cfg) and not wants_adapter(cfg)
+    needs = disk_needs(Path(run_dir) / "checkpoints", state, optimizer, cfg.trainer.keep_checkpoints,
+                       export_nbytes(state, dtype) if exports else 0)
+    note = check_disk(needs)
+    if note is not None:
+        say(console, note)
+    else:
+        log.info(needs.line())
+
+
 def _train_parts(cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, d: Dist, on_record: Any,
                  engine: RoundPipe, data: TrainData, dtype: torch.dtype, prints: dict, resume: Optional[Path], state: Optional[dict]) -> Components:
     """The optimizer and what tracks the run, around the engine, restored from `state` (a checkpoint's) when given."""
@@ -121,6 +139,8 @@ def _train_parts(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     if state is not None:
         progress = rank_share(restore(state, resume, engine, optimizer, scheduler, scaler, data, console), d.main)
         checkpoints.last_step = progress.step
+    if d.main:
+        check_checkpoint_space(cfg, run_dir, engine, optimizer, dtype, console)
     task, sampler = make_task(data.kind, num_microbatch(cfg), dtype, d.world, t.eval_num_microbatch), make_sampler(cfg, data)
     metrics = MetricsLog(run_dir if d.main else None, state["history"] if state else None, on_record)  # opened last: nothing fails after it
     num_epochs = math.ceil(total_steps / len(data.train))
