@@ -19,6 +19,7 @@ from rich.console import Console
 from torch.optim.lr_scheduler import LRScheduler
 
 from rptrain import GradScaler, OptimizerCtx, RoundPipe
+from rptrain.engine import check_model_fits
 
 from .checkpoint import load_checkpoint
 from .console import log, say
@@ -77,20 +78,26 @@ def build_engine(cfg: DictConfig, model: torch.nn.Sequential, d: Dist) -> RoundP
                          gpu_state=cfg.engine.gpu_state, memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices))
 
 
-def build_data_and_model(cfg: DictConfig) -> tuple[torch.dtype, TrainData, torch.nn.Sequential]:
+def build_data_and_model(cfg: DictConfig, d: Optional[Dist] = None) -> tuple[torch.dtype, TrainData, torch.nn.Sequential]:
     """The compute dtype, the data, and the model seeded by trainer.seed (built after the data,
-    which fixes a language model's null vocab_size)."""
+    which fixes a language model's null vocab_size). With ``d``, the engine's fit check runs first
+    on the model built on the meta device: a model that cannot fit is refused (DoesNotFit, one line)
+    before its weights are allocated and initialised."""
     validate_config(cfg)
     dtype = torch_dtype(cfg.precision.compute_dtype)
     torch.manual_seed(cfg.trainer.seed)
     data = build_data(cfg, dtype)
     check_vocab(cfg, data.vocab_size)
+    if d is not None:  # meta tensors draw no random numbers: the model below is initialised as without this
+        e = cfg.engine
+        check_model_fits(build_model(cfg, dtype, device="meta", vocab_size=data.vocab_size), torch_dtype(cfg.precision.optim_dtype),
+                         d.devices, max_host_memory=e.max_host_memory, max_gpu_memory=e.max_gpu_memory, gpu_state=e.gpu_state)
     return dtype, data, build_model(cfg, dtype, vocab_size=data.vocab_size)
 
 
 def build_components(cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, d: Dist,
                      on_record: Any = None) -> Components:
-    dtype, data, model = build_data_and_model(cfg)
+    dtype, data, model = build_data_and_model(cfg, d)
     prints = fingerprint(cfg.model.name, model)
     resume = choose_resume(cfg, run_dir, overrides, d, console)
     state = load_checkpoint(resume, prints) if resume else None
