@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from rptrain.models import build_model, load_weights
@@ -34,6 +35,7 @@ print(peak[0] - before)
 """
 
 
+@pytest.mark.slow
 def test_safetensors_weights_load_exactly_without_a_copy_of_the_file(tmp_path):
     from safetensors.torch import save_file
 

@@ -128,13 +128,20 @@ def _unique_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
                 seen[key] = len(tensors)
                 tensors.append(t)
             return (_TENSOR, seen[key])
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(walk(v) for v in obj)
-        return obj
+        return _rebuilt(obj, walk)
 
     return walk(state), tensors
+
+
+def _rebuilt(obj: Any, fn: Any) -> Any:
+    """``obj`` with ``fn`` applied to every value of its dicts, lists and tuples, keeping their types."""
+    if isinstance(obj, dict):
+        return type(obj)((k, fn(v)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(fn(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(fn(v) for v in obj)
+    return obj
 
 
 def state_nbytes(state: Any) -> int:
@@ -318,11 +325,7 @@ def _read_streamed(path: Path) -> dict[str, Any]:
 def _filled(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == _TENSOR:
         return tensors[obj[1]]
-    if isinstance(obj, dict):
-        return {k: _filled(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_filled(v, tensors) for v in obj)
-    return obj
+    return _rebuilt(obj, lambda v: _filled(v, tensors))
 
 
 def load_checkpoint(path: Path, expected: Optional[dict] = None) -> dict[str, Any]:
