@@ -25,7 +25,8 @@ from .checkpoint import load_checkpoint
 from .console import log, say
 from .data import TrainData, build_data
 from .disk_check import check_disk, disk_needs, export_nbytes
-from .dist import Dist, peer_errors
+from .dist import Dist, FailedOnRankZero, peer_errors
+from .errors import OutputError
 from .export import exportable
 from .lora import wants_adapter
 from .memory_format import choose_memory_format
@@ -117,18 +118,29 @@ def build_components(cfg: DictConfig, run_dir: Path, overrides: list[str], conso
 
 
 def check_checkpoint_space(cfg: DictConfig, run_dir: Path, engine: RoundPipe, optimizer: torch.optim.Optimizer,
-                           dtype: torch.dtype, console: Console) -> None:
+                           dtype: torch.dtype, console: Console, d: Dist) -> None:
     """Refuse a run whose next checkpoint cannot fit on the output file system (disk_check.py); say
-    when fewer than trainer.keep_checkpoints + 1 fit, else log the numbers."""
-    state = engine.master_state()
-    exports = cfg.trainer.hf_export and exportable(cfg) and not wants_adapter(cfg)
-    needs = disk_needs(Path(run_dir) / "checkpoints", state, optimizer, cfg.trainer.keep_checkpoints,
-                       export_nbytes(state, dtype) if exports else 0)
-    note = check_disk(needs)
-    if note is not None:
-        say(console, note)
-    else:
-        log.info(needs.line())
+    when fewer than trainer.keep_checkpoints + 1 fit, else log the numbers. Rank 0 writes the
+    checkpoints, so it checks, and every rank stops with it."""
+    error = None
+    if d.main:
+        state = engine.master_state()
+        exports = cfg.trainer.hf_export and exportable(cfg) and not wants_adapter(cfg)
+        needs = disk_needs(Path(run_dir) / "checkpoints", state, optimizer, cfg.trainer.keep_checkpoints,
+                           export_nbytes(state, dtype) if exports else 0)
+        try:
+            note = check_disk(needs)
+        except OutputError as err:
+            error, note = err, None
+        if note is not None:
+            say(console, note)
+        elif error is None:
+            log.info(needs.line())
+    message = d.broadcast(str(error) if error else None, "the checkpoint disk check")
+    if error is not None:
+        raise error
+    if message is not None:
+        raise FailedOnRankZero(message)
 
 
 def _train_parts(cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, d: Dist, on_record: Any,
@@ -146,8 +158,7 @@ def _train_parts(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     if state is not None:
         progress = rank_share(restore(state, resume, engine, optimizer, scheduler, scaler, data, console), d.main)
         checkpoints.last_step = progress.step
-    if d.main:
-        check_checkpoint_space(cfg, run_dir, engine, optimizer, dtype, console)
+    check_checkpoint_space(cfg, run_dir, engine, optimizer, dtype, console, d)
     task, sampler = make_task(data.kind, num_microbatch(cfg), dtype, d.world, t.eval_num_microbatch), make_sampler(cfg, data)
     metrics = MetricsLog(run_dir if d.main else None, state["history"] if state else None, on_record)  # opened last: nothing fails after it
     num_epochs = math.ceil(total_steps / len(data.train))
