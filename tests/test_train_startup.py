@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from rptrain import RoundPipe
 from rptrain.engine import DoesNotFit, check_model_fits
@@ -47,3 +48,35 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_built(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "the training state does not fit" in lines[0], proc.stderr[-2000:]
     assert peak < 2 * 2**30, peak
+
+
+def _cfg(model: str, **overrides):
+    from hydra import compose, initialize_config_module
+
+    from rptrain.train import schema
+
+    schema.register_configs()
+    data = "data=synthetic" if model.startswith("resnet") else "data=synthetic_tokens"
+    with initialize_config_module("rptrain.conf", version_base="1.3"):
+        return compose("config", overrides=[f"model={model}", data, *[f"{k}={v}" for k, v in overrides.items()]])
+
+
+@pytest.mark.parametrize("model, overrides", [("llama_tiny", {}), ("llama_tiny", {"model.tie_embeddings": "true"}), ("resnet18", {})])
+def test_layer_by_layer_build_equals_the_plain_build(model, overrides):
+    """train.model.build_model builds on meta and materialises layer by layer (resnet18, with buffers,
+    as before): on the CPU the weights, the tying and the generator's state after it equal building directly."""
+    from rptrain.train.model import build_model as build_from_config
+
+    cfg = _cfg(model, **overrides)
+    torch.manual_seed(7)
+    layered = build_from_config(cfg, torch.float32, vocab_size=512)
+    after_layered = torch.get_rng_state()
+    torch.manual_seed(7)
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k not in ("_target_", "weights", "lora")}
+    if kwargs.get("vocab_size", 0) is None:
+        kwargs["vocab_size"] = 512
+    plain = build_model(**kwargs, dtype=torch.float32)
+    assert torch.equal(after_layered, torch.get_rng_state())
+    a, b = layered.state_dict(), plain.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert len(list(layered.parameters())) == len(list(plain.parameters()))  # a tied head is one Parameter again
