@@ -80,3 +80,19 @@ def test_layer_by_layer_build_equals_the_plain_build(model, overrides):
     a, b = layered.state_dict(), plain.state_dict()
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert len(list(layered.parameters())) == len(list(plain.parameters()))  # a tied head is one Parameter again
+
+
+def test_model_weights_are_loaded_into_an_uninitialised_model_exactly(tmp_path):
+    """model.weights: the layers are allocated without the random init the file overwrites, and hold the file's values."""
+    from rptrain.train.model import build_model as build_from_config
+
+    torch.manual_seed(1)
+    src = build_model("llama_tiny", vocab_size=512, tie_embeddings=True)
+    torch.save(src.state_dict(), tmp_path / "w.pt")
+    torch.manual_seed(2)
+    state = torch.get_rng_state()
+    loaded = build_from_config(_cfg("llama_tiny", **{"model.tie_embeddings": "true", "model.weights": str(tmp_path / "w.pt")}),
+                               torch.float32, vocab_size=512)
+    assert torch.equal(state, torch.get_rng_state())  # nothing drawn
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in src.state_dict().items())
+    assert loaded[-1].lm_head.weight is loaded[0].embed_tokens.weight
