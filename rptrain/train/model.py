@@ -88,6 +88,8 @@ def materialise(model: nn.Sequential, device: Optional[torch.device] = None, ini
     Only for models that pass layer_by_layer()."""
     device = (device or init_device()) if init else torch.device("cpu")
     tied = [(layer, name, shared) for layer in model for name, shared in _tied_to_earlier(model, layer)]
+    for layer, name, shared in tied:  # a stand-in, so making this layer real never touches the earlier layer's tensor
+        _set(layer, name, nn.Parameter(torch.empty_like(shared(), device="meta")))
     with torch.no_grad():
         for layer in model:
             layer.to_empty(device=device)
@@ -95,9 +97,13 @@ def materialise(model: nn.Sequential, device: Optional[torch.device] = None, ini
                 layer.reset_parameters()
             layer.to("cpu")
     for layer, name, shared in tied:  # one Parameter in both places again, the earlier layer's (which initialised it)
-        owner, _, leaf = name.rpartition(".")
-        setattr(layer.get_submodule(owner) if owner else layer, leaf, shared())
+        _set(layer, name, shared())
     return model
+
+
+def _set(module: nn.Module, name: str, value: nn.Parameter) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(owner) if owner else module, leaf, value)
 
 
 def _tied_to_earlier(model: nn.Sequential, layer: nn.Module) -> list[tuple[str, Any]]:
