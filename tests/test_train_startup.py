@@ -64,8 +64,10 @@ def _cfg(model: str, **overrides):
 @pytest.mark.parametrize("model, overrides", [("llama_tiny", {}), ("llama_tiny", {"model.tie_embeddings": "true"}), ("resnet18", {})])
 def test_layer_by_layer_build_equals_the_plain_build(model, overrides):
     """train.model.build_model builds on meta and materialises layer by layer (resnet18, with buffers,
-    as before): on the CPU the weights, the tying and the generator's state after it equal building directly."""
+    as before): the weights, the tying and the CPU generator's state after it equal building the whole
+    model directly where the layers are initialised (the CPU, or on a GPU machine the GPU)."""
     from rptrain.train.model import build_model as build_from_config
+    from rptrain.train.model import init_device
 
     cfg = _cfg(model, **overrides)
     torch.manual_seed(7)
@@ -75,7 +77,7 @@ def test_layer_by_layer_build_equals_the_plain_build(model, overrides):
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k not in ("_target_", "weights", "lora")}
     if kwargs.get("vocab_size", 0) is None:
         kwargs["vocab_size"] = 512
-    plain = build_model(**kwargs, dtype=torch.float32)
+    plain = build_model(**kwargs, dtype=torch.float32, device=None if model.startswith("resnet") else init_device()).to("cpu")
     assert torch.equal(after_layered, torch.get_rng_state())
     a, b = layered.state_dict(), plain.state_dict()
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -83,8 +83,9 @@ def materialise(model: nn.Sequential, device: Optional[torch.device] = None, ini
     ``device`` (init_device()), initialised there by its ``reset_parameters`` and moved to the host,
     so a GPU holds one layer at a time. ``init=False`` (model.weights will overwrite every tensor):
     allocated on the host, not initialised. Layers are initialised in the order the builder would, from
-    the same generator on the CPU: the weights equal building on the CPU directly, bit for bit. On a
-    GPU they come from CUDA's generator (seeded by trainer.seed as well): other values, as reproducible.
+    the same generator: the weights equal building the whole model on ``device`` directly, bit for bit
+    (on the CPU: as earlier versions did; on a GPU: ``rptrain.models.build_model(..., device="cuda")``,
+    as bench/llm.py builds, from CUDA's generator seeded by trainer.seed).
     Only for models that pass layer_by_layer()."""
     device = (device or init_device()) if init else torch.device("cpu")
     tied = [(layer, name, shared) for layer in model for name, shared in _tied_to_earlier(model, layer)]
