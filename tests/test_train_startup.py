@@ -116,3 +116,6 @@ def test_layers_initialised_on_the_gpu_land_on_the_host_reproducibly():
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert a[-1].lm_head.weight is a[0].embed_tokens.weight
     assert abs(a[0].embed_tokens.weight.std().item() / a[0].init_std - 1) < 0.02
+    torch.manual_seed(3)
+    whole = build_model("llama_tiny", vocab_size=512, tie_embeddings=True, device="cuda").to("cpu")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), whole.state_dict().values()))
