@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from test_cli_helpers import ROOT, TEST_ENV, explain, read_jsonl, rptrain_here, train_losses
 
 from rptrain.train import schema
+from rptrain.train.checkpoint import load_checkpoint
 from rptrain.train.dist import PeerError, peer_errors
 from rptrain.train.errors import CheckpointError, ConfigError
 from rptrain.train.resume import check_resume_state, loader_state_for
@@ -47,7 +48,7 @@ def torchrun(args: list[str], cwd: Path, nproc: int = 2, env: dict | None = None
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run / "checkpoints" / "last.pt", weights_only=True)["model"]
+    return load_checkpoint(run / "checkpoints" / "last.pt")["model"]
 
 
 def assert_same_training(a: Path, b: Path, steps: int) -> None:

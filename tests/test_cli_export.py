@@ -17,7 +17,7 @@ from hf_fixture import CORPUS, llama_folder, tokenizer_folder
 from rptrain.cli.export import export, main
 from rptrain.models.hf_names import hf_name
 from rptrain.train import schema
-from rptrain.train.checkpoint import save_checkpoint
+from rptrain.train.checkpoint import load_checkpoint, save_checkpoint
 from rptrain.train.data import build_data
 from rptrain.train.errors import CheckpointError
 from rptrain.train.export import export_weights
@@ -49,7 +49,7 @@ def make():
 
 
 def master_weights(run_dir) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    return load_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
 
 
 def test_run_writes_hf_folder_that_transformers_loads_with_our_logits(run, make):

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from hf_fixture import CORPUS, VOCAB, llama_folder
 from rptrain.models.fused import kernel as fused_kernel
 from rptrain.train import schema
+from rptrain.train.checkpoint import load_checkpoint
 from rptrain.train.model import build_model
 from test_cli_helpers import explain, read_jsonl, rptrain_here, train_losses
 
@@ -57,7 +58,7 @@ def test_merged_and_adapter_exports_give_the_lora_model_s_logits(runs):
     with initialize_config_module("rptrain.conf", version_base="1.3"):
         cfg = compose("config", overrides=common)
     ours = build_model(cfg, torch.float32)
-    state = torch.load(straight / "checkpoints" / "last.pt", weights_only=True)["model"]
+    state = load_checkpoint(straight / "checkpoints" / "last.pt")["model"]
     ours.load_state_dict(state)
     assert any(".lora_B." in k and t.abs().max() > 0 for k, t in state.items())  # the adapters trained
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))

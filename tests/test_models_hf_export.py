@@ -120,3 +120,21 @@ def test_model_hf_families_export_as_they_loaded(tmp_path, family):
     torch.testing.assert_close(logits(back, ids), logits(source, ids), rtol=0, atol=0)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), logits(back, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_streamed_shards_read_back_bit_for_bit_with_safetensors(tmp_path, monkeypatch):
+    """The hand-written safetensors header and the chunked casts give what safetensors itself reads:
+    every tensor equal to the source cast to the export dtype, bit for bit (several chunks per tensor,
+    a transposed view, an empty tensor)."""
+    from safetensors.torch import load_file
+
+    from rptrain.models import hf_export as hx
+
+    monkeypatch.setattr(hx, "CHUNK_ELEMENTS", 7)
+    src = {"a": torch.randn(5, 9), "b": torch.randn(4, 6).t(), "c": torch.zeros(0), "d": torch.randn(3).to(torch.bfloat16)}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        hx.write_safetensors(src, tmp_path / "x.safetensors", dtype)
+        back = load_file(tmp_path / "x.safetensors")
+        assert list(back) == list(src)
+        for k, t in src.items():
+            assert back[k].dtype == dtype and torch.equal(back[k], t.to(dtype)), (k, dtype)

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import errno
 import random
-import struct
-import zipfile
 
 import pytest
 import torch
@@ -86,13 +84,9 @@ def test_keep_last_n_and_last_pt_is_the_newest(tmp_path):
 
 
 def flip_tensor_bytes(path, offset=40):
-    """Flip bytes inside the first tensor's data record of a torch.save zip file (not its pickle or headers)."""
-    with zipfile.ZipFile(path) as z:
-        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > offset + 8)
+    """Flip bytes inside the first tensor's data (which starts on the first 64-byte boundary after the magic)."""
     with open(path, "r+b") as f:
-        f.seek(info.header_offset + 26)
-        name_len, extra_len = struct.unpack("<HH", f.read(4))
-        f.seek(info.header_offset + 30 + name_len + extra_len + offset)
+        f.seek(ckpt.ALIGN + offset)
         data = f.read(4)
         f.seek(-4, 1)
         f.write(bytes(b ^ 0xFF for b in data))
@@ -101,9 +95,9 @@ def flip_tensor_bytes(path, offset=40):
 def test_flipped_bytes_in_tensor_data_are_refused(tmp_path):
     path = tmp_path / "last.pt"
     ckpt.save_checkpoint(path, {"fingerprint": FP, "model": {"w": torch.randn(1000)}})
-    clean = torch.load(path, weights_only=True)["model"]["w"]
+    clean = ckpt._read_streamed(path)["model"]["w"].clone()
     flip_tensor_bytes(path)
-    assert not torch.equal(torch.load(path, weights_only=True)["model"]["w"], clean)  # torch alone would load it
+    assert not torch.equal(ckpt._read_streamed(path)["model"]["w"], clean)  # reading alone would take it
     with pytest.raises(CheckpointError, match="fails its checksum"):
         ckpt.load_checkpoint(path, FP)
 
@@ -160,3 +154,67 @@ def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
     random.seed(99)
     ckpt.set_rng_state(ckpt.load_checkpoint(path)["rng"])
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+
+def test_each_tensor_is_saved_in_its_own_dtype_and_shared_tensors_once(tmp_path):
+    """int8 / bf16 / bool state comes back bit for bit in its dtype; a tensor under two names is stored once."""
+    w = torch.randn(300, 7).to(torch.bfloat16)
+    state = {"model": {"w": w, "head": w, "mask": torch.rand(5) > 0.5},
+             "optimizer": {"state": {0: {"q": torch.randint(-128, 128, (1001,), dtype=torch.int8), "scale": torch.rand(3)}},
+                           "param_groups": [{"betas": (0.9, 0.999), "lr": float("inf")}]}}
+    path = tmp_path / "s.pt"
+    ckpt.save_checkpoint(path, state)
+    loaded = ckpt.load_checkpoint(path)
+    for got, want in [(loaded["model"]["w"], w), (loaded["model"]["mask"], state["model"]["mask"]),
+                      *[(loaded["optimizer"]["state"][0][k], v) for k, v in state["optimizer"]["state"][0].items()]]:
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert loaded["model"]["head"] is loaded["model"]["w"]
+    assert loaded["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)  # tuples stay tuples
+    assert path.stat().st_size < 300 * 7 * 2 + 1001 + 2**16  # w once, int8 as one byte each
+
+
+def test_a_checkpoint_of_the_older_layout_still_loads(tmp_path):
+    path = tmp_path / "old.pt"
+    payload = {"format": ckpt.FORMAT, "fingerprint": FP, "model": {"w": torch.arange(5.0)}}
+    payload["checksum"] = ckpt.checksum(payload)
+    torch.save(payload, path)
+    assert ckpt.is_checkpoint(path) and torch.equal(ckpt.load_checkpoint(path, FP)["model"]["w"], torch.arange(5.0))
+
+
+def test_a_cut_short_streamed_file_is_refused(tmp_path):
+    path = tmp_path / "a.pt"
+    ckpt.save_checkpoint(path, {"fingerprint": FP, "model": {"w": torch.randn(1000)}})
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="corrupt or not a checkpoint"):
+        ckpt.load_checkpoint(path)
+
+
+WRITE_RSS = """
+import resource, sys, torch
+from rptrain.train import checkpoint as ckpt
+state = {"model": {"w": torch.randn(64 * 2**20 // 4)}, "optimizer": {"m": torch.randn(64 * 2**20 // 4), "v": torch.randn(64 * 2**20 // 4)}}
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+ckpt.save_checkpoint(sys.argv[1], state)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_writing_a_checkpoint_holds_no_second_copy_of_the_state(tmp_path):
+    """192 MiB of state are written from where they live: the process's peak grows by far less than the state."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", WRITE_RSS, str(tmp_path / "c.pt")], capture_output=True, text=True,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}, check=True).stdout
+    assert int(out) < 32 * 2**20, out
+    assert ckpt.load_checkpoint(tmp_path / "c.pt")["optimizer"]["v"].numel() == 64 * 2**20 // 4
+
+
+def test_rotation_deletes_the_oldest_first_when_the_disk_is_short(tmp_path, monkeypatch):
+    directory = tmp_path / "checkpoints"
+    for step in (2, 4):
+        ckpt.save_rotating(directory, {"w": torch.zeros(1000)}, step, keep=3)
+    free = iter([0, 0])  # never room: only the older file may go, the newest stays
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: type("U", (), {"free": next(free, 0)})())
+    assert ckpt.make_room(directory, 10**6) == [directory / "step-00000002.pt"]
+    assert sorted(p.name for p in directory.iterdir()) == ["last.pt", "step-00000004.pt"]

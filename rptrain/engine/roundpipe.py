@@ -23,14 +23,14 @@ from .config import RoundPipeRunConfig, default_microbatches_for
 from .device import make_devices
 from .explain import explain
 from .executor import Executor
-from .fit import Size, check_fit, host_keeps_compute_copies
-from .gpushare import gpu_state_allowed
+from .fit import Size
 from .passstate import Args, PassState, float_tensors
 from .host import HostState
 from .memory_format import check_memory_format
 from .optimizer_ctx import OptimizerCtx, in_optimizer_ctx
 from .plan import ExecutePlan
-from .planning import Planner, same_on_all_ranks
+from .planning import Planner
+from .prefit import placement_for
 from .prepare import Preparer
 from .recorded import run_recorded
 from .scaler import register_step_queue
@@ -100,10 +100,8 @@ class RoundPipe(nn.Module):
         self._devices = make_devices(devices)
         self._cuda = self._devices[0].is_cuda
         self._reducer = _reducer(process_group)
-        resident = self._cuda and self._fits_resident(model, gpu_state)
-        copies = host_keeps_compute_copies(resident, self._tuning.refresh_gpu_share)
-        self.placement = check_fit(self._layers, optim_dtype, self._devices, resident, max_host_memory, max_gpu_memory, self._tuning.pin_frozen_share,
-                                   *gpu_state_allowed(gpu_state, self._devices, resident, self._tuning), compute_copies=copies)
+        resident, copies, self.placement = placement_for(model, optim_dtype, self._devices, self._tuning, self._reducer, gpu_state,
+                                                         max_host_memory, max_gpu_memory)
         pins = self._devices[0].pins_memory and pin_model != "off" and ("register" if pin_model == "register" else True)
         memory_format = check_memory_format(memory_format)
         self._host = HostState(self._layers, optim_dtype, pin_memory=pins, pin_master=resident and pins,
@@ -126,14 +124,6 @@ class RoundPipe(nn.Module):
         """The ``num_microbatch`` a ``RoundPipe(..., devices=devices)`` uses when no run config sets one:
         its GPUs + 1, or 1 on the CPU (callers planning batches ask here rather than counting GPUs)."""
         return default_microbatches_for(devices)
-
-    def _fits_resident(self, model: nn.Module, gpu_state: bool) -> bool:
-        """Small models stay on every GPU (uploaded once per version, not per stage); larger with GPU state."""
-        cap, tuning = min(d.memory_cap() or 0 for d in self._devices), self._tuning
-        share = tuning.resident_share_gpu_state if gpu_state and len(self._devices) == 1 else tuning.resident_share
-        # Two versions of the trainable weights (upload slot and live copy), one of the frozen.
-        weights = sum((2 if p.requires_grad else 1) * p.numel() * p.element_size() for p in model.parameters())
-        return same_on_all_ranks(self._reducer, weights <= share * cap)
 
     def _optimizer_thread(self, threads: Optional[int]) -> TaskThread:
         inline = not self._cuda and not self._tuning.cpu_optimizer_thread  # tuning.py says why
@@ -364,11 +354,16 @@ class RoundPipe(nn.Module):
 
     # ----------------------------------------------------------------------------- state dicts
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
-        """Master weights (``optim_dtype``) and buffers under the wrapped model's names."""
+        """Master weights (``optim_dtype``) and buffers under the wrapped model's names, on the host."""
+        return {k: t.cpu() for k, t in self.master_state().items()}
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """``state_dict()``'s tensors where they live, nothing copied (a GPU share's on its GPU): what a
+        streaming writer reads a chunk at a time (checkpoints, exports) instead of a host copy of the share."""
         self._check_open()
         self._versions.drain()
         master = self._host.master_of()
-        return {k: master.get(id(t), t).detach().cpu() for k, t in self.model.state_dict(keep_vars=True).items()}
+        return {k: master.get(id(t), t).detach() for k, t in self.model.state_dict(keep_vars=True).items()}
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False) -> IncompatibleKeys:
         self._check_open()

@@ -7,13 +7,15 @@
     generation_config.json           bos/eos/pad token ids
     tokenizer.json, ...              copied from the tokenizer's folder, when there is one
 
-Tensors are cast one at a time and written a shard at a time, so exporting needs about one shard of extra
-memory, not a second copy of the model. A tied embedding/head matrix is written once, as transformers does.
+Each shard is streamed: its header first, then every tensor cast a chunk at a time from wherever it lives
+(host or GPU), so exporting needs a chunk of extra memory, not a shard's or a second copy of the model. A tied embedding/head matrix is written once, as transformers does.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import struct
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -64,18 +66,43 @@ def _shards(named: dict[str, torch.Tensor], dtype: torch.dtype, max_shard_bytes:
     return shards
 
 
-def write_weights(named: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype, max_shard_bytes: int) -> None:
-    from safetensors.torch import save_file
+# safetensors' names of the dtypes an export writes (its format's header; safetensors/src/tensor.rs).
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+CHUNK_ELEMENTS = 16 * 2**20  # a tensor is cast and written this many elements at a time
 
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
+    """One safetensors file of ``tensors`` cast to ``dtype``, streamed: the header (computed from the
+    shapes), then each tensor cast a chunk at a time from wherever it lives (host or GPU). Needs a
+    chunk of memory, not a copy of the shard (``safetensors.torch.save_file`` builds every tensor's
+    bytes first)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for t in tensors.values():
+            flat = t.detach().reshape(-1)
+            for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+                chunk = flat[start : start + CHUNK_ELEMENTS].to("cpu", dtype).contiguous()
+                f.write(chunk.view(torch.uint8).numpy())
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # written: its pages need not stay in memory
+
+
+def write_weights(named: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype, max_shard_bytes: int) -> None:
     shards = _shards(named, dtype, max_shard_bytes)
     for stale in [*out_dir.glob("model*.safetensors"), out_dir / "model.safetensors.index.json"]:  # an earlier export's shards
         stale.unlink(missing_ok=True)
     files = ["model.safetensors"] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for names, file in zip(shards, files):
-        # A copy each: safetensors refuses tensors that share memory (views of the engine's flat buffers do).
-        tensors = {name: named[name].detach().to("cpu", dtype, copy=True).contiguous() for name in names}
-        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
-        del tensors
+        write_safetensors({name: named[name] for name in names}, out_dir / file, dtype)
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * dtype.itemsize for t in named.values())},
                  "weight_map": {name: file for names, file in zip(shards, files) for name in names}}

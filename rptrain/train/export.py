@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -24,7 +24,7 @@ from rptrain.models.hf_presets import PRESETS, llama_hf_config, preset_json
 
 from .chat_export import write_chat_template
 from .errors import USER_ERRORS, ConfigError, one_line
-from .lora import merged
+from .lora import lora_rank, merged
 from .tokenizer import build_tokenizer, tokenizer_source
 
 EMBEDDING = "0.embed_tokens.weight"
@@ -91,8 +91,12 @@ def export_weights(cfg: DictConfig, state: dict[str, torch.Tensor], out_dir: Pat
     return out
 
 
-def export_run(cfg: DictConfig, state: dict[str, torch.Tensor], run_dir: Path, dtype: torch.dtype) -> Path:
-    """The end of a run: RUN_DIR/hf. A failure names the way to retry (the checkpoint is written by then)."""
+def export_run(cfg: DictConfig, engine: Any, run_dir: Path, dtype: torch.dtype) -> Path:
+    """The end of a run: RUN_DIR/hf, written from the engine's master weights where they live (a GPU
+    share's a chunk at a time: no host copy of them). A LoRA run folds its adapters into the host's
+    frozen base, so its (small) trainable state comes to the host first. A failure names the way to
+    retry (the checkpoint is written by then)."""
+    state = engine.state_dict() if lora_rank(cfg) else engine.master_state()
     try:
         return export_weights(cfg, state, Path(run_dir) / "hf", dtype)
     except USER_ERRORS as err:

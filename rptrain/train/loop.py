@@ -94,7 +94,7 @@ class Trainer:
                 (folder / "chat_template.jinja").write_text(c.data.template.source, encoding="utf-8")
             say(self.console, f"LoRA adapters (PEFT format): {folder}")
         elif main and cfg.trainer.hf_export and exportable(cfg):
-            say(self.console, f"Hugging Face folder: {export_run(cfg, c.engine.state_dict(), self.run_dir, c.dtype)}")
+            say(self.console, f"Hugging Face folder: {export_run(cfg, c.engine, self.run_dir, c.dtype)}")
 
     def cleanup(self) -> None:
         """Close the metrics file and the engine, also after an error; drop every reference to them."""

@@ -41,8 +41,12 @@ def build_model(cfg: DictConfig, dtype: torch.dtype, device: Any = None, vocab_s
     lora = model_cfg.pop("lora", None)
     if model_kind(cfg.model) == LM and model_cfg.get("vocab_size") is None:
         model_cfg["vocab_size"] = vocab_size
+    layered = device is None and not model_cfg.get("path")  # model=hf loads itself a tensor at a time
     try:
-        model = instantiate(model_cfg, dtype=dtype, device=device, _convert_="all")
+        model = instantiate(model_cfg, dtype=dtype, device="meta" if layered else device, _convert_="all")
+        if layered:  # meta tensors draw no random numbers: a model materialise() cannot take is built as before
+            model = (materialise(model, init=weights is None) if layer_by_layer(model)
+                     else instantiate(model_cfg, dtype=dtype, device=device, _convert_="all"))
     except Exception as err:  # the builders raise ValueError for inconsistent shapes; Hydra wraps it
         cause = err.__cause__ or err
         if isinstance(cause, HFModelError):  # names the file and field itself
@@ -61,6 +65,60 @@ def build_model(cfg: DictConfig, dtype: torch.dtype, device: Any = None, vocab_s
         except (OSError, ValueError, KeyError, RuntimeError) as err:
             raise ConfigError(f"model.weights={weights} cannot be loaded ({one_line(err)}): point it at a checkpoint of this model") from err
     return with_lora(model, lora)
+
+
+def init_device() -> torch.device:
+    """Where a preset's layers are initialised: the GPU when there is one (seconds for 8 B parameters,
+    where the CPU's one-threaded random draws took minutes), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def layer_by_layer(model: nn.Sequential) -> bool:
+    """Whether materialise() can make ``model`` real: every layer initialises itself (``reset_parameters``)
+    and holds no buffers (to_empty would leave them undefined)."""
+    return all(hasattr(layer, "reset_parameters") and next(layer.buffers(), None) is None for layer in model)
+
+
+def materialise(model: nn.Sequential, device: Optional[torch.device] = None, init: bool = True) -> nn.Sequential:
+    """A model built on the meta device, made real one layer at a time: each layer is allocated on
+    ``device`` (init_device()), initialised there by its ``reset_parameters`` and moved to the host,
+    so a GPU holds one layer at a time. ``init=False`` (model.weights will overwrite every tensor):
+    allocated on the host, not initialised. Layers are initialised in the order the builder would, from
+    the same generator: the weights equal building the whole model on ``device`` directly, bit for bit
+    (on the CPU: as earlier versions did; on a GPU: ``rptrain.models.build_model(..., device="cuda")``,
+    as bench/llm.py builds, from CUDA's generator seeded by trainer.seed).
+    Only for models that pass layer_by_layer()."""
+    device = (device or init_device()) if init else torch.device("cpu")
+    tied = [(layer, name, shared) for layer in model for name, shared in _tied_to_earlier(model, layer)]
+    for layer, name, shared in tied:  # a stand-in, so making this layer real never touches the earlier layer's tensor
+        _set(layer, name, nn.Parameter(torch.empty_like(shared(), device="meta")))
+    with torch.no_grad():
+        for layer in model:
+            layer.to_empty(device=device)
+            if init:
+                layer.reset_parameters()
+            layer.to("cpu")
+    for layer, name, shared in tied:  # one Parameter in both places again, the earlier layer's (which initialised it)
+        _set(layer, name, shared())
+    return model
+
+
+def _set(module: nn.Module, name: str, value: nn.Parameter) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(owner) if owner else module, leaf, value)
+
+
+def _tied_to_earlier(model: nn.Sequential, layer: nn.Module) -> list[tuple[str, Any]]:
+    """(name in ``layer``, getter of the earlier layer's parameter) for each parameter ``layer``
+    shares with an earlier layer (a tied head)."""
+    index = list(model).index(layer)
+    earlier = {id(p): (i, n) for i in range(index) for n, p in model[i].named_parameters()}
+    found = []
+    for name, p in layer.named_parameters(remove_duplicate=False):
+        if id(p) in earlier:
+            i, n = earlier[id(p)]
+            found.append((name, lambda i=i, n=n: model[i].get_parameter(n)))
+    return found
 
 
 def fingerprint(model_name: str, model: nn.Module) -> dict:

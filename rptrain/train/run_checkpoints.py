@@ -87,7 +87,7 @@ class RunCheckpoints:
         engine.synchronize()  # the master weights after this step, and no step in flight (every rank: same weights)
         self.last_step = p.step
         total = global_progress(p, self.dist)
-        model_state = engine.state_dict()
+        model_state = engine.master_state()  # nothing copied: the writer streams a GPU share a chunk at a time
         d = self.dist
         if d.world > 1:  # cheap next to writing the file, and the one place a divergence would do harm
             d.check_same({k: v for k, v in model_state.items() if k in self.param_names}, "weights")

@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from .checkpoint import FORMAT, LAST, load_checkpoint
+from .checkpoint import LAST, is_checkpoint, load_checkpoint
 from .errors import CheckpointError, one_line
 from .lora import merged
 
@@ -24,13 +24,8 @@ def run_checkpoint(path: str | Path) -> Optional[Path]:
     if p.is_dir():
         found = p / "checkpoints" / LAST
         return found if found.is_file() else None
-    if p.is_file() and p.suffix == ".pt":
-        try:  # memory-mapped: telling a checkpoint from a plain state dict reads next to nothing
-            state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-        except Exception:
-            return None  # not ours to judge: the plain weight loader reports it
-        return p if isinstance(state, dict) and state.get("format") == FORMAT else None
-    return None
+    # Anything else is not ours to judge: the plain weight loader reports it.
+    return p if p.is_file() and p.suffix == ".pt" and is_checkpoint(p) else None
 
 
 def run_config(checkpoint: Path, state: dict) -> DictConfig:

@@ -19,12 +19,17 @@ from rich.console import Console
 from torch.optim.lr_scheduler import LRScheduler
 
 from rptrain import GradScaler, OptimizerCtx, RoundPipe
+from rptrain.engine import check_model_fits
 
 from .chat_export import template_line
 from .checkpoint import load_checkpoint
 from .console import log, loud, say
 from .data import TrainData, build_data
-from .dist import Dist, peer_errors
+from .disk_check import check_disk, disk_needs, export_nbytes
+from .dist import Dist, FailedOnRankZero, peer_errors
+from .errors import OutputError
+from .export import exportable
+from .lora import wants_adapter
 from .memory_format import choose_memory_format
 from .meters import RunProgress, rank_share
 from .metrics import MetricsLog
@@ -76,21 +81,27 @@ def build_engine(cfg: DictConfig, model: torch.nn.Sequential, d: Dist) -> RoundP
                          gpu_state=cfg.engine.gpu_state, memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices))
 
 
-def build_data_and_model(cfg: DictConfig) -> tuple[torch.dtype, TrainData, torch.nn.Sequential]:
+def build_data_and_model(cfg: DictConfig, d: Optional[Dist] = None) -> tuple[torch.dtype, TrainData, torch.nn.Sequential]:
     """The compute dtype, the data, and the model seeded by trainer.seed (built after the data,
-    which fixes a language model's null vocab_size)."""
+    which fixes a language model's null vocab_size). With ``d``, the engine's fit check runs first
+    on the model built on the meta device: a model that cannot fit is refused (DoesNotFit, one line)
+    before its weights are allocated and initialised."""
     validate_config(cfg)
     dtype = torch_dtype(cfg.precision.compute_dtype)
     torch.manual_seed(cfg.trainer.seed)
     data = build_data(cfg, dtype)
     check_vocab(cfg, data.vocab_size)
+    if d is not None:  # meta tensors draw no random numbers: the model below is initialised as without this
+        e = cfg.engine
+        check_model_fits(build_model(cfg, dtype, device="meta", vocab_size=data.vocab_size), torch_dtype(cfg.precision.optim_dtype),
+                         d.devices, max_host_memory=e.max_host_memory, max_gpu_memory=e.max_gpu_memory, gpu_state=e.gpu_state)
     return dtype, data, build_model(cfg, dtype, vocab_size=data.vocab_size)
 
 
 def build_components(cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, d: Dist,
                      on_record: Any = None) -> Components:
     threads = set_threads(cfg.engine.threads, cfg.engine.optimizer_threads, torch.cuda.is_available())
-    dtype, data, model = build_data_and_model(cfg)
+    dtype, data, model = build_data_and_model(cfg, d)
     prints = fingerprint(cfg.model.name, model)
     resume = choose_resume(cfg, run_dir, overrides, d, console)
     state = load_checkpoint(resume, prints) if resume else None
@@ -114,6 +125,32 @@ def build_components(cfg: DictConfig, run_dir: Path, overrides: list[str], conso
         raise
 
 
+def check_checkpoint_space(cfg: DictConfig, run_dir: Path, engine: RoundPipe, optimizer: torch.optim.Optimizer,
+                           dtype: torch.dtype, console: Console, d: Dist) -> None:
+    """Refuse a run whose next checkpoint cannot fit on the output file system (disk_check.py); say
+    when fewer than trainer.keep_checkpoints + 1 fit, else log the numbers. Rank 0 writes the
+    checkpoints, so it checks, and every rank stops with it."""
+    error = None
+    if d.main:
+        state = engine.master_state()
+        exports = cfg.trainer.hf_export and exportable(cfg) and not wants_adapter(cfg)
+        needs = disk_needs(Path(run_dir) / "checkpoints", state, optimizer, cfg.trainer.keep_checkpoints,
+                           export_nbytes(state, dtype) if exports else 0)
+        try:
+            note = check_disk(needs)
+        except OutputError as err:
+            error, note = err, None
+        if note is not None:
+            say(console, note)
+        elif error is None:
+            log.info(needs.line())
+    message = d.broadcast(str(error) if error else None, "the checkpoint disk check")
+    if error is not None:
+        raise error
+    if message is not None:
+        raise FailedOnRankZero(message)
+
+
 def _train_parts(cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, d: Dist, on_record: Any,
                  engine: RoundPipe, data: TrainData, dtype: torch.dtype, prints: dict, resume: Optional[Path], state: Optional[dict]) -> Components:
     """The optimizer and what tracks the run, around the engine, restored from `state` (a checkpoint's) when given."""
@@ -134,6 +171,7 @@ def _train_parts(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     if state is not None:
         progress = rank_share(restore(state, resume, engine, optimizer, scheduler, scaler, data, console), d.main)
         checkpoints.last_step = progress.step
+    check_checkpoint_space(cfg, run_dir, engine, optimizer, dtype, console, d)
     task, sampler = make_task(data.kind, num_microbatch(cfg), dtype, d.world, t.eval_num_microbatch), make_sampler(cfg, data)
     metrics = MetricsLog(run_dir if d.main else None, state["history"] if state else None, on_record)  # opened last: nothing fails after it
     num_epochs = math.ceil(total_steps / len(data.train))

@@ -1,0 +1,50 @@
+"""RoundPipe's fit check on its own, for a model whose weights do not exist yet.
+
+``RoundPipe(model, ...)`` decides whether the GPUs keep the model resident, whether the host keeps
+compute copies, and where every run of the state lives (fit.py, placement.py), before it allocates
+anything. That decision reads only shapes and dtypes, so it runs as well on a model built on the meta
+device: ``check_model_fits`` lets a caller refuse a model that cannot fit before spending the time and
+memory to build and initialise it (a 8 B model in fp32 is 32 GB and minutes on the CPU).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .device import Device, make_devices
+from .fit import Size, check_fit, host_keeps_compute_copies
+from .gpushare import gpu_state_allowed
+from .placement import Placement
+from .planning import same_on_all_ranks
+from .tuning import Tuning
+
+
+def fits_resident(model: nn.Module, devices: list[Device], tuning: Tuning, reducer: Any, gpu_state: bool) -> bool:
+    """Small models stay on every GPU (uploaded once per version, not per stage); larger with GPU state."""
+    cap = min(d.memory_cap() or 0 for d in devices)
+    share = tuning.resident_share_gpu_state if gpu_state and len(devices) == 1 else tuning.resident_share
+    # Two versions of the trainable weights (upload slot and live copy), one of the frozen.
+    weights = sum((2 if p.requires_grad else 1) * p.numel() * p.element_size() for p in model.parameters())
+    return same_on_all_ranks(reducer, weights <= share * cap)
+
+
+def placement_for(model: nn.Sequential, optim_dtype: torch.dtype, devices: list[Device], tuning: Tuning, reducer: Any,
+                  gpu_state: bool, max_host_memory: Size, max_gpu_memory: Size) -> tuple[bool, bool, Placement]:
+    """(resident, host compute copies, placement) of an engine over ``model``; raises DoesNotFit."""
+    resident = devices[0].is_cuda and fits_resident(model, devices, tuning, reducer, gpu_state)
+    copies = host_keeps_compute_copies(resident, tuning.refresh_gpu_share)
+    placement = check_fit(list(model), optim_dtype, devices, resident, max_host_memory, max_gpu_memory, tuning.pin_frozen_share,
+                          *gpu_state_allowed(gpu_state, devices, resident, tuning), compute_copies=copies)
+    return resident, copies, placement
+
+
+def check_model_fits(model: nn.Sequential, optim_dtype: torch.dtype = torch.float32, devices: Any = None, *,
+                     max_host_memory: Size = None, max_gpu_memory: Size = None, gpu_state: bool = True,
+                     tuning: Optional[Tuning] = None) -> Placement:
+    """The placement ``RoundPipe(model, optim_dtype, devices=devices, ...)`` would choose, or DoesNotFit,
+    for ``model`` on any device, the meta device included (nothing is allocated). Under torchrun each
+    rank decides alone here; the engine then agrees on residency across ranks."""
+    return placement_for(model, optim_dtype, make_devices(devices), tuning or Tuning(), None, gpu_state,
+                         max_host_memory, max_gpu_memory)[2]
