@@ -21,30 +21,36 @@ from .planning import same_on_all_ranks
 from .tuning import Tuning
 
 
-def fits_resident(model: nn.Module, devices: list[Device], tuning: Tuning, reducer: Any, gpu_state: bool) -> bool:
+def layers_of(model: nn.Module) -> list[nn.Module]:
+    """The engine's layers: a Sequential's children, any other module as one layer (as the original wraps it)."""
+    return list(model) if isinstance(model, nn.Sequential) else [model]
+
+
+def fits_resident(layers: list[nn.Module], devices: list[Device], tuning: Tuning, reducer: Any, gpu_state: bool) -> bool:
     """Small models stay on every GPU (uploaded once per version, not per stage); larger with GPU state."""
     cap = min(d.memory_cap() or 0 for d in devices)
     share = tuning.resident_share_gpu_state if gpu_state and len(devices) == 1 else tuning.resident_share
     # Two versions of the trainable weights (upload slot and live copy), one of the frozen.
-    weights = sum((2 if p.requires_grad else 1) * p.numel() * p.element_size() for p in model.parameters())
+    params = {id(p): p for layer in layers for p in layer.parameters()}.values()  # tied weights once
+    weights = sum((2 if p.requires_grad else 1) * p.numel() * p.element_size() for p in params)
     return same_on_all_ranks(reducer, weights <= share * cap)
 
 
-def placement_for(model: nn.Sequential, optim_dtype: torch.dtype, devices: list[Device], tuning: Tuning, reducer: Any,
+def placement_for(layers: list[nn.Module], optim_dtype: torch.dtype, devices: list[Device], tuning: Tuning, reducer: Any,
                   gpu_state: bool, max_host_memory: Size, max_gpu_memory: Size) -> tuple[bool, bool, Placement]:
-    """(resident, host compute copies, placement) of an engine over ``model``; raises DoesNotFit."""
-    resident = devices[0].is_cuda and fits_resident(model, devices, tuning, reducer, gpu_state)
+    """(resident, host compute copies, placement) of an engine over ``layers``; raises DoesNotFit."""
+    resident = devices[0].is_cuda and fits_resident(layers, devices, tuning, reducer, gpu_state)
     copies = host_keeps_compute_copies(resident, tuning.refresh_gpu_share)
-    placement = check_fit(list(model), optim_dtype, devices, resident, max_host_memory, max_gpu_memory, tuning.pin_frozen_share,
+    placement = check_fit(layers, optim_dtype, devices, resident, max_host_memory, max_gpu_memory, tuning.pin_frozen_share,
                           *gpu_state_allowed(gpu_state, devices, resident, tuning), compute_copies=copies)
     return resident, copies, placement
 
 
-def check_model_fits(model: nn.Sequential, optim_dtype: torch.dtype = torch.float32, devices: Any = None, *,
+def check_model_fits(model: nn.Module, optim_dtype: torch.dtype = torch.float32, devices: Any = None, *,
                      max_host_memory: Size = None, max_gpu_memory: Size = None, gpu_state: bool = True,
                      tuning: Optional[Tuning] = None) -> Placement:
     """The placement ``RoundPipe(model, optim_dtype, devices=devices, ...)`` would choose, or DoesNotFit,
     for ``model`` on any device, the meta device included (nothing is allocated). Under torchrun each
     rank decides alone here; the engine then agrees on residency across ranks."""
-    return placement_for(model, optim_dtype, make_devices(devices), tuning or Tuning(), None, gpu_state,
+    return placement_for(layers_of(model), optim_dtype, make_devices(devices), tuning or Tuning(), None, gpu_state,
                          max_host_memory, max_gpu_memory)[2]

@@ -30,7 +30,7 @@ from .memory_format import check_memory_format
 from .optimizer_ctx import OptimizerCtx, in_optimizer_ctx
 from .plan import ExecutePlan
 from .planning import Planner
-from .prefit import placement_for
+from .prefit import layers_of, placement_for
 from .prepare import Preparer
 from .recorded import run_recorded
 from .scaler import register_step_queue
@@ -95,12 +95,12 @@ class RoundPipe(nn.Module):
         self.name = name
         self._tuning = tuning or Tuning()
         self.model = model
-        self._layers = list(model) if isinstance(model, nn.Sequential) else [model]
+        self._layers = layers_of(model)
         self._run_config = model_run_config or RoundPipeRunConfig()
         self._devices = make_devices(devices)
         self._cuda = self._devices[0].is_cuda
         self._reducer = _reducer(process_group)
-        resident, copies, self.placement = placement_for(model, optim_dtype, self._devices, self._tuning, self._reducer, gpu_state,
+        resident, copies, self.placement = placement_for(self._layers, optim_dtype, self._devices, self._tuning, self._reducer, gpu_state,
                                                          max_host_memory, max_gpu_memory)
         pins = self._devices[0].pins_memory and pin_model != "off" and ("register" if pin_model == "register" else True)
         memory_format = check_memory_format(memory_format)
