@@ -1,0 +1,103 @@
+"""Shared by the tests/test_optim_<family>.py files: parameters laid out as the engine lays them out,
+and one comparison of an rptrain optimizer with torch's own implementation of the same name."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from rptrain.engine.layout import ALIGN_BYTES
+
+# Shapes of a small network: a matrix, a bias, a convolution kernel (the engine may store it channels-last), norms.
+SHAPES = [(6, 5), (6,), (4, 3, 3, 3), (4,), (4,), (2, 4)]
+
+
+def flat_params(shapes=SHAPES, seed: int = 0, channels_last: bool = False) -> tuple[list[torch.nn.Parameter], torch.Tensor]:
+    """Parameters and gradients as views of two flat buffers, each tensor starting on a 256-byte boundary
+    (zero padding between), the way the engine hands them over."""
+    step = ALIGN_BYTES // 4
+    offsets, end = [], 0
+    for s in shapes:
+        offsets.append(end)
+        end = -(-(end + torch.Size(s).numel()) // step) * step
+    g = torch.Generator().manual_seed(seed)
+    data, grads = torch.zeros(end), torch.zeros(end)
+    params = []
+    for s, offset in zip(shapes, offsets):
+        n = torch.Size(s).numel()
+        data[offset : offset + n] = torch.randn(n, generator=g)
+        if channels_last and len(s) == 4:
+            n_, c, h, w = s
+            view = lambda flat: flat[offset : offset + n].view(n_, h, w, c).permute(0, 3, 1, 2)
+        else:
+            view = lambda flat: flat[offset : offset + n].view(s)
+        p = torch.nn.Parameter(view(data))
+        p.grad = view(grads)
+        params.append(p)
+    return params, grads
+
+
+def new_grads(params, grads: torch.Tensor, generator: torch.Generator) -> None:
+    """Fill every parameter's gradient (in the flat buffer) with fresh values; padding stays zero."""
+    for p in params:
+        p.grad.copy_(torch.randn(p.shape, generator=generator))
+
+
+def groups_of(params, split: bool, **second) -> list:
+    """One group, or two interleaved in memory with ``second`` overriding options in the second."""
+    if not split:
+        return [{"params": params}]
+    return [{"params": params[0::2]}, {"params": params[1::2], **second}]
+
+
+def compare_with_torch(cls, ref_cls, kwargs: dict, split: bool = False, second: dict | None = None, steps: int = 4,
+                       rtol: float = 1e-5, atol: float = 1e-6, channels_last: bool = False, ref_kwargs: dict | None = None):
+    """Step ours on engine-like flat parameters and torch's default implementation on separate copies,
+    with the same gradients; compare parameters and every state tensor after each step."""
+    params, grads = flat_params(channels_last=channels_last)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours = cls(groups_of(params, split, **(second or {})), **kwargs)
+    theirs = ref_cls(groups_of(ref, split, **(second or {})), **{**kwargs, **(ref_kwargs or {})})
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        new_grads(params, grads, g)
+        for p, r in zip(params, ref):
+            r.grad = p.grad.clone()
+        ours.step()
+        theirs.step()
+        for i, (p, r) in enumerate(zip(params, ref)):
+            torch.testing.assert_close(p, r, rtol=rtol, atol=atol, msg=lambda m: f"param {i}: {m}")
+            assert set(ours.state[p]) == set(theirs.state[r]), (set(ours.state[p]), set(theirs.state[r]))
+            for name, value in theirs.state[r].items():
+                torch.testing.assert_close(torch.as_tensor(ours.state[p][name]).float(), torch.as_tensor(value).float(),
+                                           rtol=rtol, atol=atol, msg=lambda m: f"state {name} of param {i}: {m}")
+    return ours, theirs, params
+
+
+def round_trip(cls, kwargs: dict, steps: int = 2) -> None:
+    """save -> load into a fresh optimizer on fresh flat parameters -> both continue identically."""
+    params, grads = flat_params()
+    opt = cls(params, **kwargs)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        new_grads(params, grads, g)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    twin_params, twin_grads = flat_params()
+    with torch.no_grad():
+        for a, b in zip(twin_params, params):
+            a.copy_(b)
+    twin = cls(twin_params, **kwargs)
+    twin.load_state_dict(saved)
+    for _ in range(steps):
+        new_grads(params, grads, g)
+        for a, b in zip(twin_params, params):
+            a.grad.copy_(b.grad)
+        opt.step()
+        twin.step()
+    for a, b in zip(twin_params, params):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    loaded = twin.state_dict()["state"]
+    for index, state in opt.state_dict()["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(torch.as_tensor(loaded[index][name]), torch.as_tensor(value), rtol=0, atol=0)
