@@ -101,3 +101,47 @@ def round_trip(cls, kwargs: dict, steps: int = 2) -> None:
     for index, state in opt.state_dict()["state"].items():
         for name, value in state.items():
             torch.testing.assert_close(torch.as_tensor(loaded[index][name]), torch.as_tensor(value), rtol=0, atol=0)
+
+
+def assert_flat(opt, params) -> None:
+    """The flat path ran: adjacent parameters' state tensors are views of one buffer."""
+    a, b = opt.state[params[0]], opt.state[params[1]]
+    shared = [n for n, t in a.items() if t.dim() > 0 and n in b
+              and t.untyped_storage().data_ptr() == b[n].untyped_storage().data_ptr()]
+    assert shared, f"no flat state in {sorted(a)}"
+
+
+def assert_specs_describe_state(opt) -> None:
+    """``state_specs`` names every state tensor torch's optimizer keeps, with its size and dtype."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            specs = type(opt).state_specs(group, p.shape)
+            state = opt.state[p]
+            assert {s.name for s in specs} == set(state), (sorted(s.name for s in specs), sorted(state))
+            for spec in specs:
+                t = torch.as_tensor(state[spec.name])
+                assert spec.bytes(p.shape, p.dtype) == t.numel() * t.element_size(), spec
+
+
+def engine_matches_torch(cls, ref_cls, kwargs: dict, steps: int = 3) -> None:
+    """Through the engine (master weights in its flat buffers, stepped on its optimizer thread) the
+    optimizer gives the weights torch's optimizer gives a plain model."""
+    from rptrain import OptimizerCtx, RoundPipe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    engine = RoundPipe(copy.deepcopy(model), devices=["cpu"])
+    with OptimizerCtx():
+        opt = cls(engine.parameters(), **kwargs)
+    ref_opt = ref_cls(model.parameters(), **kwargs)
+    x = torch.randn(3, 4)
+    for _ in range(steps):
+        engine.forward_backward((x,), loss_fn=lambda out, _: out.pow(2).sum())
+        engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        model(x).pow(2).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    engine.synchronize()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(engine.state_dict()[name], p.detach(), rtol=1e-5, atol=1e-6)
+    engine.close()

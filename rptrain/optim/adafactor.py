@@ -18,15 +18,13 @@ from .kernels import compile_enabled, elementwise
 from .state_spec import StateSpec
 
 
-def _adafactor_update(param: Tensor, grad: Tensor, row_var: Tensor, col_var: Tensor, variance: Tensor, h: Any,
-                      maximize: bool, decay: bool, factored: bool) -> None:
-    shrink, one_minus_beta2_t, rho_t, eps1, eps2, d = h[0], h[1], h[2], h[3], h[4], h[5]
-    if maximize:
-        grad = -grad
+def _adafactor_update(param: Tensor, grad: Tensor, row_var: Tensor, col_var: Tensor, variance: Tensor, h: Tensor,
+                      factored: bool) -> None:
+    sign, shrink, one_minus_beta2_t, rho_t, eps1, eps2, d = h[0], h[1], h[2], h[3], h[4], h[5], h[6]
+    grad = grad * sign
     root_numel = param.numel() ** 0.5
     alpha = torch.clamp(torch.linalg.vector_norm(param) / root_numel, min=eps2) * rho_t  # before the decay, as torch
-    if decay:
-        param.mul_(shrink)
+    param.mul_(shrink)
     if factored:
         row_var.lerp_(torch.linalg.vector_norm(grad, dim=-1, keepdim=True).square() / grad.size(-1), one_minus_beta2_t)
         col_var.lerp_(torch.linalg.vector_norm(grad, dim=-2, keepdim=True).square() / grad.size(-2), one_minus_beta2_t)
@@ -75,8 +73,8 @@ class Adafactor(torch.optim.Adafactor):
                 factored = g.dim() > 1
                 self._kernel.run_whole(
                     [p, g, row if factored else g, col if factored else g, g if factored else var],
-                    [1 - lr * group["weight_decay"], step ** group["beta2_decay"], min(lr, 1 / (step**0.5)),
-                     eps1_value, eps2, group["d"]],
-                    maximize=group["maximize"], decay=group["weight_decay"] != 0, factored=factored,
+                    [-1.0 if group["maximize"] else 1.0, 1 - lr * group["weight_decay"], step ** group["beta2_decay"],
+                     min(lr, 1 / (step**0.5)), eps1_value, eps2, group["d"]],
+                    factored=factored,
                 )
         return loss

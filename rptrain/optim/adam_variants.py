@@ -11,16 +11,13 @@ import torch
 from torch import Tensor
 
 from .flatstep import FlatStepMixin, _RunState
-from .kernels import elementwise
+from .kernels import elementwise, signed_decayed
 from .state_spec import StateSpec
 
 
-def _adamax_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_inf: Tensor, h: Any, maximize: bool, decay: bool) -> None:
-    clr, beta1, beta2, eps, weight_decay = h[0], h[1], h[2], h[3], h[4]
-    if maximize:
-        grad = -grad
-    if decay:
-        grad = grad + weight_decay * param
+def _adamax_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_inf: Tensor, h: Tensor) -> None:
+    grad = signed_decayed(grad, param, h[0], h[1])
+    clr, beta1, beta2, eps = h[2], h[3], h[4], h[5]
     exp_avg.lerp_(grad, 1 - beta1)
     exp_inf.copy_(torch.maximum(exp_inf * beta2, grad.abs() + eps))
     param.sub_(clr * exp_avg / exp_inf)
@@ -35,25 +32,26 @@ class Adamax(FlatStepMixin, torch.optim.Adamax):
         beta1, beta2 = group["betas"]
         self._kernel(
             [param, grad, state.flat["exp_avg"], state.flat["exp_inf"]],
-            [float(group["lr"]) / (1 - beta1**step), beta1, beta2, group["eps"], group["weight_decay"]],
-            maximize=group["maximize"], decay=group["weight_decay"] != 0,
+            [-1.0 if group["maximize"] else 1.0, group["weight_decay"], float(group["lr"]) / (1 - beta1**step), beta1, beta2,
+             group["eps"]],
         )
 
 
-def _nadam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, h: Any,
-                  maximize: bool, decay: bool, decoupled: bool) -> None:
-    beta1, beta2, eps, weight_decay, shrink, bias_correction2, grad_coef, avg_coef = h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]
-    if maximize:
-        grad = -grad
-    if decay and decoupled:
-        param.mul_(shrink)
-    elif decay:
-        grad = grad + weight_decay * param
+def _nadam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, h: Tensor) -> None:
+    shrink, beta1, beta2, eps, bias_correction2, grad_coef, avg_coef = h[2], h[3], h[4], h[5], h[6], h[7], h[8]
+    param.mul_(shrink)  # decoupled weight decay (1 without)
+    grad = signed_decayed(grad, param, h[0], h[1])
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).add_((1 - beta2) * grad * grad)
     denom = (exp_avg_sq / bias_correction2).sqrt() + eps
     param.add_(grad_coef * grad / denom)
     param.add_(avg_coef * exp_avg / denom)
+
+
+def _decay_scalars(group: dict, lr: float) -> tuple[float, float, float]:
+    """sign (-1 to maximize), weight decay added to the gradient, factor shrinking the weights first."""
+    decay, decoupled = group["weight_decay"], group["decoupled_weight_decay"]
+    return -1.0 if group["maximize"] else 1.0, 0.0 if decoupled else decay, 1 - lr * decay if decoupled else 1.0
 
 
 class NAdam(FlatStepMixin, torch.optim.NAdam):
@@ -71,29 +69,21 @@ class NAdam(FlatStepMixin, torch.optim.NAdam):
         product = mu_product.item()
         self._kernel(
             [param, grad, state.flat["exp_avg"], state.flat["exp_avg_sq"]],
-            [beta1, beta2, group["eps"], group["weight_decay"], 1 - lr * group["weight_decay"], 1 - beta2**step,
+            [*_decay_scalars(group, lr), beta1, beta2, group["eps"], 1 - beta2**step,
              -lr * (1.0 - mu) / (1.0 - product), -lr * mu_next / (1.0 - product * mu_next)],
-            maximize=group["maximize"], decay=group["weight_decay"] != 0, decoupled=group["decoupled_weight_decay"],
         )
 
 
-def _radam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, h: Any,
-                  maximize: bool, decay: bool, decoupled: bool, rectified: bool) -> None:
-    beta1, beta2, eps, weight_decay, shrink, bias_correction1, lr, sqrt_bias_correction2, rect = (
-        h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8])
-    if maximize:
-        grad = -grad
-    if decay and decoupled:
-        param.mul_(shrink)
-    elif decay:
-        grad = grad + weight_decay * param
+def _radam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, h: Tensor) -> None:
+    shrink, beta1, beta2, eps, bias_correction1, lr, sqrt_bias_correction2, rect = h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9]
+    param.mul_(shrink)  # decoupled weight decay (1 without)
+    grad = signed_decayed(grad, param, h[0], h[1])
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).add_((1 - beta2) * grad * grad)
     corrected = exp_avg / bias_correction1
-    if rectified:
-        param.sub_(corrected * lr * (sqrt_bias_correction2 / (exp_avg_sq.sqrt() + eps)) * rect)
-    else:
-        param.sub_(corrected * lr)
+    # Early steps (rect 0: the variance estimate is not yet trusted) take plain momentum steps.
+    adaptive = torch.where(rect > 0, (sqrt_bias_correction2 / (exp_avg_sq.sqrt() + eps)) * rect, 1.0)
+    param.sub_(corrected * lr * adaptive)
 
 
 class RAdam(FlatStepMixin, torch.optim.RAdam):
@@ -106,12 +96,8 @@ class RAdam(FlatStepMixin, torch.optim.RAdam):
         bias_correction2 = 1 - beta2**step
         rho_inf = 2 / (1 - beta2) - 1
         rho_t = rho_inf - 2 * step * (beta2**step) / bias_correction2
-        rectified = rho_t > 5.0
-        rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) if rectified else 1.0
+        rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) if rho_t > 5.0 else 0.0
         self._kernel(
             [param, grad, state.flat["exp_avg"], state.flat["exp_avg_sq"]],
-            [beta1, beta2, group["eps"], group["weight_decay"], 1 - lr * group["weight_decay"], 1 - beta1**step, lr,
-             bias_correction2**0.5, rect],
-            maximize=group["maximize"], decay=group["weight_decay"] != 0,
-            decoupled=group["decoupled_weight_decay"], rectified=rectified,
+            [*_decay_scalars(group, lr), beta1, beta2, group["eps"], 1 - beta1**step, lr, bias_correction2**0.5, rect],
         )

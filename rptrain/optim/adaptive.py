@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .flatstep import FlatStepMixin, _RunState, fused_by_default
-from .kernels import elementwise
+from .kernels import elementwise, signed_decayed
 from .state_spec import StateSpec
 
 
@@ -36,13 +36,9 @@ class Adagrad(FlatStepMixin, torch.optim.Adagrad):
         )
 
 
-def _adadelta_update(param: Tensor, grad: Tensor, square_avg: Tensor, acc_delta: Tensor, h: Any,
-                     maximize: bool, decay: bool) -> None:
-    lr, rho, eps, weight_decay = h[0], h[1], h[2], h[3]
-    if maximize:
-        grad = -grad
-    if decay:
-        grad = grad + weight_decay * param
+def _adadelta_update(param: Tensor, grad: Tensor, square_avg: Tensor, acc_delta: Tensor, h: Tensor) -> None:
+    grad = signed_decayed(grad, param, h[0], h[1])
+    lr, rho, eps = h[2], h[3], h[4]
     square_avg.mul_(rho).add_((1 - rho) * grad * grad)
     delta = (acc_delta + eps).sqrt() / (square_avg + eps).sqrt() * grad
     acc_delta.mul_(rho).add_((1 - rho) * delta * delta)
@@ -57,18 +53,14 @@ class Adadelta(FlatStepMixin, torch.optim.Adadelta):
         state.flat["step"].add_(1)
         self._kernel(
             [param, grad, state.flat["square_avg"], state.flat["acc_delta"]],
-            [float(group["lr"]), group["rho"], group["eps"], group["weight_decay"]],
-            maximize=group["maximize"], decay=group["weight_decay"] != 0,
+            [-1.0 if group["maximize"] else 1.0, group["weight_decay"], float(group["lr"]), group["rho"], group["eps"]],
         )
 
 
 def _rmsprop_update(param: Tensor, grad: Tensor, square_avg: Tensor, grad_avg: Tensor, momentum_buffer: Tensor,
-                    h: Any, maximize: bool, decay: bool, centered: bool, momentum: bool) -> None:
-    lr, alpha, eps, weight_decay, momentum_factor = h[0], h[1], h[2], h[3], h[4]
-    if maximize:
-        grad = -grad
-    if decay:
-        grad = grad + weight_decay * param
+                    h: Tensor, centered: bool, momentum: bool) -> None:
+    grad = signed_decayed(grad, param, h[0], h[1])
+    lr, alpha, eps, momentum_factor = h[2], h[3], h[4], h[5]
     square_avg.mul_(alpha).add_((1 - alpha) * grad * grad)
     if centered:
         grad_avg.lerp_(grad, 1 - alpha)
@@ -100,15 +92,15 @@ class RMSprop(FlatStepMixin, torch.optim.RMSprop):
         self._kernel(
             [param, grad, square_avg, state.flat["grad_avg"] if centered else square_avg,
              state.flat["momentum_buffer"] if momentum else square_avg],  # unused slots: any tensor
-            [float(group["lr"]), group["alpha"], group["eps"], group["weight_decay"], group["momentum"]],
-            maximize=group["maximize"], decay=group["weight_decay"] != 0, centered=centered, momentum=momentum,
+            [-1.0 if group["maximize"] else 1.0, group["weight_decay"], float(group["lr"]), group["alpha"], group["eps"],
+             group["momentum"]],
+            centered=centered, momentum=momentum,
         )
 
 
-def _rprop_update(param: Tensor, grad: Tensor, prev: Tensor, step_size: Tensor, h: Any, maximize: bool) -> None:
-    etaminus, etaplus, step_size_min, step_size_max = h[0], h[1], h[2], h[3]
-    if maximize:
-        grad = -grad
+def _rprop_update(param: Tensor, grad: Tensor, prev: Tensor, step_size: Tensor, h: Tensor) -> None:
+    grad = grad * h[0]
+    etaminus, etaplus, step_size_min, step_size_max = h[1], h[2], h[3], h[4]
     sign = (grad * prev).sign()
     step_size.mul_(torch.where(sign > 0, etaplus, torch.where(sign < 0, etaminus, 1.0))).clamp_(step_size_min, step_size_max)
     grad = torch.where(sign < 0, 0.0, grad)  # after a sign change, no step and no memory of this gradient
@@ -126,5 +118,5 @@ class Rprop(FlatStepMixin, torch.optim.Rprop):
         step_size_min, step_size_max = group["step_sizes"]
         self._kernel(
             [param, grad, state.flat["prev"], state.flat["step_size"]],
-            [etaminus, etaplus, step_size_min, step_size_max], maximize=group["maximize"],
+            [-1.0 if group["maximize"] else 1.0, etaminus, etaplus, step_size_min, step_size_max],
         )

@@ -32,9 +32,15 @@ def compile_enabled() -> bool:
     return os.environ.get("RPTRAIN_OPTIM_COMPILE", "1") != "0"
 
 
+def signed_decayed(grad: Tensor, param: Tensor, sign: Tensor, weight_decay: Tensor) -> Tensor:
+    """torch's gradient preamble as arithmetic, not branches (so no option recompiles): ``sign`` is -1
+    to maximize, else 1, and ``weight_decay`` is 0 where none is added; both are then exact no-ops."""
+    return grad * sign + weight_decay * param
+
+
 class Elementwise:
-    """``fn(*tensors, h, **flags)`` updates flat tensors in place; ``h`` holds the step's scalars
-    (Python floats eagerly, one float32 tensor when compiled, so new values never recompile)."""
+    """``fn(*tensors, h, **flags)`` updates flat tensors in place; ``h`` is one float32 tensor of the
+    step's scalars (inputs, so new values never recompile); ``flags`` choose which states exist."""
 
     def __init__(self, fn: Callable[..., None]):
         self.fn = fn
@@ -47,16 +53,17 @@ class Elementwise:
         if self._try_compiled(tensors, scalars, flags):
             return
         if tensors[0].device.type != "cpu":
-            self.fn(*tensors, list(scalars), **flags)
+            self.fn(*tensors, torch.tensor(scalars, dtype=torch.float32, device=tensors[0].device), **flags)
             return
+        h = torch.tensor(scalars, dtype=torch.float32)
         n = tensors[0].numel()
         for start in range(0, n, EAGER_CHUNK):
-            self.fn(*[t[start : start + EAGER_CHUNK] for t in tensors], list(scalars), **flags)
+            self.fn(*[t[start : start + EAGER_CHUNK] for t in tensors], h, **flags)
 
     def run_whole(self, tensors: Sequence[Tensor], scalars: Sequence[float], **flags: bool) -> None:
         """Update tensors whose update reads all of them (norms, reductions): compiled, else eagerly."""
         if not self._try_compiled(tensors, scalars, flags):
-            self.fn(*tensors, list(scalars), **flags)
+            self.fn(*tensors, torch.tensor(scalars, dtype=torch.float32, device=tensors[0].device), **flags)
 
     def _try_compiled(self, tensors: Sequence[Tensor], scalars: Sequence[float], flags: dict) -> bool:
         if tensors[0].device.type != "cpu" or not compile_enabled() or self._failed:

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .flatstep import FlatStepMixin, _RunState, fused_by_default
-from .kernels import elementwise
+from .kernels import elementwise, signed_decayed
 from .state_spec import StateSpec
 
 
@@ -37,18 +37,12 @@ class SGD(FlatStepMixin, torch.optim.SGD):
         )
 
 
-def _asgd_update(param: Tensor, grad: Tensor, ax: Tensor, h: Any, maximize: bool, decay: bool, average: bool) -> None:
-    shrink, eta, mu, weight_decay = h[0], h[1], h[2], h[3]
-    if maximize:
-        grad = -grad
-    if decay:
-        grad = grad + weight_decay * param
+def _asgd_update(param: Tensor, grad: Tensor, ax: Tensor, h: Tensor) -> None:
+    grad = signed_decayed(grad, param, h[0], h[1])
+    shrink, eta, mu = h[2], h[3], h[4]
     param.mul_(shrink)
     param.sub_(eta * grad)
-    if average:
-        ax.add_((param - ax) * mu)
-    else:
-        ax.copy_(param)
+    ax.copy_(torch.where(mu != 1, ax + (param - ax) * mu, param))  # the average starts as a copy
 
 
 class ASGD(FlatStepMixin, torch.optim.ASGD):
@@ -64,8 +58,8 @@ class ASGD(FlatStepMixin, torch.optim.ASGD):
         step += 1
         eta_value, mu_value = eta.item(), mu.item()
         self._kernel(
-            [param, grad, state.flat["ax"]], [1 - lambd * eta_value, eta_value, mu_value, group["weight_decay"]],
-            maximize=group["maximize"], decay=group["weight_decay"] != 0, average=mu_value != 1,
+            [param, grad, state.flat["ax"]],
+            [-1.0 if group["maximize"] else 1.0, group["weight_decay"], 1 - lambd * eta_value, eta_value, mu_value],
         )
         step_value = step.item()
         eta.copy_(torch.as_tensor(lr / ((1 + lambd * lr * step_value) ** alpha)))
