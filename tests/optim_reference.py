@@ -145,3 +145,18 @@ def engine_matches_torch(cls, ref_cls, kwargs: dict, steps: int = 3) -> None:
     for name, p in model.named_parameters():
         torch.testing.assert_close(engine.state_dict()[name], p.detach(), rtol=1e-5, atol=1e-6)
     engine.close()
+
+
+def compiled_matches_torch(cases: dict) -> None:
+    """Each case compiled (inductor's C++ backend) against torch, on one group and on two interleaved
+    groups laid out channels-last, then a state-dict round trip; new run sizes and layouts must reuse
+    the compiled update. Tolerance: rtol 1e-4, atol 1e-5 (RMSprop's centered variance subtracts nearly
+    equal numbers, so the compiled and torch's rounding differ by up to 1e-4 relative there)."""
+    for cls, ref_cls, kwargs in cases.values():
+        compare_with_torch(cls, ref_cls, kwargs, steps=8, rtol=1e-4, atol=1e-5)
+        kernel = cls._kernel
+        compiled = kernel._compiled
+        compare_with_torch(cls, ref_cls, kwargs, split=True, second=dict(lr=0.02, weight_decay=0.0), steps=8,
+                           channels_last=True, rtol=1e-4, atol=1e-5)
+        round_trip(cls, kwargs)
+        assert not kernel._failed and kernel._compiled is compiled is not None

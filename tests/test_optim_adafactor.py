@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optim_reference import assert_specs_describe_state, compare_with_torch, round_trip
+from optim_reference import assert_specs_describe_state, compare_with_torch, compiled_matches_torch, round_trip
 from rptrain.optim import Adafactor
 
 
@@ -40,3 +40,10 @@ def test_state_dict_round_trip():
 def test_torch_step_where_it_cannot_compile(monkeypatch):
     monkeypatch.setattr(Adafactor, "_compiled_eligible", lambda self: False)
     compare_with_torch(Adafactor, torch.optim.Adafactor, dict(lr=0.05), steps=2, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_compiled_update_matches_torch(monkeypatch):
+    """The update as it runs in training: compiled once per rank and layout (a minute cold)."""
+    monkeypatch.setenv("RPTRAIN_OPTIM_COMPILE", "1")
+    compiled_matches_torch({case: (Adafactor, torch.optim.Adafactor, CASES[case]) for case in ("decay", "eps")})

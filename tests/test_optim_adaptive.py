@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optim_reference import assert_flat, assert_specs_describe_state, compare_with_torch, engine_matches_torch, round_trip
+from optim_reference import (
+    assert_flat, assert_specs_describe_state, compare_with_torch, engine_matches_torch, compiled_matches_torch, round_trip,
+)
 from rptrain.optim import Adadelta, Adagrad, RMSprop, Rprop
 
 
@@ -52,3 +54,10 @@ def test_state_dict_round_trip(case):
 def test_through_the_engine(case):
     cls, ref_cls, kwargs = CASES[case]
     engine_matches_torch(cls, ref_cls, kwargs)
+
+
+@pytest.mark.slow
+def test_compiled_updates_match_torch(monkeypatch):
+    """The one-pass updates as they run in training: compiled (a few seconds each, minutes cold)."""
+    monkeypatch.setenv("RPTRAIN_OPTIM_COMPILE", "1")
+    compiled_matches_torch({case: v for case, v in CASES.items() if v[0]._kernel is not None})  # not the fused ones

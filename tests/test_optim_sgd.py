@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optim_reference import assert_flat, assert_specs_describe_state, compare_with_torch, engine_matches_torch, flat_params, round_trip
+from optim_reference import (
+    assert_flat, assert_specs_describe_state, compare_with_torch, engine_matches_torch, flat_params, compiled_matches_torch, round_trip,
+)
 from rptrain.optim import ASGD, SGD
 
 
@@ -100,3 +102,10 @@ def test_scheduler_changes_the_flat_step():
                                                    (ASGD, torch.optim.ASGD, dict(lr=0.05, t0=1))])
 def test_through_the_engine(cls, ref_cls, kwargs):
     engine_matches_torch(cls, ref_cls, kwargs)
+
+
+@pytest.mark.slow
+def test_compiled_updates_match_torch(monkeypatch):
+    """The one-pass updates as they run in training: compiled (a few seconds each, minutes cold)."""
+    monkeypatch.setenv("RPTRAIN_OPTIM_COMPILE", "1")
+    compiled_matches_torch({case: (ASGD, torch.optim.ASGD, options) for case, options in ASGD_CASES.items()})

@@ -5,7 +5,7 @@ host, in double, as torch does."""
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .flat import _FlatRuns, _flat, _like, _match_grad_layouts, _span
+from .kernels import Elementwise
 from .state_spec import StateSpec
 
 
@@ -41,6 +42,7 @@ class FlatStepMixin:
     """Put before the torch optimizer class: ``class RMSprop(FlatStepMixin, torch.optim.RMSprop)``."""
 
     STATE: ClassVar[tuple[StateSpec, ...]] = ()
+    _kernel: ClassVar[Optional[Elementwise]] = None  # the one-pass update, where no fused kernel exists
     # 0-d states live where torch keeps them: on the host, except for fused kernels (on the parameter's device).
     _SCALARS_ON_PARAM_DEVICE: ClassVar[bool] = False
 

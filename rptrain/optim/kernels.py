@@ -69,7 +69,9 @@ class Elementwise:
         if tensors[0].device.type != "cpu" or not compile_enabled() or self._failed:
             return False
         try:
-            self._compiled_fn()(*tensors, torch.tensor(scalars, dtype=torch.float32), **flags)
+            self._compiled_fn()(*[_standalone(t) for t in tensors], torch.tensor(scalars, dtype=torch.float32), **flags)
+            for t in tensors:  # the aliases wrote them: autograd's record of in-place changes must see it
+                torch.autograd.graph.increment_version(t)
             return True
         except Exception as error:  # no compiler, unsupported platform: torch's speed, not a crash
             self._failed = True
@@ -81,8 +83,18 @@ class Elementwise:
     def _compiled_fn(self) -> Callable[..., None]:
         with self._lock:
             if self._compiled is None:
-                self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+                self._compiled = torch.compile(self.fn, fullgraph=True)
             return self._compiled
+
+
+def _standalone(t: Tensor) -> Tensor:
+    """``t`` as a tensor of its own on the same memory, its sizes marked dynamic. A flat run is a view
+    of the engine's buffer, and dynamo guards on a view's base, whose shape and strides vary from run
+    to run: every run would recompile. The scalars' tensor stays static (one size per optimizer)."""
+    alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    for dim in range(alias.dim()):
+        torch._dynamo.maybe_mark_dynamic(alias, dim)
+    return alias
 
 
 def elementwise(fn: Callable[..., None]) -> Elementwise:
