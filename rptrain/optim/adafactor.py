@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .kernels import compile_enabled, elementwise
-from .state_spec import StateSpec
+from .state_spec import StateSpec, optimizer_memory
 
 
 def _adafactor_update(param: Tensor, grad: Tensor, row_var: Tensor, col_var: Tensor, variance: Tensor, h: Tensor,
@@ -45,6 +45,11 @@ class Adafactor(torch.optim.Adafactor):
         if len(shape) > 1:
             return StateSpec("step", "scalar"), StateSpec("row_var", "row"), StateSpec("col_var", "col")
         return StateSpec("step", "scalar"), StateSpec("variance", "param")
+
+    @classmethod
+    def state_memory(cls, master_dtype: torch.dtype, **kwargs: Any) -> Any:
+        """The engine's optimizer description (rptrain/optim/state.py) of this optimizer with these arguments."""
+        return optimizer_memory(cls, master_dtype, kwargs)
 
     def _compiled_eligible(self) -> bool:
         return compile_enabled() and not self._kernel._failed and all(

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .flat import _FlatRuns, _flat, _like, _match_grad_layouts, _span
 from .kernels import Elementwise
-from .state_spec import StateSpec
+from .state_spec import StateSpec, optimizer_memory
 
 
 def fused_by_default(params: Any, kwargs: dict) -> tuple[list, dict]:
@@ -50,6 +50,11 @@ class FlatStepMixin:
     def state_specs(cls, group: dict, shape: torch.Size) -> tuple[StateSpec, ...]:
         """The states one parameter of ``shape`` in ``group`` gets (some depend on options)."""
         return cls.STATE
+
+    @classmethod
+    def state_memory(cls, master_dtype: torch.dtype, **kwargs: Any) -> Any:
+        """The engine's optimizer description (rptrain/optim/state.py) of this optimizer with these arguments."""
+        return optimizer_memory(cls, master_dtype, kwargs)
 
     def _flat_supported(self, group: dict) -> bool:
         """Options of ``group`` the flat step handles (the subclass narrows it)."""
