@@ -19,7 +19,7 @@ class Adagrad(FlatStepMixin, torch.optim.Adagrad):
     _SCALARS_ON_PARAM_DEVICE = True  # the fused kernel counts steps where the parameter is
 
     def __init__(self, params: Any, *args: Any, **kwargs: Any):
-        params, kwargs = fused_by_default(params, kwargs)
+        params, kwargs = fused_by_default(params, kwargs, devices=("cpu",))  # torch fuses Adagrad on the host only
         super().__init__(params, *args, **kwargs)
 
     def _flat_supported(self, group: dict) -> bool:

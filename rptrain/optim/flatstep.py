@@ -21,13 +21,14 @@ from .kernels import Elementwise
 from .state_spec import StateSpec, optimizer_memory
 
 
-def fused_by_default(params: Any, kwargs: dict) -> tuple[list, dict]:
-    """``fused=True`` unless the caller chose an implementation or some parameter cannot take it."""
+def fused_by_default(params: Any, kwargs: dict, devices: tuple[str, ...] = ("cpu", "cuda")) -> tuple[list, dict]:
+    """``fused=True`` unless the caller chose an implementation or some parameter cannot take it
+    (not floating point, or on a device without torch's fused kernel)."""
     params = list(params)
     if "fused" not in kwargs and "foreach" not in kwargs and "differentiable" not in kwargs:
         tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
         tensors = [p[1] if isinstance(p, tuple) else p for p in tensors]  # named parameters
-        kwargs["fused"] = all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors) or None
+        kwargs["fused"] = all(t.is_floating_point() and t.device.type in devices for t in tensors) or None
     return params, kwargs
 
 
