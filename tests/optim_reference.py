@@ -160,3 +160,28 @@ def compiled_matches_torch(cases: dict) -> None:
                            channels_last=True, rtol=1e-4, atol=1e-5)
         round_trip(cls, kwargs)
         assert not kernel._failed and kernel._compiled is compiled is not None
+
+
+def grad_scaler_matches_torch(cls, ref_cls, kwargs: dict, steps: int = 3) -> None:
+    """torch.amp.GradScaler drives ours as it drives torch's (fused optimizers get the scale, the others
+    unscaled gradients), skipping the step whose gradients overflowed."""
+    params, grads = flat_params()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours, theirs = cls(params, **kwargs), ref_cls(ref, **kwargs)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2)]
+    for scaler in scalers:
+        scaler.scale(torch.ones(()))  # the scale exists once a loss was scaled
+    g = torch.Generator().manual_seed(4)
+    for step in range(steps):
+        scaled = [torch.randn(p.shape, generator=g) * 1024.0 for p in params]
+        if step == 1:
+            scaled[0][0] = float("inf")
+        for p, r, value in zip(params, ref, scaled):
+            p.grad.copy_(value)
+            r.grad = value.clone()
+        for opt, scaler in zip((ours, theirs), scalers):
+            scaler.step(opt)
+            scaler.update()
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    assert scalers[0].get_scale() == scalers[1].get_scale() < 1024.0

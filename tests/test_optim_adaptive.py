@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from optim_reference import (
-    assert_flat, assert_specs_describe_state, compare_with_torch, engine_matches_torch, compiled_matches_torch, round_trip,
+    assert_flat, assert_specs_describe_state, compare_with_torch, engine_matches_torch, compiled_matches_torch, grad_scaler_matches_torch, round_trip,
 )
 from rptrain.optim import Adadelta, Adagrad, RMSprop, Rprop
 
@@ -48,6 +48,12 @@ def test_matches_torch(case, split):
 def test_state_dict_round_trip(case):
     cls, _, kwargs = CASES[case]
     round_trip(cls, kwargs)
+
+
+@pytest.mark.parametrize("case", ["adagrad", "rmsprop"])
+def test_grad_scaler(case):
+    cls, ref_cls, kwargs = CASES[case]
+    grad_scaler_matches_torch(cls, ref_cls, kwargs)
 
 
 @pytest.mark.parametrize("case", ["adagrad", "rmsprop_centered_momentum", "rprop"])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from optim_reference import (
-    assert_flat, assert_specs_describe_state, compare_with_torch, engine_matches_torch, flat_params, compiled_matches_torch, round_trip,
+    assert_flat, assert_specs_describe_state, compare_with_torch, compiled_matches_torch, engine_matches_torch, flat_params,
+    grad_scaler_matches_torch, round_trip,
 )
 from rptrain.optim import ASGD, SGD
 
@@ -78,6 +79,11 @@ def test_sgd_grad_scale_divides_and_found_inf_skips():
     opt.found_inf = torch.tensor(1.0)
     opt.step()
     assert all(torch.equal(a, b) for a, b in zip(params, before))
+
+
+@pytest.mark.parametrize("cls, ref_cls", [(SGD, torch.optim.SGD), (ASGD, torch.optim.ASGD)])
+def test_grad_scaler(cls, ref_cls):
+    grad_scaler_matches_torch(cls, ref_cls, dict(lr=0.01))
 
 
 def test_scheduler_changes_the_flat_step():
