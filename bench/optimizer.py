@@ -106,18 +106,23 @@ def flat_vs_per_tensor(shapes: list[torch.Size], repeats: int) -> None:
          per_tensor_ms=round(timings["per_tensor"] * 1e3, 2), flat_ms=round(timings["flat"] * 1e3, 2))
 
 
-def _median_step(opt: torch.optim.Optimizer, repeats: int) -> tuple[float, float]:
-    """Seconds of the first step (state made, kernels compiled) and the median of the next ``repeats``."""
+def _timed_step(opt: torch.optim.Optimizer) -> float:
     t0 = time.perf_counter()
     opt.step()
-    first = time.perf_counter() - t0
-    opt.step()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    return time.perf_counter() - t0
+
+
+def _median_steps(optimizers: list[torch.optim.Optimizer], repeats: int) -> list[tuple[float, float]]:
+    """For each optimizer, seconds of its first step (state made, kernels compiled) and the median of
+    ``repeats`` more; the optimizers take turns, so a busy machine slows them alike."""
+    first = [_timed_step(opt) for opt in optimizers]
+    for opt in optimizers:
         opt.step()
-        samples.append(time.perf_counter() - t0)
-    return first, statistics.median(samples)
+    samples: list[list[float]] = [[] for _ in optimizers]
+    for _ in range(repeats):
+        for opt, times in zip(optimizers, samples):
+            times.append(_timed_step(opt))
+    return [(f, statistics.median(times)) for f, times in zip(first, samples)]
 
 
 def _flat_parameters(shapes: list[torch.Size]) -> list[nn.Parameter]:
@@ -150,10 +155,10 @@ def optimizer_zoo(names: list[str], sets: dict[str, list[torch.Size]], repeats: 
             separate = [nn.Parameter(torch.randn(s)) for s in shapes]
             for p in separate:
                 p.grad = torch.randn_like(p) * 1e-3
-            torch_first, torch_step = _median_step(getattr(torch.optim, name)(separate, **options), repeats)
-            del separate
+            theirs = getattr(torch.optim, name)(separate, **options)
             ours = getattr(rptrain.optim, name)(_flat_parameters(shapes), **options)
-            first, step = _median_step(ours, repeats)
+            (torch_first, torch_step), (first, step) = _median_steps([theirs, ours], repeats)
+            del separate, theirs
             saved = torch_step - step
             emit(bench="optimizer_zoo", optimizer=name, tensors=set_name, count=len(shapes), params=sum(s.numel() for s in shapes),
                  threads=torch.get_num_threads(), torch_ms=round(torch_step * 1e3, 2), rptrain_ms=round(step * 1e3, 2),

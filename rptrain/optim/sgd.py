@@ -37,12 +37,15 @@ class SGD(FlatStepMixin, torch.optim.SGD):
         )
 
 
-def _asgd_update(param: Tensor, grad: Tensor, ax: Tensor, h: Tensor) -> None:
+def _asgd_update(param: Tensor, grad: Tensor, ax: Tensor, h: Tensor, averaging: bool) -> None:
     grad = signed_decayed(grad, param, h[0], h[1])
     shrink, eta, mu = h[2], h[3], h[4]
     param.mul_(shrink)
     param.sub_(eta * grad)
-    ax.copy_(torch.where(mu != 1, ax + (param - ax) * mu, param))  # the average starts as a copy
+    if averaging:  # a flag, not a where: until t0 the average is a copy and need not be read
+        ax.add_((param - ax) * mu)
+    else:
+        ax.copy_(param)
 
 
 class ASGD(FlatStepMixin, torch.optim.ASGD):
@@ -60,6 +63,7 @@ class ASGD(FlatStepMixin, torch.optim.ASGD):
         self._kernel(
             [param, grad, state.flat["ax"]],
             [-1.0 if group["maximize"] else 1.0, group["weight_decay"], 1 - lambd * eta_value, eta_value, mu_value],
+            averaging=mu_value != 1,
         )
         step_value = step.item()
         eta.copy_(torch.as_tensor(lr / ((1 + lambd * lr * step_value) ** alpha)))
