@@ -3,15 +3,15 @@
 torch's CPU optimizers (other than Adam, AdamW, SGD and Adagrad, which have fused kernels) run an
 update as five to ten tensor ops, each a pass over memory. Per parameter tensor that is slow for many
 small tensors; over one flat run of 20 M elements it is slower still, because every pass misses the
-cache (RMSprop: 133 ms per ResNet-34 step per tensor, 240 ms on one flat tensor, one thread). So the
-update is compiled (inductor's C++ backend) into one loop that reads and writes each element once:
-13 ms for the same step. The first call compiles, once per process and option set (about 5 s with
-inductor's disk cache warm, 30 s cold); sizes are symbolic and hyperparameters are tensor inputs, so
-later runs, learning-rate schedules and new steps reuse it.
+cache (RMSprop, one thread, this machine: 133 ms per ResNet-34 step per tensor, 240 ms on one flat
+tensor). So the update is compiled (inductor's C++ backend) into one loop that reads and writes each
+element once: 13 ms for the same step. The first call compiles, once per process and option set
+(seconds; bench/optimizer.py measures it); sizes are symbolic and hyperparameters are tensor inputs,
+so later runs, learning-rate schedules and new steps reuse it.
 
 Where compiling is switched off (``RPTRAIN_OPTIM_COMPILE=0``) or fails (no C++ compiler), the same
-update runs eagerly over cache-sized chunks of the run: torch's own speed, torch's numbers. On a GPU it
-runs eagerly over the whole run (a handful of launches per run).
+update runs eagerly over cache-sized chunks of the run, at about torch's speed. On a GPU it runs
+eagerly over the whole run (a handful of launches per run).
 """
 from __future__ import annotations
 
