@@ -123,14 +123,17 @@ def assert_specs_describe_state(opt) -> None:
                 assert spec.bytes(p.shape, p.dtype) == t.numel() * t.element_size(), spec
 
 
-def engine_matches_torch(cls, ref_cls, kwargs: dict, steps: int = 3) -> None:
+def engine_matches_torch(cls, ref_cls, kwargs: dict, steps: int = 3, simulated: bool = False) -> None:
     """Through the engine (master weights in its flat buffers, stepped on its optimizer thread) the
-    optimizer gives the weights torch's optimizer gives a plain model."""
+    optimizer gives the weights torch's optimizer gives a plain model. ``simulated``: the engine on a
+    SimulatedDevice, its GPU paths (resident weights, the training state's GPU placement) on the CPU."""
+    from rptrain.engine.simulated import SimulatedDevice
+
     from rptrain import OptimizerCtx, RoundPipe
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
-    engine = RoundPipe(copy.deepcopy(model), devices=["cpu"])
+    engine = RoundPipe(copy.deepcopy(model), devices=[SimulatedDevice(0)] if simulated else ["cpu"])
     with OptimizerCtx():
         opt = cls(engine.parameters(), **kwargs)
     ref_opt = ref_cls(model.parameters(), **kwargs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optim_reference import assert_specs_describe_state, compare_with_torch, compiled_matches_torch, round_trip
+from optim_reference import assert_specs_describe_state, compare_with_torch, compiled_matches_torch, engine_matches_torch, round_trip
 from rptrain.optim import Adafactor
 
 
@@ -35,6 +35,11 @@ def test_matches_torch(case, split):
 
 def test_state_dict_round_trip():
     round_trip(Adafactor, dict(lr=0.05, weight_decay=0.1))
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["cpu", "simulated_gpu"])
+def test_through_the_engine(simulated):
+    engine_matches_torch(Adafactor, torch.optim.Adafactor, dict(lr=0.05, weight_decay=0.1), simulated=simulated)
 
 
 def test_torch_step_where_it_cannot_compile(monkeypatch):

@@ -57,9 +57,10 @@ def test_grad_scaler(case):
 
 
 @pytest.mark.parametrize("case", ["adagrad", "rmsprop_centered_momentum", "rprop"])
-def test_through_the_engine(case):
+@pytest.mark.parametrize("simulated", [False, True], ids=["cpu", "simulated_gpu"])
+def test_through_the_engine(case, simulated):
     cls, ref_cls, kwargs = CASES[case]
-    engine_matches_torch(cls, ref_cls, kwargs)
+    engine_matches_torch(cls, ref_cls, kwargs, simulated=simulated)
 
 
 @pytest.mark.slow

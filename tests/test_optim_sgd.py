@@ -106,8 +106,9 @@ def test_scheduler_changes_the_flat_step():
 
 @pytest.mark.parametrize("cls, ref_cls, kwargs", [(SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
                                                    (ASGD, torch.optim.ASGD, dict(lr=0.05, t0=1))])
-def test_through_the_engine(cls, ref_cls, kwargs):
-    engine_matches_torch(cls, ref_cls, kwargs)
+@pytest.mark.parametrize("simulated", [False, True], ids=["cpu", "simulated_gpu"])
+def test_through_the_engine(cls, ref_cls, kwargs, simulated):
+    engine_matches_torch(cls, ref_cls, kwargs, simulated=simulated)
 
 
 @pytest.mark.slow
