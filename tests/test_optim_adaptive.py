@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from optim_reference import (
-    assert_flat, assert_specs_describe_state, compare_with_torch, engine_matches_torch, compiled_matches_torch, grad_scaler_matches_torch, round_trip,
+    assert_flat, assert_specs_describe_state, compare_with_torch, compiled_matches_torch, engine_matches_torch, flat_params,
+    grad_scaler_matches_torch, round_trip,
 )
 from rptrain.optim import Adadelta, Adagrad, RMSprop, Rprop
 
@@ -68,3 +69,42 @@ def test_compiled_updates_match_torch(monkeypatch):
     """The one-pass updates as they run in training: compiled (a few seconds each, minutes cold)."""
     monkeypatch.setenv("RPTRAIN_OPTIM_COMPILE", "1")
     compiled_matches_torch({case: v for case, v in CASES.items() if v[0]._kernel is not None})  # not the fused ones
+
+
+@pytest.mark.parametrize("case", ["rmsprop_momentum", "adagrad"])
+def test_parameters_that_missed_steps_take_torchs_step(case):
+    """A parameter without a gradient for a while has a smaller step count than its neighbours: one run
+    cannot share one count, so torch steps them (each with its own count; a shared one advanced once
+    per parameter) and the numbers stay torch's (Adagrad's learning-rate decay reads the count)."""
+    cls, ref_cls, kwargs = CASES[case]
+    kwargs = {**kwargs, "lr_decay": 0.1} if case == "adagrad" else kwargs
+    params, grads = flat_params()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours, theirs = cls(params, **kwargs), ref_cls(ref, **kwargs)
+    flat_grads = [p.grad for p in params]
+    g = torch.Generator().manual_seed(5)
+    for step in range(4):
+        for i, (p, r, view) in enumerate(zip(params, ref, flat_grads)):
+            view.copy_(torch.randn(p.shape, generator=g))
+            p.grad = view if step != 1 or i == 0 else None  # the second step only the first parameter learns
+            r.grad = None if p.grad is None else view.clone()
+        ours.step()
+        theirs.step()
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    assert ours.state[params[0]]["step"] == 4 and ours.state[params[1]]["step"] == 3
+
+
+def test_a_failed_compile_warns_and_steps_eagerly(monkeypatch):
+    """No C++ compiler (or any compile error): one warning, then the same update uncompiled."""
+    monkeypatch.setenv("RPTRAIN_OPTIM_COMPILE", "1")
+    kernel = Adadelta._kernel
+
+    def broken():
+        raise RuntimeError("no compiler here\nmore detail")
+
+    monkeypatch.setattr(kernel, "_compiled_fn", broken)
+    monkeypatch.setattr(kernel, "_failed", False)
+    with pytest.warns(RuntimeWarning, match="compiling _adadelta_update failed .RuntimeError: no compiler here.; stepping eagerly"):
+        compare_with_torch(Adadelta, torch.optim.Adadelta, dict(lr=0.5), steps=3)
+    assert kernel._failed

@@ -72,9 +72,23 @@ class FlatStepMixin:
         )
 
     def _torch_step(self, closure: Optional[Callable]) -> Any:
+        self._unshare_scalars()
         if self.defaults.get("fused"):
             _match_grad_layouts(self.param_groups)
         return super().step(closure)  # type: ignore[misc]
+
+    def _unshare_scalars(self) -> None:
+        """torch's step counts each parameter's step in place: a count the flat path shares across a
+        run would advance once per parameter. Give each parameter its own copy first."""
+        seen: set[int] = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p, {})  # type: ignore[attr-defined]
+                for name, value in state.items():
+                    if isinstance(value, Tensor) and value.dim() == 0:
+                        if id(value) in seen:
+                            state[name] = value.clone()
+                        seen.add(id(value))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None) -> Any:
