@@ -32,6 +32,20 @@ def fused_by_default(params: Any, kwargs: dict, devices: tuple[str, ...] = ("cpu
     return params, kwargs
 
 
+def unshare_scalars(optimizer: torch.optim.Optimizer) -> None:
+    """Call before torch's own step. torch counts each parameter's steps in place, so a count the flat
+    path shares across a run would advance once per parameter: each parameter gets its own copy."""
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for name, value in state.items():
+                if isinstance(value, Tensor) and value.dim() == 0:
+                    if id(value) in seen:
+                        state[name] = value.clone()
+                    seen.add(id(value))
+
+
 class _RunState:
     """One run's flat state buffers (by torch's state name) and the per-parameter views of them."""
 
@@ -72,23 +86,10 @@ class FlatStepMixin:
         )
 
     def _torch_step(self, closure: Optional[Callable]) -> Any:
-        self._unshare_scalars()
+        unshare_scalars(self)  # type: ignore[arg-type]
         if self.defaults.get("fused"):
             _match_grad_layouts(self.param_groups)
         return super().step(closure)  # type: ignore[misc]
-
-    def _unshare_scalars(self) -> None:
-        """torch's step counts each parameter's step in place: a count the flat path shares across a
-        run would advance once per parameter. Give each parameter its own copy first."""
-        seen: set[int] = set()
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state.get(p, {})  # type: ignore[attr-defined]
-                for name, value in state.items():
-                    if isinstance(value, Tensor) and value.dim() == 0:
-                        if id(value) in seen:
-                            state[name] = value.clone()
-                        seen.add(id(value))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None) -> Any:
