@@ -108,3 +108,16 @@ def test_a_failed_compile_warns_and_steps_eagerly(monkeypatch):
     with pytest.warns(RuntimeWarning, match="compiling _adadelta_update failed .RuntimeError: no compiler here.; stepping eagerly"):
         compare_with_torch(Adadelta, torch.optim.Adadelta, dict(lr=0.5), steps=3)
     assert kernel._failed
+
+
+@pytest.mark.parametrize("case", ["adadelta", "rmsprop_centered_momentum"])
+def test_averages_use_complements_rounded_once(case):
+    """``1 - alpha`` (``1 - rho``) is taken in double and rounded once, as torch does: in float32,
+    1 - 0.999 is off by 1.3e-5 relative. After one step the averages match torch's to 1e-6."""
+    cls, ref_cls, kwargs = CASES[case]
+    decay = {"rho": 0.999} if cls is Adadelta else {"alpha": 0.999}
+    ours, theirs, params = compare_with_torch(cls, ref_cls, {**kwargs, **decay}, steps=1)
+    for p, r in zip(params, theirs.state):
+        for name in ("square_avg", "grad_avg", "acc_delta"):
+            if name in theirs.state[r]:
+                torch.testing.assert_close(ours.state[p][name], theirs.state[r][name], rtol=1e-6, atol=0)

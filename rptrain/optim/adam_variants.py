@@ -17,8 +17,8 @@ from .state_spec import StateSpec
 
 def _adamax_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_inf: Tensor, h: Tensor) -> None:
     grad = signed_decayed(grad, param, h[0], h[1])
-    clr, beta1, beta2, eps = h[2], h[3], h[4], h[5]
-    exp_avg.lerp_(grad, 1 - beta1)
+    clr, one_minus_beta1, beta2, eps = h[2], h[3], h[4], h[5]
+    exp_avg.lerp_(grad, one_minus_beta1)
     exp_inf.copy_(torch.maximum(exp_inf * beta2, grad.abs() + eps))
     param.sub_(clr * exp_avg / exp_inf)
 
@@ -32,17 +32,18 @@ class Adamax(FlatStepMixin, torch.optim.Adamax):
         beta1, beta2 = group["betas"]
         self._kernel(
             [param, grad, state.flat["exp_avg"], state.flat["exp_inf"]],
-            [-1.0 if group["maximize"] else 1.0, group["weight_decay"], float(group["lr"]) / (1 - beta1**step), beta1, beta2,
-             group["eps"]],
+            [-1.0 if group["maximize"] else 1.0, group["weight_decay"], float(group["lr"]) / (1 - beta1**step), 1 - beta1,
+             beta2, group["eps"]],
         )
 
 
 def _nadam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, h: Tensor) -> None:
-    shrink, beta1, beta2, eps, bias_correction2, grad_coef, avg_coef = h[2], h[3], h[4], h[5], h[6], h[7], h[8]
+    shrink, one_minus_beta1, beta2, one_minus_beta2, eps = h[2], h[3], h[4], h[5], h[6]
+    bias_correction2, grad_coef, avg_coef = h[7], h[8], h[9]
     param.mul_(shrink)  # decoupled weight decay (1 without)
     grad = signed_decayed(grad, param, h[0], h[1])
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).add_((1 - beta2) * grad * grad)
+    exp_avg.lerp_(grad, one_minus_beta1)
+    exp_avg_sq.mul_(beta2).add_(one_minus_beta2 * grad * grad)
     denom = (exp_avg_sq / bias_correction2).sqrt() + eps
     param.add_(grad_coef * grad / denom)
     param.add_(avg_coef * exp_avg / denom)
@@ -69,17 +70,18 @@ class NAdam(FlatStepMixin, torch.optim.NAdam):
         product = mu_product.item()
         self._kernel(
             [param, grad, state.flat["exp_avg"], state.flat["exp_avg_sq"]],
-            [*_decay_scalars(group, lr), beta1, beta2, group["eps"], 1 - beta2**step,
+            [*_decay_scalars(group, lr), 1 - beta1, beta2, 1 - beta2, group["eps"], 1 - beta2**step,
              -lr * (1.0 - mu) / (1.0 - product), -lr * mu_next / (1.0 - product * mu_next)],
         )
 
 
 def _radam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, h: Tensor) -> None:
-    shrink, beta1, beta2, eps, bias_correction1, lr, sqrt_bias_correction2, rect = h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9]
+    shrink, one_minus_beta1, beta2, one_minus_beta2, eps = h[2], h[3], h[4], h[5], h[6]
+    bias_correction1, lr, sqrt_bias_correction2, rect = h[7], h[8], h[9], h[10]
     param.mul_(shrink)  # decoupled weight decay (1 without)
     grad = signed_decayed(grad, param, h[0], h[1])
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).add_((1 - beta2) * grad * grad)
+    exp_avg.lerp_(grad, one_minus_beta1)
+    exp_avg_sq.mul_(beta2).add_(one_minus_beta2 * grad * grad)
     corrected = exp_avg / bias_correction1
     # Early steps (rect 0: the variance estimate is not yet trusted) take plain momentum steps.
     adaptive = torch.where(rect > 0, (sqrt_bias_correction2 / (exp_avg_sq.sqrt() + eps)) * rect, 1.0)
@@ -99,5 +101,6 @@ class RAdam(FlatStepMixin, torch.optim.RAdam):
         rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) if rho_t > 5.0 else 0.0
         self._kernel(
             [param, grad, state.flat["exp_avg"], state.flat["exp_avg_sq"]],
-            [*_decay_scalars(group, lr), beta1, beta2, group["eps"], 1 - beta1**step, lr, bias_correction2**0.5, rect],
+            [*_decay_scalars(group, lr), 1 - beta1, beta2, 1 - beta2, group["eps"], 1 - beta1**step, lr, bias_correction2**0.5,
+             rect],
         )

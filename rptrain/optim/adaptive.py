@@ -38,10 +38,10 @@ class Adagrad(FlatStepMixin, torch.optim.Adagrad):
 
 def _adadelta_update(param: Tensor, grad: Tensor, square_avg: Tensor, acc_delta: Tensor, h: Tensor) -> None:
     grad = signed_decayed(grad, param, h[0], h[1])
-    lr, rho, eps = h[2], h[3], h[4]
-    square_avg.mul_(rho).add_((1 - rho) * grad * grad)
+    lr, rho, one_minus_rho, eps = h[2], h[3], h[4], h[5]  # 1 - rho from the host, in double, as torch
+    square_avg.mul_(rho).add_(one_minus_rho * grad * grad)
     delta = (acc_delta + eps).sqrt() / (square_avg + eps).sqrt() * grad
-    acc_delta.mul_(rho).add_((1 - rho) * delta * delta)
+    acc_delta.mul_(rho).add_(one_minus_rho * delta * delta)
     param.sub_(lr * delta)
 
 
@@ -53,17 +53,18 @@ class Adadelta(FlatStepMixin, torch.optim.Adadelta):
         state.flat["step"].add_(1)
         self._kernel(
             [param, grad, state.flat["square_avg"], state.flat["acc_delta"]],
-            [-1.0 if group["maximize"] else 1.0, group["weight_decay"], float(group["lr"]), group["rho"], group["eps"]],
+            [-1.0 if group["maximize"] else 1.0, group["weight_decay"], float(group["lr"]), group["rho"], 1 - group["rho"],
+             group["eps"]],
         )
 
 
 def _rmsprop_update(param: Tensor, grad: Tensor, square_avg: Tensor, grad_avg: Tensor, momentum_buffer: Tensor,
                     h: Tensor, centered: bool, momentum: bool) -> None:
     grad = signed_decayed(grad, param, h[0], h[1])
-    lr, alpha, eps, momentum_factor = h[2], h[3], h[4], h[5]
-    square_avg.mul_(alpha).add_((1 - alpha) * grad * grad)
+    lr, alpha, one_minus_alpha, eps, momentum_factor = h[2], h[3], h[4], h[5], h[6]
+    square_avg.mul_(alpha).add_(one_minus_alpha * grad * grad)
     if centered:
-        grad_avg.lerp_(grad, 1 - alpha)
+        grad_avg.lerp_(grad, one_minus_alpha)
         avg = (square_avg - grad_avg * grad_avg).sqrt() + eps
     else:
         avg = square_avg.sqrt() + eps
@@ -92,8 +93,8 @@ class RMSprop(FlatStepMixin, torch.optim.RMSprop):
         self._kernel(
             [param, grad, square_avg, state.flat["grad_avg"] if centered else square_avg,
              state.flat["momentum_buffer"] if momentum else square_avg],  # unused slots: any tensor
-            [-1.0 if group["maximize"] else 1.0, group["weight_decay"], float(group["lr"]), group["alpha"], group["eps"],
-             group["momentum"]],
+            [-1.0 if group["maximize"] else 1.0, group["weight_decay"], float(group["lr"]), group["alpha"], 1 - group["alpha"],
+             group["eps"], group["momentum"]],
             centered=centered, momentum=momentum,
         )
 
