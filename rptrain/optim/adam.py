@@ -27,6 +27,9 @@ class _FlatStepMixin:
         return all(p.device.type in ("cpu", "cuda") for g in self.param_groups for p in g["params"])
 
     def _torch_step(self, closure: Optional[Callable]) -> Any:
+        from .flatstep import unshare_scalars  # (imported here: one line to merge with issue 29's adam.py)
+
+        unshare_scalars(self)  # type: ignore[arg-type]
         if self.defaults.get("fused"):
             _match_grad_layouts(self.param_groups)
         return super().step(closure)  # type: ignore[misc]
