@@ -864,3 +864,22 @@ def test_every_call_is_prepared_in_one_place():
     assert call.plan == PLAN_7 and call.cfg.num_microbatch == 2
     assert f"microbatches {engine._prepare.resolve(None).num_microbatch}" in engine.explain(x)
     engine.close()
+
+
+def test_keep_user_weights_false_lets_a_resident_models_host_weights_go():
+    """``keep_user_weights=False`` (what the CLI passes): on resident GPUs (a SimulatedDevice here) the
+    wrapped module's parameters become placeholders the engine never writes, while training still matches
+    plain PyTorch (train_both checks every loss, rtol 1e-5) and ``state_dict()`` holds the master weights."""
+    from rptrain.engine.simulated import SimulatedDevice
+    from test_engine_equivalence import train_both
+
+    model = mlp()
+    originals = [p.data for p in model.parameters()]
+    engine, ref = train_both(model, vector_batches(count=3), 2, delayed=True, devices=[SimulatedDevice(0)], keep_user_weights=False)
+    assert engine._executor.resident and not engine.keeps_user_weights
+    for p, original in zip(engine.model.parameters(), originals):
+        assert p.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()  # the user's tensor was let go
+    state = engine.state_dict()
+    for name, p in ref.master.cpu().state_dict().items():
+        torch.testing.assert_close(state[name], p, rtol=1e-5, atol=1e-6)
+    engine.close()

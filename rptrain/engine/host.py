@@ -111,9 +111,11 @@ class GradBuffer:
 class HostState:
     def __init__(self, layers: Sequence[nn.Module], optim_dtype: torch.dtype, pin_memory: bool, pin_master: bool = False,
                  pin_frozen_share: float = 0.5, channels_last: bool = False, gpu_layers: int = 0, gpu_device: Any = None,
-                 compute_copies: bool = True):
+                 compute_copies: bool = True, keep_user_weights: bool = True):
         """``gpu_layers``: how many leading layers keep master and gradients on ``gpu_device`` (gpushare.py);
-        ``compute_copies``: False where resident GPUs cast every version themselves (no host compute copies)."""
+        ``compute_copies``: False where resident GPUs cast every version themselves (no host compute copies);
+        ``keep_user_weights``: False lets the user's tensors go where the host keeps no compute copy (see
+        ``release_user_weights``)."""
         for layer in layers:
             for name, p in layer.named_parameters():
                 if not p.is_floating_point():
@@ -156,6 +158,9 @@ class HostState:
             for slot, b in zip(self.buffer_layout.slots, self._unique_tensors(layers, "buffers")):
                 b.data = self.buffer_layout.view(self.buffers, slot)
         self.user_params = originals
+        self.keeps_user_weights = keep_user_weights
+        if not keep_user_weights:
+            self.release_user_weights()
         self.show_version(0)
         self.grads: list[GradBuffer] = [GradBuffer(self.host, pin_memory, self.gpu)]
 
@@ -231,9 +236,21 @@ class HostState:
                 p.data = view
         self._showing = key
 
+    def release_user_weights(self) -> None:
+        """Where the host keeps no compute copy (resident GPUs, the GPU share), the user's parameters get
+        placeholders of their shape instead of their weights: a whole model's copy in the compute dtype
+        (2 bytes a bf16 parameter, 16 GB at 8 B) that a caller reading the weights through
+        ``state_dict()`` never needs. ``torch.empty`` commits no pages until written, and nothing writes
+        them (``write_user_params`` skips them)."""
+        for slot, p in zip(self.params.slots, self.user_params):
+            if self.compute is None or self.on_gpu(slot):
+                p.data = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
+
     def write_user_params(self) -> None:
         """The user's parameters that show no host compute copy := the master, cast (they live where
         the user put them: the host, unless the module was moved before wrapping)."""
+        if not self.keeps_user_weights:
+            return
         with torch.no_grad():
             for slot, p in zip(self.params.slots, self.user_params):
                 if self.compute is None or self.on_gpu(slot):

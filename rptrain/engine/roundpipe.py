@@ -70,7 +70,11 @@ class RoundPipe(nn.Module):
     less a reserve, and the GPU's free memory. A model whose state does not fit raises
     ``DoesNotFit`` before anything is allocated (fit.py); ``.placement`` says where the state lives.
     ``gpu_state``: the leading layers' master, gradients and optimizer state on the GPU as far as they
-    fit, stepped there (one GPU, model resident: gpushare.py); False: everything on the host."""
+    fit, stepped there (one GPU, model resident: gpushare.py); False: everything on the host.
+    ``keep_user_weights``: True (the original library's behaviour) keeps the wrapped module's weights on
+    the host, written at ``synchronize()``, also where the engine itself keeps none there (resident GPUs);
+    False lets those go (a model's size in the compute dtype of host memory) and leaves placeholders:
+    read the weights through ``state_dict()`` (the CLI does)."""
 
     def __init__(
         self,
@@ -89,6 +93,7 @@ class RoundPipe(nn.Module):
         max_host_memory: Size = None,
         max_gpu_memory: Size = None,
         gpu_state: bool = True,
+        keep_user_weights: bool = True,
     ):
         super().__init__()
         check_args(model, optim_dtype, model_run_config, cuda_graphs, pin_model, tuning, optimizer_threads)
@@ -106,7 +111,8 @@ class RoundPipe(nn.Module):
         memory_format = check_memory_format(memory_format)
         self._host = HostState(self._layers, optim_dtype, pin_memory=pins, pin_master=resident and pins,
                                pin_frozen_share=self._tuning.pin_frozen_share, channels_last=memory_format is torch.channels_last,
-                               gpu_layers=self.placement.gpu_layers, gpu_device=self._devices[0], compute_copies=copies)
+                               gpu_layers=self.placement.gpu_layers, gpu_device=self._devices[0], compute_copies=copies,
+                               keep_user_weights=keep_user_weights)
         self._executor = Executor(self._layers, self._host, self._devices, self._tuning, resident=resident,
                                   cuda_graphs=cuda_graphs, reducer=self._reducer, memory_format=memory_format)
         if self._reducer is not None:
@@ -117,6 +123,7 @@ class RoundPipe(nn.Module):
         self._closed = False
         self._synchronized: Optional[tuple[int, list[int]]] = None  # (version, the user's parameters' counters) at synchronize()
         register_step_queue(self)
+        self.keeps_user_weights = keep_user_weights
         self._initialized = True  # from here on, attributes RoundPipe lacks are the wrapped model's
 
     @staticmethod

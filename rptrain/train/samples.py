@@ -89,7 +89,10 @@ def _fits_one_gpu(model: torch.nn.Module) -> bool:
 def write_samples(engine: RoundPipe, sampler: Sampler, step: int, run_dir: Path, say) -> None:
     """After engine.synchronize(), in eval mode: generate, print and append to run_dir/samples.jsonl."""
     host = engine.model
-    if not torch.cuda.is_available():
+    if not engine.keeps_user_weights and torch.cuda.is_available():  # the module holds placeholders: the engine generates
+        one = RoundPipeRunConfig(num_microbatch=1)
+        records = sampler.run(lambda ids: engine(ids, run_config=one), step)
+    elif not torch.cuda.is_available():
         records = sampler.run(host, step)
     elif _fits_one_gpu(host):
         records = sampler.run(copy.deepcopy(host).to("cuda"), step, "cuda")

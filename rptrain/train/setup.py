@@ -78,7 +78,8 @@ def build_engine(cfg: DictConfig, model: torch.nn.Sequential, d: Dist) -> RoundP
                          devices=d.devices, process_group=d.group, cuda_graphs=cfg.engine.cuda_graphs,
                          optimizer_threads=cfg.engine.optimizer_threads,
                          max_host_memory=cfg.engine.max_host_memory, max_gpu_memory=cfg.engine.max_gpu_memory,
-                         gpu_state=cfg.engine.gpu_state, memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices))
+                         gpu_state=cfg.engine.gpu_state, memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices),
+                         keep_user_weights=False)  # the run reads weights through state_dict(): no host copy of a resident model
 
 
 def build_data_and_model(cfg: DictConfig, d: Optional[Dist] = None) -> tuple[torch.dtype, TrainData, torch.nn.Sequential]:
