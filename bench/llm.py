@@ -72,6 +72,18 @@ TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                   head_dim=32, vocab_size=512)
 
 
+# Qwen3-14B / Qwen3-32B config.json shapes, as overrides of the qwen3_8b preset (same vocabulary, head_dim 128).
+BIG = {
+    "qwen3_14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8),
+    "qwen3_32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8),
+}
+
+
+def preset(name: str) -> tuple[str, dict]:
+    """(registered preset, config overrides) of a benchmark model name."""
+    return ("qwen3_8b", dict(BIG[name])) if name in BIG else (name, {})
+
+
 def model_config(name: str, **overrides):
     """A preset's config (LlamaConfig or DecoderConfig): vocab_size, max_seq_len and what flops_per_token reads."""
     return qwen3_config(name, **overrides) if name in QWEN3_PRESETS else llama_config(name, **overrides)
@@ -101,6 +113,9 @@ def run_rptrain(args, cfg, name):
     # Only options away from their defaults are passed: gpu_suite.sh engine-ab runs this script against an
     # engine from before they existed.
     options = dict(cuda_graphs=args.cuda_graphs, max_gpu_memory=args.max_gpu_memory)
+    if args.master_dtype != "fp32" or args.state_dtype != "fp32":  # issue 29's low-memory state (optim=adamw_lowmem: bf16, int8)
+        options.update(optim_dtype=torch.bfloat16 if args.master_dtype == "bf16" else torch.float32,
+                       optimizer=functools.partial(AdamW, **low_memory_state(args)), keep_user_weights=False)
     if not args.gpu_state:
         options["gpu_state"] = False
     if args.gpu_reserve is not None:
@@ -110,7 +125,7 @@ def run_rptrain(args, cfg, name):
     note(str(engine.placement))
     on_gpu = getattr(engine.placement, "params_on", lambda _: 0)("gpu")  # trainable parameters whose state and step are on the GPU
     with OptimizerCtx():
-        opt = AdamW(engine.parameters(), lr=1e-4)
+        opt = AdamW(engine.parameters(), lr=1e-4, **low_memory_state(args))
     note("engine and optimizer ready")
     microbatches = args.microbatches or (1 if args.batch == 1 else None)  # None: the engine's default
     run_cfg = RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=args.grain)
@@ -125,6 +140,11 @@ def run_rptrain(args, cfg, name):
     engine.close()
     stages = dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
     return timing, recomputed / max(layers - 2, 1), {**stages, **split, "gpu_state_params": on_gpu, "is_async": args.is_async}
+
+
+def low_memory_state(args) -> dict:
+    """AdamW's moments in ``--state-dtype`` (only when asked: engine-ab runs an optimizer from before the option)."""
+    return {"state_dtype": args.state_dtype} if args.state_dtype != "fp32" else {}
 
 
 def pipeline_step(engine, opt, batch, run_cfg, is_async: bool = True):
@@ -372,6 +392,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="activation checkpointing per block for plain, fsdp2 and deepspeed")
     p.add_argument("--ds-ratio", type=float, default=None,
                    help="deepspeed_zero3: the share of the optimizer state offloaded to the CPU (default: chosen from free GPU memory)")
+    p.add_argument("--master-dtype", choices=["fp32", "bf16"], default="fp32", help="rptrain: the master weights (issue 29)")
+    p.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"], default="fp32", help="rptrain: AdamW's moments (issue 29)")
     p.add_argument("--fused", action="store_true",
                    help="build the model with fused=True (rptrain.models.fused) for every implementation, so ratios stay like-for-like")
     p.add_argument("--peak", type=float, default=780.0, help="bf16 matmul TFLOP/s (bench/limits.py)")
@@ -383,7 +405,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.impl = list(dict.fromkeys(s for i in args.impl for s in (deepspeed_zero.SETTINGS if i == "deepspeed" else [i])))
     args.overrides = {}
     if args.tiny or args.device == "cpu":
-        args.model = list(dict.fromkeys(name if name in QWEN3_PRESETS else "llama_tiny" for name in args.model))
+        args.model = list(dict.fromkeys(name if name in QWEN3_PRESETS or name in BIG else "llama_tiny" for name in args.model))
         # plain, fsdp2 and roundpipe need CUDA; DeepSpeed runs on its CPU accelerator
         args.impl = [i for i in args.impl if i == "rptrain" or i in deepspeed_zero.SETTINGS] or ["rptrain"]
         args.seq, args.batch, args.steps, args.warmup = 32, 2, 2, 1
@@ -416,16 +438,17 @@ def measure(args, name: str, impl: str) -> dict:
     runners = {"rptrain": run_rptrain, "plain": run_plain, "fsdp2": run_fsdp2, "roundpipe": run_roundpipe,
                **{s: functools.partial(run_deepspeed, setting=s) for s in deepspeed_zero.SETTINGS}}
     # Rotary tables are built up to max_seq_len: longer benchmark sequences raise it.
-    shrink = TINY_QWEN3 if (args.tiny or args.device == "cpu") and name in QWEN3_PRESETS else {}
-    args.overrides = {**shrink, **({"max_seq_len": args.seq} if args.seq > model_config(name).max_seq_len else {}),
+    base, big = preset(name)  # the big Qwen3 shapes are qwen3_8b with other sizes
+    shrink = TINY_QWEN3 if (args.tiny or args.device == "cpu") and base in QWEN3_PRESETS else {}
+    args.overrides = {**big, **shrink, **({"max_seq_len": args.seq} if args.seq > model_config(base).max_seq_len else {}),
                       **({"fused": True} if args.fused else {})}
-    cfg = model_config(name, **args.overrides)
+    cfg = model_config(base, **args.overrides)
     tokens_per_step = args.batch * args.seq
     model_flops = flops_per_token(cfg, args.seq) * tokens_per_step
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
-        timing, recompute_share, extra = runners[impl](args, cfg, name)
+        timing, recompute_share, extra = runners[impl](args, cfg, base)
     except torch.OutOfMemoryError as e:
         torch.cuda.empty_cache()
         release_host_memory()
@@ -447,6 +470,8 @@ def measure(args, name: str, impl: str) -> dict:
         steady = timing.steady_step_s
         extra.update(steady_step_s=round(steady, 4), steady_tokens_per_s=round(tokens_per_step / steady, 1),
                      steady_mfu=round(model_flops / steady / peak, 3), steady_hfu=round(hardware_flops / steady / peak, 3))
+    if impl == "rptrain":
+        extra.update(master_dtype=args.master_dtype, state_dtype=args.state_dtype)
     return dict(bench="llm", model=name, impl=impl, seq=args.seq, batch=args.batch, fused=args.fused, step_s=round(seconds, 4),
                 tokens_per_s=round(tokens_per_step / seconds, 1), loss=round(timing.loss, 4),
                 mfu=round(model_flops / seconds / peak, 3), hfu=round(hardware_flops / seconds / peak, 3), **extra)

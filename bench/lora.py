@@ -30,24 +30,12 @@ import torch
 from torch import nn
 
 from common import emit, parser
-from llm import TINY_QWEN3, host_model, model_config, note, pipeline_step, release_host_memory, timed, tokens
+from llm import BIG, TINY_QWEN3, host_model, model_config, note, pipeline_step, preset, release_host_memory, timed, tokens
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.models import QWEN3_PRESETS, build_model, parameter_count
 from rptrain.models.hf_presets import llama_hf_config
 from rptrain.models.lora import DEFAULT_TARGETS, apply_lora, target_modules
 from rptrain.optim import AdamW
-
-# Qwen3-14B / Qwen3-32B config.json shapes, as overrides of the qwen3_8b preset (same vocabulary, head_dim 128).
-BIG = {
-    "qwen3_14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8),
-    "qwen3_32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8),
-}
-
-
-def preset(name: str) -> tuple[str, dict]:
-    """(registered preset, config overrides) of a benchmark model name."""
-    return ("qwen3_8b", dict(BIG[name])) if name in BIG else (name, {})
-
 
 def memory(args) -> dict:
     out = dict(host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2))
