@@ -38,8 +38,10 @@ class Choice:
 
 
 def job_key(overrides: Iterable[str]) -> tuple[str, ...]:
-    """The overrides that identify a run: all but trainer.resume, in a canonical order."""
-    return tuple(sorted(o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "trainer.resume"))
+    """The overrides that identify a run: all but trainer.resume and Hydra's own (hydra.run.dir=...:
+    .hydra/overrides.yaml holds the job's alone), in a canonical order."""
+    keys = {o: o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    return tuple(sorted(o for o, k in keys.items() if k != "trainer.resume" and not k.startswith(("hydra.", "hydra/"))))
 
 
 def resolve_resume(resume: Optional[str], output_root: Path, run_dir: Optional[Path], overrides: Iterable[str]) -> Choice:

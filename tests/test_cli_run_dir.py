@@ -1,0 +1,51 @@
+"""A run directory belongs to one run: another config is refused there before anything is written, a
+fresh start over the run's checkpoints is refused, and only the run's own temporary files are removed."""
+from __future__ import annotations
+
+import json
+
+from test_cli_helpers import TINY, error_lines, explain, rptrain_here
+
+
+def _snapshot(run):
+    return {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+
+
+def test_a_run_directory_belongs_to_one_run(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    mine = [run / ".notes.tmp", run / "draft.tmp", run / ".status.json.tmp"]  # a user's files, not the run's
+    for p in mine:
+        p.write_text("keep me")
+    a = [*TINY, "trainer.max_steps=2", "trainer.checkpoint_interval=1", f"hydra.run.dir={run}"]
+    proc = rptrain_here(a, tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert all(p.read_text() == "keep me" for p in mine)
+    before = _snapshot(run)
+
+    other = rptrain_here([*a, "optim.optimizer.lr=0.1"], tmp_path)
+    lines = error_lines(other.stderr)
+    assert other.returncode == 2 and len(lines) == 1, explain(other)
+    assert "holds another run" in lines[0] and "optim.optimizer.lr: 0.001 -> 0.1" in lines[0], lines
+    assert _snapshot(run) == before  # its checkpoints, metrics.jsonl and .hydra/ untouched
+
+    again = rptrain_here(a, tmp_path)  # the same run from scratch over its own checkpoints
+    lines = error_lines(again.stderr)
+    assert again.returncode == 2 and len(lines) == 1 and "trainer.resume=auto" in lines[0] and "step 2" in lines[0], explain(again)
+    assert _snapshot(run) == before
+
+    done = rptrain_here([*a, "trainer.resume=auto"], tmp_path)
+    assert done.returncode == 0 and "already completed" in done.stdout, explain(done)
+    assert _snapshot(run) == before and json.loads((run / "status.json").read_text())["state"] == "completed"
+
+
+def test_a_sweep_job_directory_of_another_sweep_is_refused(tmp_path):
+    sweep = tmp_path / "sweep"
+    base = ["-m", *TINY, "trainer.max_steps=1", f"hydra.sweep.dir={sweep}"]
+    proc = rptrain_here([*base, "trainer.seed=0,1"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    before = _snapshot(sweep)
+    other = rptrain_here([*base, "trainer.seed=5"], tmp_path)
+    lines = error_lines(other.stderr)
+    assert other.returncode == 2 and len(lines) == 1 and "holds another run" in lines[0] and "trainer.seed: 0 -> 5" in lines[0], explain(other)
+    assert _snapshot(sweep) == before
