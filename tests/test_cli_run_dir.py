@@ -49,3 +49,29 @@ def test_a_sweep_job_directory_of_another_sweep_is_refused(tmp_path):
     lines = error_lines(other.stderr)
     assert other.returncode == 2 and len(lines) == 1 and "holds another run" in lines[0] and "trainer.seed: 0 -> 5" in lines[0], explain(other)
     assert _snapshot(sweep) == before
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_marked_killed_by_the_next(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from test_cli_helpers import TEST_ENV
+
+    victim = subprocess.Popen([sys.executable, "-m", "rptrain.cli.main", *TINY, "data.num_train=2560", "trainer.epochs=1"],
+                              cwd=tmp_path, env=TEST_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not list(tmp_path.glob("outputs/*/*/status.json")):
+            time.sleep(0.02)
+        victim.kill()  # what the kernel's OOM killer does: no status, no cleanup
+        victim.wait()
+    finally:
+        victim.kill()
+    [status] = list(tmp_path.glob("outputs/*/*/status.json"))
+    assert json.loads(status.read_text())["state"] == "running"
+    proc = rptrain_here([*TINY, "trainer.max_steps=1"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    after = json.loads(status.read_text())
+    assert after["state"] == "killed" and after["pid"] == victim.pid, after
+    assert f"{status.parent}: status.json said running but its process is gone: marked killed" in proc.stdout

@@ -11,9 +11,12 @@ the run with exit code 1.
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import signal
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -74,8 +77,8 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
             except OSError:  # a full disk: the one-line error says more than a status would
                 pass
 
-    notes = rundir.take_over(run_dir) if main else []
-    status("running")
+    notes = [*rundir.take_over(run_dir), *rundir.mark_killed(Path(cfg.output_root))] if main else []
+    status("running", pid=os.getpid(), host=socket.gethostname(), started=time.strftime("%Y-%m-%d %H:%M:%S"))
     console.print(config_tree(cfg, label=f"rptrain  {run_dir}"))
     for note in notes:
         say(console, note)

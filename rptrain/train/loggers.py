@@ -82,7 +82,7 @@ class Wandb:
 
 
 class Mlflow:
-    STATES = {"completed": "FINISHED", "interrupted": "KILLED"}  # anything else: FAILED
+    STATES = {"completed": "FINISHED", "interrupted": "KILLED", "killed": "KILLED"}  # anything else: FAILED
 
     def __init__(self, cfg: DictConfig, run_dir: Path, config: dict) -> None:
         import mlflow

@@ -10,8 +10,10 @@ A run directory belongs to one run: the config Hydra stored in its .hydra/config
 config is refused there before anything is written (check_belongs), and so is a fresh start over
 this run's checkpoints (trainer.resume=auto continues it). Taking over a directory (resume in
 place) removes the temporary files of the run's own writes that were killed midway (by their exact
-names: nothing else in the directory is touched) and turns a status.json that still says `running`
-into `interrupted`.
+names: nothing else in the directory is touched). A status.json that says `running` while no process
+holds the directory's lock belongs to a run that was killed (kill -9, the kernel's OOM killer, a
+machine that went down): every run start marks those under its output_root `killed` (mark_killed),
+and its own directory's too (take_over).
 """
 from __future__ import annotations
 
@@ -203,12 +205,43 @@ def take_over(run_dir: Path) -> list[str]:
         p.unlink(missing_ok=True)
     if stale:
         said.append(f"removed {len(stale)} temporary file(s) left by an interrupted write: {', '.join(p.name for p in stale)}")
-    status = read_status(run_dir)
-    if status.get("state") == "running":
-        details = {k: v for k, v in status.items() if k not in ("state", "time")}
-        write_status(run_dir, "interrupted", reason="its process ended without a final status (killed, or the machine went down)", **details)
-        said.append(f"{run_dir}: status.json said running but its process is gone: marked interrupted")
+    if _mark_if_dead(run_dir, owned_here=True):
+        said.append(f"{run_dir}: status.json said running but its process is gone: marked killed")
     return said
+
+
+KILLED_REASON = "its process ended without a final status (killed: kill -9, out of memory, or the machine went down)"
+_SKIP = {"checkpoints", "hf", "adapter", ".hydra", "tensorboard", "mlruns", "wandb"}  # a run's own folders: no runs inside
+_scanned: set[Path] = set()
+
+
+def mark_killed(output_root: Path) -> list[str]:
+    """Mark `killed` every run under output_root whose status.json says running but whose process is gone
+    (once per process and root). Returns one line per run marked."""
+    root = Path(output_root).absolute()
+    if root in _scanned or not root.is_dir():
+        return []
+    _scanned.add(root)
+    said = []
+    for here, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP]
+        if "status.json" in files and _mark_if_dead(Path(here), owned_here=False):
+            said.append(f"{here}: status.json said running but its process is gone: marked killed")
+    return said
+
+
+def _mark_if_dead(run_dir: Path, owned_here: bool) -> bool:
+    status = read_status(run_dir)
+    if status.get("state") != "running" or (not owned_here and live_owner(run_dir) is not None):
+        return False
+    if not owned_here and not (Path(run_dir) / OWNER).is_file():
+        return False  # never locked (a run of an older rptrain): its liveness cannot be told
+    details = {k: v for k, v in status.items() if k not in ("state", "time")}
+    try:
+        write_status(run_dir, "killed", reason=KILLED_REASON, **details)
+    except OSError:
+        return False  # not ours to write (another user's run, a read-only copy): leave it
+    return True
 
 
 def _read(run_dir: Path) -> dict:

@@ -1,7 +1,10 @@
-"""status.json in the run directory: running, completed, failed or interrupted.
+"""status.json in the run directory: running, completed, failed, interrupted or killed.
 
 Tells a finished run from one that died or was stopped: summary.json is only written on
-completion, and status.json always says how the run ended (and, when it failed, why).
+completion, and status.json always says how the run ended (and, when it failed, why). A run the
+operating system killed cannot say so itself: its `running` (with the pid, host and start time of
+its process) is turned into `killed` by the next run that starts in the same output root
+(rundir.mark_killed), which tells a dead run from a live one by the run directory's lock.
 """
 from __future__ import annotations
 
