@@ -29,7 +29,7 @@ from rptrain.train.console import config_tree, make_console, say
 from rptrain.train.errors import USER_ERRORS, one_line
 from rptrain.train.loggers import Loggers
 from rptrain.train.loop import Trainer
-from rptrain.train.signals import Interrupted, stop_on_signals
+from rptrain.train.signals import Interrupted, StopNow, stop_on_signals
 from rptrain.train.status import read_status, write_json_atomic, write_status
 
 log = logging.getLogger("rptrain")
@@ -97,15 +97,19 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
         status("interrupted", signal=signal.Signals(signum).name, error="second signal: stopped at once without a checkpoint", resume=hint)
 
     try:
-        with stop_on_signals(announce=main, duplicate_s=duplicate_s, on_abort=stopped_now) as stop:
+        # One process stops within seconds wherever it is; ranks stop together after a step (signals.py).
+        with stop_on_signals(announce=main, duplicate_s=duplicate_s, on_abort=stopped_now, immediate=dist.world_size() == 1) as stop:
             group = dist.setup(cfg.dist)
             loggers = Loggers(cfg, run_dir) if main else loggers
             summary = Trainer(cfg, run_dir, overrides, console, hint, group, loggers.log).fit(stop)
             loggers.finish(summary, "completed")
-    except Interrupted as stopped:
-        status("interrupted", step=stopped.step, signal=stopped.request.name, checkpoint=stopped.checkpoint, resume=hint)
+    except (Interrupted, StopNow) as stopped:
+        if isinstance(stopped, StopNow):  # before training started (setup, data preparation) or after it ended
+            stopped = Interrupted(stopped.request, 0, "")
+        status("interrupted", step=stopped.step, signal=stopped.request.name, checkpoint=stopped.checkpoint or None, resume=hint)
         if main:
-            say_stopped = f"interrupted at step {stopped.step} ({stopped.request.name}): checkpoint saved to {stopped.checkpoint}; resume with: {hint}"
+            saved = f"checkpoint saved to {stopped.checkpoint}" if stopped.checkpoint else "no checkpoint to write yet"
+            say_stopped = f"interrupted at step {stopped.step} ({stopped.request.name}): {saved}; resume with: {hint}"
             log.error(say_stopped)
             print(f"rptrain: stopped: {say_stopped}", file=sys.stderr, flush=True)
         _wait_for_rank0(group)  # nobody leaves before rank 0 has written and said it: torchrun would kill it
