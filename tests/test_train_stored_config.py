@@ -145,3 +145,18 @@ def test_resume_never_builds_from_the_stored_config(tmp_path):
                          f"hydra.run.dir={tmp_path / 'resumed'}"], tmp_path)
     assert proc.returncode == 0, explain(proc)
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
+
+
+def test_environment_values_are_stored_as_written_and_read_back(good, tmp_path, monkeypatch):
+    from rptrain.train.shown_config import shown_config
+
+    monkeypatch.setenv("RPTRAIN_TEST_SECRET", "s3cr3t-token")
+    config, _ = good
+    cfg = OmegaConf.create({**config, "output_root": "${oc.env:RPTRAIN_TEST_SECRET}",
+                            "logger": {"mlflow": {"experiment_name": "x-${output_root}", "tracking_uri": None, "run_name": None}}})
+    shown = shown_config(cfg)
+    assert shown["output_root"] == "${oc.env:RPTRAIN_TEST_SECRET}" and shown["logger"]["mlflow"]["experiment_name"] == "x-${output_root}"
+    assert shown["model"]["dim"] == 16 and "s3cr3t" not in repr(shown)
+    assert checked_config(shown, "c").output_root == "s3cr3t-token"  # resolved again where it is read
+    monkeypatch.delenv("RPTRAIN_TEST_SECRET")
+    assert checked_config(shown, "c").output_root == "${oc.env:RPTRAIN_TEST_SECRET}"  # not set here: as written

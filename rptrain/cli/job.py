@@ -29,6 +29,7 @@ from rptrain.train.console import config_tree, make_console, say
 from rptrain.train.errors import USER_ERRORS, one_line
 from rptrain.train.loggers import Loggers
 from rptrain.train.loop import Trainer
+from rptrain.train.shown_config import shown_config
 from rptrain.train.signals import Interrupted, StopNow, stop_on_signals
 from rptrain.train.status import read_status, write_json_atomic, write_status
 
@@ -67,7 +68,7 @@ def run_job(cfg: DictConfig) -> dict:
 
 def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
     hydra_cfg = HydraConfig.get()
-    overrides = list(hydra_cfg.overrides.task)
+    overrides = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)  # as typed: ${oc.env:KEY} stays unresolved
     console = make_console() if main else Console(quiet=True)  # the other ranks keep quiet
 
     def status(state: str, **details: object) -> None:  # rank 0's run directory only
@@ -82,7 +83,7 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
     console.print(config_tree(cfg, label=f"rptrain  {run_dir}"))
     for note in notes:
         say(console, note)
-    log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))  # the tree above, for rptrain.log
+    log.info("config:\n%s", OmegaConf.to_yaml(shown_config(cfg)))  # the tree above, for rptrain.log
     if hydra_cfg.runtime.choices.get("precision") == "auto":
         say(console, auto_precision.describe())
     loggers = Loggers()  # rank 0's experiment trackers, opened below (a failure to open is the run's)
@@ -138,7 +139,13 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
         loggers.finish(None, read_status(run_dir).get("state", "failed"))
     if not main:
         return summary
-    write_json_atomic(run_dir / "summary.json", summary)
+    try:
+        write_json_atomic(run_dir / "summary.json", summary)
+    except OSError as err:  # a full disk at the very end: the trained weights are in the checkpoint already
+        where = err.filename or run_dir / "summary.json"
+        status("failed", error=one_line(f"{where}: {err.strerror or err}"), step=summary["steps"])
+        fail(f"cannot write {where}: {err.strerror or one_line(err)}: free some space (training completed: the weights are in "
+             f"{summary.get('checkpoint')}; rerun with trainer.resume=auto to write the summary)")
     status("completed", step=summary["steps"])
     final = " | ".join(f"{k} {v:.4f}" for k, v in summary["final"].items())
     rate = f"{summary['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in summary else f"{summary['samples_per_s']:,.0f} samples/s"

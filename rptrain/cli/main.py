@@ -33,12 +33,14 @@ from rptrain.train.errors import USER_ERRORS
 from rptrain.train.explain import explain_config
 from rptrain.train.schema import register_configs
 
+from . import hydra_writes
 from .errors import describe
 from .job import fail, run_job
 from .job_result import JobFailed, run_and_report
 from .preflight import CONFIG_NAME, CONFIG_PATH, compose_job, parse_args, preflight
 
 register_configs()
+hydra_writes.install()  # Hydra's own writes of a job's directory: one line, and a sweep goes on
 _restore_interrupts()
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -92,6 +93,7 @@ def preflight(argv: list[str]) -> Optional[Place]:
         hydra = _hydra(args)
         for job_num, overrides in enumerate(job_overrides(args, hydra)):
             cfg = hydra.compose_config(args.config_name or CONFIG_NAME, overrides, run_mode=RunMode.RUN, with_log_configuration=False)
+            check_inside_run_dir(cfg.hydra)
             job_cfg = _without_hydra(cfg)  # what the job itself will see
             validate_config(job_cfg)
             check_objective(job_cfg)
@@ -103,6 +105,18 @@ def preflight(argv: list[str]) -> Optional[Place]:
     finally:
         GlobalHydra.instance().clear()
     return place
+
+
+def check_inside_run_dir(hydra_cfg: DictConfig) -> None:
+    """hydra.job.name names the log file (RUN_DIR/NAME.log) and hydra.output_subdir Hydra's folder in the run
+    directory: neither may point outside it."""
+    name, subdir = hydra_cfg.job.name, hydra_cfg.output_subdir
+    if not re.fullmatch(r"[\w][\w.+-]*", str(name)):
+        raise ConfigError(f"hydra.job.name={name!r}: the job's name is a file name in the run directory (RUN_DIR/NAME.log): "
+                          f"letters, digits, '_', '-', '.' and '+' only")
+    if subdir is not None and (Path(str(subdir)).is_absolute() or ".." in Path(str(subdir)).parts or str(subdir).strip() in ("", ".")):
+        raise ConfigError(f"hydra.output_subdir={subdir!r}: Hydra's folder goes inside the run directory: give a relative "
+                          f"name such as .hydra (no '..', not absolute), or null for none")
 
 
 def compose_job(argv: list[str]) -> DictConfig:

@@ -13,10 +13,12 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.tree import Tree
+
+from .shown_config import shown_config
 
 log = logging.getLogger("rptrain")
 
@@ -58,7 +60,7 @@ def make_console() -> Console:
 
 
 def config_tree(cfg: DictConfig, label: str = "config") -> Tree:
-    """The resolved config as a tree, one branch per group."""
+    """The resolved config as a tree, one branch per group (values from the environment as written: shown_config.py)."""
     tree = Tree(f"[bold]{label}[/bold]")
 
     def add(node: Tree, value: Any) -> None:
@@ -68,7 +70,7 @@ def config_tree(cfg: DictConfig, label: str = "config") -> Tree:
             else:
                 node.add(f"{key}: [green]{child!r}[/green]" if isinstance(child, str) else f"{key}: {child}")
 
-    add(tree, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    add(tree, shown_config(cfg))
     return tree
 
 

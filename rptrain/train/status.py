@@ -17,12 +17,26 @@ from typing import Any
 
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk: no half-written file left behind
+        raise
 
 
 def write_status(run_dir: Path, state: str, **details: Any) -> None:
-    write_json_atomic(Path(run_dir) / "status.json", {"state": state, "time": time.strftime("%Y-%m-%d %H:%M:%S"), **details})
+    path = Path(run_dir) / "status.json"
+    text = json.dumps({"state": state, "time": time.strftime("%Y-%m-%d %H:%M:%S"), **details}, indent=2, default=str) + "\n"
+    try:
+        write_json_atomic(path, json.loads(text))
+    except OSError:
+        if not path.is_file():
+            raise
+        # A full disk has no room for a second file, but truncating this one frees its block for the new state:
+        # a final status must not stay `running`.
+        with open(path, "w") as f:
+            f.write(text)
 
 
 def read_status(run_dir: Path) -> dict:

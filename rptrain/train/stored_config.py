@@ -39,7 +39,7 @@ def checked_config(raw: Any, source: str) -> DictConfig:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{source}: the stored config is a {type(raw).__name__}, not a mapping: it was not written by rptrain")
     try:
-        resolved = OmegaConf.to_container(OmegaConf.create(raw), resolve=True, enum_to_str=True)
+        resolved = _resolved(OmegaConf.create(raw))
     except (OmegaConfBaseException, ValueError, TypeError) as err:
         raise CheckpointError(f"{source}: the stored config cannot be read ({one_line(err)[:200]})") from err
     _check_targets(resolved, "", source)
@@ -57,6 +57,25 @@ def checked_config(raw: Any, source: str) -> DictConfig:
         raise CheckpointError(f"{source}: the stored config does not fit rptrain's schema at {key or 'its top level'} "
                               f"({one_line(err).split(chr(10))[0][:200]}): it was not written by this rptrain") from err
     return cfg
+
+
+def _resolved(node: Any) -> Any:
+    """The plain values, interpolations resolved where they can be here; one that cannot (an environment
+    variable of the machine that wrote it, shown_config.py keeps those as written) stays as written."""
+    from omegaconf import ListConfig
+
+    if not isinstance(node, (DictConfig, ListConfig)):
+        return node
+    raw = OmegaConf.to_container(node, resolve=False, enum_to_str=True)
+    keys = list(node.keys()) if isinstance(node, DictConfig) else range(len(node))
+    out = {} if isinstance(node, DictConfig) else [None] * len(node)
+    for k in keys:
+        try:
+            value = node[k]
+        except OmegaConfBaseException:
+            value = raw[k]
+        out[k] = value.replace("${", "\\${") if isinstance(value, str) else _resolved(value)  # a literal from here on
+    return out
 
 
 def _check_targets(node: Any, where: str, source: str) -> None:
