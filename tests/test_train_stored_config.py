@@ -53,6 +53,9 @@ def payloads(marker):
     def optimizer(c):
         c["optim"]["optimizer"] = {**write, "lr": 0.1}
 
+    def through_an_import(c):
+        c["optim"]["optimizer"]["_target_"] = "rptrain.optim.adam.torch.load"
+
     def load(c):
         c["model"]["weights"] = {"_target_": "torch.load", "f": str(marker), "weights_only": False}
 
@@ -65,7 +68,7 @@ def payloads(marker):
     def other_name(c):
         c["model"]["name"] = "../../evil"
 
-    return [nested, top, deep, in_data, optimizer, load, unknown, wrong_type, other_name]
+    return [nested, top, deep, in_data, optimizer, through_an_import, load, unknown, wrong_type, other_name]
 
 
 def test_checked_config_accepts_a_real_one_and_refuses_each_payload(good, tmp_path):

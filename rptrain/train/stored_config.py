@@ -23,13 +23,11 @@ from omegaconf.errors import OmegaConfBaseException
 from .errors import CheckpointError, one_line
 from .schema import RPTrainConfig, register_configs
 
-# The only places a stored config may carry a `_target_`, and what it may name there.
-KNOWN_TARGETS: dict[str, str] = {
-    "model": "rptrain.models.build_model",
-    "precision.grad_scaler": "rptrain.GradScaler",
-    "optim.schedule": "rptrain.train.schedule.warmup_cosine",
-}
-OPTIMIZER = "optim.optimizer"  # any optimizer class of rptrain.optim (never built from a stored config: resume uses the command line's)
+# The only places a stored config may carry a `_target_`, and what it may name there: the model's builder,
+# and (never built from a stored config: a resume builds them from its own command line) a public name
+# under rptrain.optim, rptrain.train.schedule or rptrain's GradScaler.
+KNOWN_TARGETS: dict[str, str] = {"model": "rptrain.models.build_model", "precision.grad_scaler": "rptrain.GradScaler"}
+TARGET_MODULES: dict[str, str] = {"optim.optimizer": "rptrain.optim", "optim.schedule": "rptrain.train.schedule"}
 _HYDRA_KEYS = ("_target_", "_args_", "_partial_", "_recursive_", "_convert_")
 _OPTION = re.compile(r"[a-z0-9_]+")
 
@@ -95,14 +93,17 @@ def _check_targets(node: Any, where: str, source: str) -> None:
 def _allowed(where: str, key: str, value: Any) -> bool:
     if key != "_target_" or not isinstance(value, str):
         return False
-    if where == OPTIMIZER:
-        import torch
+    if where in TARGET_MODULES:  # a public attribute path inside an already imported rptrain module: nothing is imported
+        import importlib
 
-        import rptrain.optim
-
-        name = value.removeprefix("rptrain.optim.")
-        found = getattr(rptrain.optim, name, None) if name != value and name.isidentifier() else None
-        return isinstance(found, type) and issubclass(found, torch.optim.Optimizer)
+        module = TARGET_MODULES[where]
+        parts = value.removeprefix(module + ".").split(".") if value.startswith(module + ".") else []
+        if not parts or not all(p.isidentifier() and not p.startswith("_") for p in parts):
+            return False
+        found: Any = importlib.import_module(module)
+        for part in parts:
+            found = getattr(found, part, None)
+        return callable(found) and str(getattr(found, "__module__", "")).startswith(module)  # not os.system through an import
     return KNOWN_TARGETS.get(where) == value
 
 
