@@ -75,3 +75,44 @@ def test_a_run_killed_before_its_first_checkpoint_is_marked_killed_by_the_next(t
     after = json.loads(status.read_text())
     assert after["state"] == "killed" and after["pid"] == victim.pid, after
     assert f"{status.parent}: status.json said running but its process is gone: marked killed" in proc.stdout
+
+
+def test_a_second_resumer_of_a_live_run_says_so_instead_of_starting_over(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from test_cli_helpers import TEST_ENV
+
+    args = [*TINY, "data.num_train=2560", "trainer.epochs=1", "trainer.checkpoint_interval=2"]
+
+    def start(extra):
+        return subprocess.Popen([sys.executable, "-m", "rptrain.cli.main", *args, *extra], cwd=tmp_path, env=TEST_ENV,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def wait_for(pattern, proc):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            found = list(tmp_path.glob(pattern))
+            if found:
+                return found[0]
+            time.sleep(0.02)
+        raise AssertionError(f"{pattern} did not appear")
+
+    first = start([])
+    try:
+        wait_for("outputs/*/*/checkpoints/step-00000002.pt", first)
+        first.kill()  # pre-empted
+        first.wait()
+        second = start(["trainer.resume=auto"])  # the requeue
+        run = wait_for("outputs/*/*/checkpoints/step-00000004.pt", second)  # resumed and training
+        third = rptrain_here([*args, "trainer.resume=auto"], tmp_path)  # the same job again, while the second runs
+        lines = error_lines(third.stderr)
+        assert third.returncode == 2 and len(lines) == 1 and "a live process is continuing it" in lines[0], explain(third)
+        assert f"pid {second.pid}" in lines[0] and len(list(tmp_path.glob("outputs/*/*/.hydra"))) == 1  # no fresh run
+        assert run.parent.parent.name in lines[0]
+    finally:
+        first.kill()
+        if "second" in locals():
+            second.kill()
+            second.wait()
