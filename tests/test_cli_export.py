@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -92,11 +93,12 @@ def test_a_run_seeds_only_its_own_model(run, make):
         build_model(make("model=llama_tiny", f"model.weights={run_dir}"), torch.float32, device="meta", vocab_size=320)
 
 
-def test_bad_export_input_is_one_line_exit_2(run, tmp_path, capsys):
+def test_bad_export_input_is_one_line_exit_2(run, make, tmp_path, capsys):
     run_dir, _ = run
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
-    save_checkpoint(tmp_path / "resnet.pt", {"model": {}, "config": {"model": {"name": "resnet18"}}})
+    resnet = OmegaConf.to_container(make("model=resnet18", "data=synthetic"), resolve=True, enum_to_str=True)
+    save_checkpoint(tmp_path / "resnet.pt", {"model": {}, "config": resnet})
     cases = {
         (str(tmp_path / "resnet.pt"), str(tmp_path / "c")): "only language models",
         (str(tmp_path / "nothing"), str(tmp_path / "a")): "neither a run directory",

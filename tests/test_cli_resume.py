@@ -154,7 +154,7 @@ def test_two_runs_in_the_same_second_then_kill_9_and_resume_in_place(tmp_path):
     proc = rptrain([*a, "trainer.resume=auto"], cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)
     assert _run_dirs(tmp_path) == runs  # no third directory
-    assert "status.json said running but its process is gone: marked interrupted" in proc.stdout, explain(proc)
+    assert "status.json said running but its process is gone: marked killed" in proc.stdout, explain(proc)
     assert "removed 1 temporary file(s)" in proc.stdout
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["resumed_from"].startswith(str(killed / "checkpoints" / "step-"))

@@ -98,3 +98,48 @@ def test_byte_tokenizer_files_encode_as_the_byte_tokenizer(tmp_path):
     for text in [*TEXTS, "tabs\t and  spaces\r\n", ""]:
         assert ref(text)["input_ids"] == ours.encode(text) and ref.decode(ours.encode(text)) == text
     assert load_tokenizer(folder).document(CORPUS) == ours.document(CORPUS)
+
+
+class _Spy:
+    """A tokenizers.Tokenizer that records the length of every text it is asked to encode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def encode(self, text, *args, **kwargs):
+        self.lengths.append(len(text))
+        return self.tokenizer.encode(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.mark.parametrize("bos", ["post", None, "config"])
+def test_a_long_document_is_tokenized_in_bounded_pieces_with_the_same_ids(tmp_path, monkeypatch, bos):
+    """The 54 MB file that peaked at 11.5 GB, in proportion: a call never sees more than CHUNK_CHARS, the ids are one call's."""
+    from rptrain.data import hf_tokenizer
+
+    tok = load_tokenizer(tokenizer_folder(tmp_path, bos=bos))
+    text = "\n".join(f"{i}: {CORPUS}" for i in range(400))  # ~100 k characters
+    whole = tok.document(text)  # one call (the text is below the default CHUNK_CHARS)
+    monkeypatch.setattr(hf_tokenizer, "CHUNK_CHARS", 4096)
+    tok.tokenizer = spy = _Spy(tok.tokenizer)
+    pieces = tok.document(text)
+    assert list(map(int, pieces)) == whole
+    assert max(spy.lengths) <= 4096 and len(spy.lengths) > len(text) // 4096
+
+
+def test_a_tokenizer_that_changes_at_every_break_keeps_one_call(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer, normalizers
+
+    from rptrain.data import hf_tokenizer
+
+    folder = tokenizer_folder(tmp_path, bos=None)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.normalizer = normalizers.Prepend("Z")  # every input gets a prefix: no break is safe
+    tok.save(str(folder / "tokenizer.json"))
+    ours = load_tokenizer(folder)
+    text = "\n".join(f"{i}: {CORPUS}" for i in range(100))
+    whole = ours.document(text)
+    monkeypatch.setattr(hf_tokenizer, "CHUNK_CHARS", 2048)
+    assert list(map(int, ours.document(text))) == whole

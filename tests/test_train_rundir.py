@@ -63,8 +63,9 @@ def test_a_live_run_keeps_its_directory(tmp_path, live_run):
     assert rundir.live_owner(run)["pid"] == proc.pid
     with pytest.raises(OutputError, match=f"still going \\(pid {proc.pid} on "):
         rundir.own(run)
-    # trainer.resume=auto does not pick it: this command starts fresh instead of sharing the directory.
-    assert resolve_resume("auto", tmp_path / "outputs", None, ["a=1"]).path is None
+    # trainer.resume=auto neither shares the directory nor silently starts the run over: it says who continues it.
+    with pytest.raises(OutputError, match=f"a live process is continuing it \\(pid {proc.pid} on .*wait for it to end"):
+        resolve_resume("auto", tmp_path / "outputs", None, ["a=1"])
 
     proc.send_signal(signal.SIGKILL)  # kill -9: no cleanup, yet the lock goes with the process
     proc.wait()
@@ -83,8 +84,8 @@ def test_take_over_cleans_up_after_a_killed_run(tmp_path):
         p.write_bytes(b"half")
     notes = rundir.take_over(run)
     assert not any(p.exists() for p in stale) and (run / "checkpoints" / "step-00000004.pt").is_file()
-    assert read_status(run)["state"] == "interrupted" and "process ended" in read_status(run)["reason"]
-    assert len(notes) == 2 and "3 temporary file(s)" in notes[0] and "marked interrupted" in notes[1]
+    assert read_status(run)["state"] == "killed" and "process ended" in read_status(run)["reason"]
+    assert len(notes) == 2 and "3 temporary file(s)" in notes[0] and "marked killed" in notes[1]
     write_status(run, "completed")
     assert rundir.take_over(run) == [] and read_status(run)["state"] == "completed"
 
@@ -100,3 +101,20 @@ def test_where_a_run_goes(tmp_path):
     with pytest.raises(rundir.AlreadyCompleted, match=f"{old} already completed this run \\(step 40\\): nothing to do"):
         rundir.plan("hydra.run.dir", new, False, old)
     assert rundir.plan("hydra.run.dir", new, True, old).how == "given"  # another directory was asked for: train there
+
+
+def test_runs_whose_process_is_gone_are_marked_killed_at_the_next_start(tmp_path, live_run):
+    live, _ = live_run  # running, and its lock held by a live process
+    write_status(live, "running")
+    dead = tmp_path / "outputs" / "2026-01-31" / "14-05-00"  # killed before its first checkpoint
+    rundir.own(dead)
+    write_status(dead, "running", pid=999999)
+    rundir.release(dead)
+    done = tmp_path / "outputs" / "multirun" / "2026-01-31" / "14-06-00" / "0"
+    rundir.own(done)
+    write_status(done, "completed")
+    rundir.release(done)
+    said = rundir.mark_killed(tmp_path / "outputs")
+    assert said == [f"{dead.absolute()}: status.json said running but its process is gone: marked killed"]
+    assert read_status(dead)["state"] == "killed" and read_status(dead)["pid"] == 999999 and "killed" in read_status(dead)["reason"]
+    assert read_status(live)["state"] == "running" and read_status(done)["state"] == "completed"

@@ -25,3 +25,21 @@ def test_a_second_signal_stops_immediately():
         with stop_on_signals():
             os.kill(os.getpid(), signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_immediate_stops_outside_deferred_windows_only():
+    from rptrain.train.signals import StopNow
+
+    with stop_on_signals(immediate=True) as stop:
+        with stop.deferred():  # a training step: only the flag
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM
+    with pytest.raises(StopNow):
+        with stop_on_signals(immediate=True) as stop:
+            with stop.deferred(then_stop=True):  # a checkpoint write: finished, then the stop
+                os.kill(os.getpid(), signal.SIGTERM)
+                assert stop
+    with pytest.raises(StopNow):
+        with stop_on_signals(immediate=True):  # anywhere else: at once
+            os.kill(os.getpid(), signal.SIGINT)
+            raise AssertionError("not reached")

@@ -14,7 +14,9 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -27,7 +29,8 @@ from rptrain.train.console import config_tree, make_console, say
 from rptrain.train.errors import USER_ERRORS, one_line
 from rptrain.train.loggers import Loggers
 from rptrain.train.loop import Trainer
-from rptrain.train.signals import Interrupted, stop_on_signals
+from rptrain.train.shown_config import shown_config
+from rptrain.train.signals import Interrupted, StopNow, stop_on_signals
 from rptrain.train.status import read_status, write_json_atomic, write_status
 
 log = logging.getLogger("rptrain")
@@ -65,7 +68,7 @@ def run_job(cfg: DictConfig) -> dict:
 
 def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
     hydra_cfg = HydraConfig.get()
-    overrides = list(hydra_cfg.overrides.task)
+    overrides = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)  # as typed: ${oc.env:KEY} stays unresolved
     console = make_console() if main else Console(quiet=True)  # the other ranks keep quiet
 
     def status(state: str, **details: object) -> None:  # rank 0's run directory only
@@ -75,12 +78,12 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
             except OSError:  # a full disk: the one-line error says more than a status would
                 pass
 
-    notes = rundir.take_over(run_dir) if main else []
-    status("running")
+    notes = [*rundir.take_over(run_dir), *rundir.mark_killed(Path(cfg.output_root))] if main else []
+    status("running", pid=os.getpid(), host=socket.gethostname(), started=time.strftime("%Y-%m-%d %H:%M:%S"))
     console.print(config_tree(cfg, label=f"rptrain  {run_dir}"))
     for note in notes:
         say(console, note)
-    log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))  # the tree above, for rptrain.log
+    log.info("config:\n%s", OmegaConf.to_yaml(shown_config(cfg)))  # the tree above, for rptrain.log
     if hydra_cfg.runtime.choices.get("precision") == "auto":
         say(console, auto_precision.describe())
     loggers = Loggers()  # rank 0's experiment trackers, opened below (a failure to open is the run's)
@@ -95,15 +98,19 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
         status("interrupted", signal=signal.Signals(signum).name, error="second signal: stopped at once without a checkpoint", resume=hint)
 
     try:
-        with stop_on_signals(announce=main, duplicate_s=duplicate_s, on_abort=stopped_now) as stop:
+        # One process stops within seconds wherever it is; ranks stop together after a step (signals.py).
+        with stop_on_signals(announce=main, duplicate_s=duplicate_s, on_abort=stopped_now, immediate=dist.world_size() == 1) as stop:
             group = dist.setup(cfg.dist)
             loggers = Loggers(cfg, run_dir) if main else loggers
             summary = Trainer(cfg, run_dir, overrides, console, hint, group, loggers.log).fit(stop)
             loggers.finish(summary, "completed")
-    except Interrupted as stopped:
-        status("interrupted", step=stopped.step, signal=stopped.request.name, checkpoint=stopped.checkpoint, resume=hint)
+    except (Interrupted, StopNow) as stopped:
+        if isinstance(stopped, StopNow):  # before training started (setup, data preparation) or after it ended
+            stopped = Interrupted(stopped.request, 0, "")
+        status("interrupted", step=stopped.step, signal=stopped.request.name, checkpoint=stopped.checkpoint or None, resume=hint)
         if main:
-            say_stopped = f"interrupted at step {stopped.step} ({stopped.request.name}): checkpoint saved to {stopped.checkpoint}; resume with: {hint}"
+            saved = f"checkpoint saved to {stopped.checkpoint}" if stopped.checkpoint else "no checkpoint to write yet"
+            say_stopped = f"interrupted at step {stopped.step} ({stopped.request.name}): {saved}; resume with: {hint}"
             log.error(say_stopped)
             print(f"rptrain: stopped: {say_stopped}", file=sys.stderr, flush=True)
         _wait_for_rank0(group)  # nobody leaves before rank 0 has written and said it: torchrun would kill it
@@ -137,7 +144,13 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
         loggers.finish(None, read_status(run_dir).get("state", "failed"))
     if not main:
         return summary
-    write_json_atomic(run_dir / "summary.json", summary)
+    try:
+        write_json_atomic(run_dir / "summary.json", summary)
+    except OSError as err:  # a full disk at the very end: the trained weights are in the checkpoint already
+        where = err.filename or run_dir / "summary.json"
+        status("failed", error=one_line(f"{where}: {err.strerror or err}"), step=summary["steps"])
+        fail(f"cannot write {where}: {err.strerror or one_line(err)}: free some space (training completed: the weights are in "
+             f"{summary.get('checkpoint')}; rerun with trainer.resume=auto to write the summary)")
     status("completed", step=summary["steps"])
     final = " | ".join(f"{k} {v:.4f}" for k, v in summary["final"].items())
     rate = f"{summary['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in summary else f"{summary['samples_per_s']:,.0f} samples/s"

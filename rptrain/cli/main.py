@@ -19,6 +19,9 @@ import sys
 import tempfile
 from typing import Optional, Union
 
+from rptrain._startup import quiet_interrupts
+
+_restore_interrupts = quiet_interrupts()  # the imports below take a second or two: Ctrl-C there is one line, exit 130
 import hydra
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
@@ -31,12 +34,15 @@ from rptrain.train.errors import USER_ERRORS
 from rptrain.train.explain import explain_config
 from rptrain.train.schema import register_configs
 
+from . import hydra_writes
 from .errors import describe
 from .job import fail, run_job
 from .job_result import JobFailed, run_and_report
 from .preflight import CONFIG_NAME, CONFIG_PATH, compose_job, parse_args, preflight
 
 register_configs()
+hydra_writes.install()  # Hydra's own writes of a job's directory: one line, and a sweep goes on
+_restore_interrupts()
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name=CONFIG_NAME, version_base="1.3")
@@ -45,6 +51,14 @@ def _app(cfg: DictConfig) -> Union[float, JobFailed]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    restore = quiet_interrupts()  # until the job's own handlers (train/signals.py) take over
+    try:
+        _main(argv)
+    finally:
+        restore()
+
+
+def _main(argv: Optional[list[str]]) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     explain, preview = "--explain" in argv, "--preview" in argv  # ours, not Hydra's: taken out before Hydra parses the rest
     argv = [a for a in argv if a not in ("--explain", "--preview")]

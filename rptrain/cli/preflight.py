@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -24,7 +25,9 @@ from hydra._internal.utils import create_automatic_config_search_path, get_args_
 from hydra.core.config_search_path import SearchPathQuery
 from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
-from omegaconf import DictConfig, open_dict
+import yaml
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from rptrain.train import dist
 from rptrain.train.checkpoint import load_checkpoint
@@ -33,7 +36,7 @@ from rptrain.train.loggers import check_loggers
 from rptrain.train.model import LM, build_model, fingerprint, model_kind
 from rptrain.train.precision import torch_dtype
 from rptrain.train.resume import check_resume_state, resolve_resume
-from rptrain.train.rundir import Place, plan
+from rptrain.train.rundir import Place, check_belongs, plan
 from rptrain.train.run_config import build_run_config
 from rptrain.train.validate import check_inputs, check_writable, validate_config
 
@@ -88,8 +91,9 @@ def preflight(argv: list[str]) -> Optional[Place]:
     place = None
     try:
         hydra = _hydra(args)
-        for overrides in job_overrides(args, hydra):
+        for job_num, overrides in enumerate(job_overrides(args, hydra)):
             cfg = hydra.compose_config(args.config_name or CONFIG_NAME, overrides, run_mode=RunMode.RUN, with_log_configuration=False)
+            check_inside_run_dir(cfg.hydra)
             job_cfg = _without_hydra(cfg)  # what the job itself will see
             validate_config(job_cfg)
             check_objective(job_cfg)
@@ -97,10 +101,22 @@ def preflight(argv: list[str]) -> Optional[Place]:
             if args.multirun:
                 check_sweeper(cfg.hydra, args.overrides)
             if running:
-                place = check_job(job_cfg, overrides, cfg.hydra, multirun=args.multirun)
+                place = check_job(job_cfg, overrides, cfg.hydra, multirun=args.multirun, job_num=job_num)
     finally:
         GlobalHydra.instance().clear()
     return place
+
+
+def check_inside_run_dir(hydra_cfg: DictConfig) -> None:
+    """hydra.job.name names the log file (RUN_DIR/NAME.log) and hydra.output_subdir Hydra's folder in the run
+    directory: neither may point outside it."""
+    name, subdir = hydra_cfg.job.name, hydra_cfg.output_subdir
+    if not re.fullmatch(r"[\w][\w.+-]*", str(name)):
+        raise ConfigError(f"hydra.job.name={name!r}: the job's name is a file name in the run directory (RUN_DIR/NAME.log): "
+                          f"letters, digits, '_', '-', '.' and '+' only")
+    if subdir is not None and (Path(str(subdir)).is_absolute() or ".." in Path(str(subdir)).parts or str(subdir).strip() in ("", ".")):
+        raise ConfigError(f"hydra.output_subdir={subdir!r}: Hydra's folder goes inside the run directory: give a relative "
+                          f"name such as .hydra (no '..', not absolute), or null for none")
 
 
 def compose_job(argv: list[str], flag: str = "--explain") -> DictConfig:
@@ -123,7 +139,7 @@ def _without_hydra(cfg: DictConfig) -> DictConfig:
     return job_cfg
 
 
-def check_job(cfg: DictConfig, overrides: list[str], hydra_cfg: DictConfig, multirun: bool) -> Optional[Place]:
+def check_job(cfg: DictConfig, overrides: list[str], hydra_cfg: DictConfig, multirun: bool, job_num: int = 0) -> Optional[Place]:
     if dist.local_rank() == 0:  # the machine's other ranks wait for it (dist.setup's barrier)
         check_inputs(cfg)
     dtype = torch_dtype(cfg.precision.compute_dtype)
@@ -135,11 +151,28 @@ def check_job(cfg: DictConfig, overrides: list[str], hydra_cfg: DictConfig, mult
     check_writable(Path(directory), key)
     explicit = any(o.lstrip("+~").split("=", 1)[0] == key for o in hydra_cfg.overrides.hydra)
     run_dir: Optional[Path] = None if multirun else Path(hydra_cfg.run.dir)
+    given = run_dir if explicit else None
+    if explicit and multirun:
+        given = _sweep_job_dir(hydra_cfg, job_num)
+    if given is not None:  # a directory of the user's choosing: it may hold a run already (a new one never does)
+        check_belongs(given, yaml.safe_load(OmegaConf.to_yaml(cfg)), cfg.trainer.resume is not None, key)
     choice = resolve_resume(cfg.trainer.resume, Path(cfg.output_root), run_dir, overrides)
     if choice.path is not None:
         state = load_checkpoint(choice.path, fingerprint(cfg.model.name, model))
         check_resume_state(choice.path, state, cfg)
     return plan(key, Path(directory), explicit, None if multirun else choice.run_dir)
+
+
+def _sweep_job_dir(hydra_cfg: DictConfig, job_num: int) -> Optional[Path]:
+    """Where the basic sweeper puts job `job_num` (other sweepers number their jobs as they draw them)."""
+    if not str(hydra_cfg.sweeper.get("_target_", "")).endswith("BasicSweeper"):
+        return None
+    try:
+        with open_dict(hydra_cfg):
+            hydra_cfg.job.num = job_num
+        return Path(hydra_cfg.sweep.dir) / str(hydra_cfg.sweep.subdir)
+    except OmegaConfBaseException:
+        return None
 
 
 def _data_vocab(cfg: DictConfig) -> Optional[int]:

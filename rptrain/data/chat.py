@@ -82,6 +82,11 @@ def encode_conversation(
     conv: Conversation, tokenizer: Tokenizer, template: ChatTemplate, train_on: str = "assistant"
 ) -> Example:
     text, marked = template.render(conv.messages, tools=conv.tools)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:  # JSON's "\ud800" escape alone: a lone surrogate, which no tokenizer takes
+        raise DataError(f"{conv.where}: the conversation holds {err.object[err.start:err.end]!r}, half of a UTF-16 surrogate pair, "
+                        f"which is not text: fix the record (escapes \\ud800-\\udfff come in pairs) or remove it") from None
     ids, offsets = tokenizer.encode_offsets(text)
     if train_on == "all":
         return Example(ids, [True] * len(ids))

@@ -76,6 +76,8 @@ def _records(file: Path) -> Iterator[tuple[str, object]]:
             items = json.loads(text)
         except json.JSONDecodeError as err:
             raise DataError(f"{file}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from err
+        except RecursionError:
+            raise DataError(f"{file}: JSON nested deeper than Python reads (~1,000 levels): not a chat record; fix the file") from None
         for i, item in enumerate(items):
             yield f"{file}:item {i + 1}", item
         return
@@ -86,6 +88,8 @@ def _records(file: Path) -> Iterator[tuple[str, object]]:
             yield f"{file}:{n}", json.loads(line)
         except json.JSONDecodeError as err:
             raise DataError(f"{file}:{n}: not valid JSON ({err.msg}, column {err.colno}): fix or remove the line") from err
+        except RecursionError:
+            raise DataError(f"{file}:{n}: JSON nested deeper than Python reads (~1,000 levels): not a chat record; fix or remove the line") from None
 
 
 def _text(record: dict, key: str, where: str, required: bool = True) -> str:

@@ -6,16 +6,25 @@ follows transformers' `apply_chat_template`: a sandboxed Jinja environment with 
 lstrip_blocks, `raise_exception`, a `tojson` that keeps non-ASCII text, `strftime_now`, the
 `{% generation %}` tag, and the tokenizer's special tokens (bos_token, eos_token, ...) as variables.
 
+A template is data from a file, so rendering one is bounded: Jinja's sandbox (no attribute access to
+Python internals, range() at most 100,000), plus string/list repetition and powers that would make
+more than MAX_RENDERED_CHARS, at most MAX_RENDERED_CHARS of output, and RENDER_SECONDS of time per
+conversation (in the main thread, where a timer can interrupt it). Whatever goes wrong inside a
+template is one DataError naming the template.
+
 A tokenizer without a template gets CHATML, the documented default:
 
     <|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n...<|im_end|>\\n
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import threading
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from .errors import DataError
 
@@ -26,6 +35,10 @@ CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 CHATML_END = "<|im_end|>"  # where a ChatML assistant turn ends; generation stops there
+
+# Far beyond any real conversation (the longest contexts are ~10^6 tokens): only a runaway template gets near.
+MAX_RENDERED_CHARS = 64 * 2**20
+RENDER_SECONDS = 30.0  # one conversation; real templates take well under a millisecond
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -88,16 +101,62 @@ class ChatTemplate:
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
         variables = {**self.special_tokens, "messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt}
+        size = 0
         try:
-            with self.template.environment.tracking(blocks, spans):
+            with self.template.environment.tracking(blocks, spans), _time_limit(RENDER_SECONDS):
                 for block in self.template.generate(**variables):
                     blocks.append(block)
-        except jinja2.TemplateError as err:
-            raise DataError(f"chat template {self.name} failed on a conversation: {' '.join(str(err).split())}") from err
+                    size += len(block)
+                    if size > MAX_RENDERED_CHARS:
+                        raise _TooBig(f"it rendered more than {MAX_RENDERED_CHARS:,} characters for one conversation")
+        except (jinja2.TemplateError, _TooBig, _TooSlow, ArithmeticError, RecursionError, MemoryError, TypeError, ValueError,
+                LookupError, AttributeError) as err:
+            what = " ".join(str(err).split())[:300] or type(err).__name__
+            raise DataError(f"chat template {self.name} failed on a conversation ({type(err).__name__}: {what}): "
+                            f"fix the template or set data.chat_template=chatml") from err
         return "".join(blocks), spans
 
     def __repr__(self) -> str:
         return f"ChatTemplate({self.name})"
+
+
+class _TooBig(Exception):
+    pass
+
+
+class _TooSlow(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """A _TooSlow raised in the block after `seconds` (main thread only: elsewhere no bound, as no timer can interrupt it)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, None):
+        yield
+        return
+
+    def expired(signum: int, frame: object) -> None:
+        raise _TooSlow(f"it ran longer than {seconds:g} s on one conversation")
+
+    signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+
+def _bounded_binop(operator: str, left: object, right: object) -> object:
+    """`*` and `**` of a template, refused before they would build something huge."""
+    if operator == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * max(n, 0) > MAX_RENDERED_CHARS:
+                raise _TooBig(f"{len(seq)} x {n} items is more than a chat template may build")
+        return left * right
+    if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1 and right * abs(left).bit_length() > 2**16:
+        raise _TooBig(f"{left} ** {right} is a larger number than a chat template may compute")
+    return left ** right
 
 
 def _compile(source: str, name: str):
@@ -149,7 +208,13 @@ def _compile(source: str, name: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context, operator, left, right):
+            return _bounded_binop(operator, left, right) if operator in ("*", "**") else super().call_binop(context, operator, left, right)
+
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -85,7 +85,7 @@ def _build(files, vocab_size, encode_file, bin_path: Path, docs_path: Path, meta
     with open(tmp, "wb") as out:
         for f in files:
             ids = encode_file(f)
-            if not ids:
+            if ids is None or len(ids) == 0:  # a list, or an array (a long document: hf_tokenizer.py)
                 continue
             starts.append(total)
             np.asarray(ids, dtype=dtype).tofile(out)

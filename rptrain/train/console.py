@@ -1,34 +1,66 @@
 """What the run shows on the terminal: the config tree, a live progress bar, the epoch lines.
 
 Everything goes through one rich Console. Off a terminal (SLURM logs, pipes, tests) the live
-bar is replaced by one plain line per log step, so log files stay readable.
+bar is replaced by one plain line per log step, so log files stay readable. The terminal is a
+view, not the run: when it goes away (`rptrain ... | head`, a closed SSH session) the console
+goes quiet and the run, its log file and its metrics go on.
 """
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Any, Callable, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.tree import Tree
+
+from .shown_config import shown_config
 
 log = logging.getLogger("rptrain")
 
 _NAMES = {"acc": "Acc", "ppl": "PPL"}
 
 
+class RunConsole(Console):
+    """rich's Console, except that a closed stdout silences it instead of ending the process (rich's default)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        silence_stdout()
+
+    def _check_buffer(self) -> None:
+        try:
+            super()._check_buffer()
+        except OSError:  # EIO and friends: the terminal is gone
+            self.quiet = True
+            del self._buffer[:]
+            silence_stdout()
+
+
+def silence_stdout() -> None:
+    """Point file descriptor 1 at /dev/null, so that later writes (and the interpreter's last flush) succeed unseen."""
+    try:
+        fd = sys.__stdout__.fileno() if sys.__stdout__ is not None else 1
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 def make_console() -> Console:
-    console = Console(highlight=False, soft_wrap=True)
+    console = RunConsole(highlight=False, soft_wrap=True)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console.width = 160  # log files: rich's 80-column default would truncate the sweep table
     return console
 
 
 def config_tree(cfg: DictConfig, label: str = "config") -> Tree:
-    """The resolved config as a tree, one branch per group."""
+    """The resolved config as a tree, one branch per group (values from the environment as written: shown_config.py)."""
     tree = Tree(f"[bold]{label}[/bold]")
 
     def add(node: Tree, value: Any) -> None:
@@ -38,7 +70,7 @@ def config_tree(cfg: DictConfig, label: str = "config") -> Tree:
             else:
                 node.add(f"{key}: [green]{child!r}[/green]" if isinstance(child, str) else f"{key}: {child}")
 
-    add(tree, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    add(tree, shown_config(cfg))
     return tree
 
 

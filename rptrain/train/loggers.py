@@ -17,6 +17,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from .errors import ConfigError
+from .shown_config import shown_config
 
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow-skinny")}
 
@@ -82,7 +83,7 @@ class Wandb:
 
 
 class Mlflow:
-    STATES = {"completed": "FINISHED", "interrupted": "KILLED"}  # anything else: FAILED
+    STATES = {"completed": "FINISHED", "interrupted": "KILLED", "killed": "KILLED"}  # anything else: FAILED
 
     def __init__(self, cfg: DictConfig, run_dir: Path, config: dict) -> None:
         import mlflow
@@ -120,7 +121,7 @@ class Loggers:
         if cfg is None:
             return  # the other ranks of a torchrun job: nothing to open
         check_loggers(cfg)
-        config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        config = shown_config(cfg)  # values from the environment (API keys) as written, not resolved
         self.trackers = [TRACKERS[name](cfg, Path(run_dir), config) for name in chosen(cfg)]
 
     def log(self, record: dict) -> None:

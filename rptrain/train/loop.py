@@ -32,7 +32,7 @@ from .lora import export_adapter, wants_adapter
 from .meters import Meter
 from .samples import write_samples
 from .setup import Components, build_components
-from .signals import SIGNALS, Interrupted, StopRequest
+from .signals import SIGNALS, Interrupted, StopNow, StopRequest
 from .tasks import StepResult
 
 
@@ -66,7 +66,10 @@ class Trainer:
             engine_ref = weakref.ref(c.engine)
             with cudnn_benchmark(self.cfg.engine.cudnn_benchmark):
                 self.train(stop)
-            self.save()
+            try:
+                self.save()
+            except StopNow as now:  # during the final evaluation's files or the export: the checkpoint is what counts
+                raise self._stopped_now(now.request) from None
             summary = c.report.summary(c.progress, self.cfg, self.overrides, c.checkpoints.fingerprint["params"], c.checkpoints.path, c.resume)
             del c
         except BaseException:
@@ -123,21 +126,33 @@ class Trainer:
         if p.step >= c.total_steps:
             say(self.console, f"the checkpoint is already at step {p.step} of {c.total_steps}: nothing left to train")
         epoch, batch_index = c.data.train.position()
-        with ProgressBar(self.console, t.progress if self.dist.main else False) as bar:
-            c.engine.train()
-            while p.step < c.total_steps and epoch < c.num_epochs:
-                if batch_index == 0:
-                    p.epoch_meter = Meter()
-                bar.start_epoch(f"Epoch {epoch + 1}/{c.num_epochs}", len(c.data.train), batch_index)
-                batches = c.data.train.epoch(epoch, batch_index)
-                try:
-                    self._epoch(epoch, batches, bar, stop)
-                finally:
-                    batches.close()
-                epoch, batch_index = c.data.train.position()
-        c.steps.check(c.engine)  # the last steps' checks may have run on the optimizer thread: wait for them
-        if p.last_eval_step != p.step and self.every.evaluates:
-            self._evaluate(epoch)
+        try:
+            with ProgressBar(self.console, t.progress if self.dist.main else False) as bar:
+                c.engine.train()
+                while p.step < c.total_steps and epoch < c.num_epochs:
+                    if batch_index == 0:
+                        p.epoch_meter = Meter()
+                    bar.start_epoch(f"Epoch {epoch + 1}/{c.num_epochs}", len(c.data.train), batch_index)
+                    batches = c.data.train.epoch(epoch, batch_index)
+                    try:
+                        self._epoch(epoch, batches, bar, stop)
+                    finally:
+                        batches.close()
+                    epoch, batch_index = c.data.train.position()
+            c.steps.check(c.engine)  # the last steps' checks may have run on the optimizer thread: wait for them
+            if p.last_eval_step != p.step and self.every.evaluates:
+                self._evaluate(epoch)
+        except StopNow as now:  # a signal outside a step (waiting for a batch, evaluating): stop within seconds
+            raise self._stopped_now(now.request) from None
+
+    def _stopped_now(self, stop: StopRequest) -> Interrupted:
+        """The checkpoint of the last finished step, unless it has one already (or there is none), then Interrupted."""
+        c, p = self.c, self.c.progress
+        if p.step > 0 and c.checkpoints.last_step != p.step:
+            self._checkpoint()
+        if p.step > 0:
+            c.report.write_files()
+        return Interrupted(stop, p.step, str(c.checkpoints.path) if c.checkpoints.last_step >= 0 else "")
 
     def _epoch(self, epoch: int, batches: Iterator[tuple], bar: ProgressBar, stop: StopRequest) -> None:
         c, p, every = self.c, self.c.progress, self.every
@@ -147,7 +162,8 @@ class Trainer:
             if batch is None:
                 return
             t1 = time.perf_counter()
-            stopping, scale, result, skipped = self._step(batch, stop)
+            with stop.deferred():  # a signal now: this step ends, then a checkpoint
+                stopping, scale, result, skipped = self._step(batch, stop)
             c.report.add_step(p, result, t1 - t0, time.perf_counter() - t1, skipped)
             logged = p.step % every.log == 0 or p.step == c.total_steps
             bar.advance(c.report.bar_stats, logged)  # off a terminal, a heartbeat line reads them
@@ -185,14 +201,15 @@ class Trainer:
         c, p, every = self.c, self.c.progress, self.every
         last = p.step >= c.total_steps
         # trainer.eval_interval set: every that many steps (and at the end), not at every epoch's end too
-        # (a small chat set has epochs of a step or two); null: at the end of every epoch.
-        if every.evaluates and (last or (p.step % every.eval == 0 if every.eval else epoch_done)):
+        # (a small chat set has epochs of a step or two); null: at the end of every epoch. Not once a stop is asked for.
+        if not stopping and every.evaluates and (last or (p.step % every.eval == 0 if every.eval else epoch_done)):
             self._evaluate(epoch)
         if epoch_done:
             c.report.end_epoch(p, epoch)
         interval = every.checkpoint
         if stopping or last or (p.step % interval == 0 if interval else epoch_done):
-            self._checkpoint()
+            with stop.deferred(then_stop=not stopping):  # a checkpoint write is finished, not cut short
+                self._checkpoint()
         if stopping:
             c.report.write_files()
             raise Interrupted(stop, p.step, str(c.checkpoints.path))

@@ -10,17 +10,18 @@ import hashlib
 from typing import Any, Optional
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from rptrain.models import HFModelError, load_weights
+from rptrain.models import build_model as build_registered
 
 from .errors import ConfigError, one_line
 from .lora import with_lora
 from .run_weights import load_run_weights, run_checkpoint
 
 IMAGE, LM = "image", "lm"
+BUILDER = "rptrain.models.build_model"  # the one _target_ a model config may name
 # Which data each kind of model trains on (the data group's `name`).
 DATA_FOR = {IMAGE: ("cifar100", "cifar10", "synthetic"), LM: ("text", "synthetic_tokens", "chat")}
 
@@ -41,13 +42,16 @@ def build_model(cfg: DictConfig, dtype: torch.dtype, device: Any = None, vocab_s
     lora = model_cfg.pop("lora", None)
     if model_kind(cfg.model) == LM and model_cfg.get("vocab_size") is None:
         model_cfg["vocab_size"] = vocab_size
+    # The registry by name, never Hydra's instantiate: a config read back from a file is data (stored_config.py).
+    if model_cfg.pop("_target_", BUILDER) != BUILDER:
+        raise ConfigError(f"model._target_={cfg.model.get('_target_')!r}: models are built by {BUILDER}; leave model._target_ out")
     layered = device is None and not model_cfg.get("path")  # model=hf loads itself a tensor at a time
     try:
-        model = instantiate(model_cfg, dtype=dtype, device="meta" if layered else device, _convert_="all")
+        model = build_registered(**model_cfg, dtype=dtype, device="meta" if layered else device)
         if layered:  # meta tensors draw no random numbers: a model materialise() cannot take is built as before
             model = (materialise(model, init=weights is None) if layer_by_layer(model)
-                     else instantiate(model_cfg, dtype=dtype, device=device, _convert_="all"))
-    except Exception as err:  # the builders raise ValueError for inconsistent shapes; Hydra wraps it
+                     else build_registered(**model_cfg, dtype=dtype, device=device))
+    except Exception as err:  # the builders raise ValueError for inconsistent shapes
         cause = err.__cause__ or err
         if isinstance(cause, HFModelError):  # names the file and field itself
             raise ConfigError(one_line(cause)) from err

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import rundir
 from .checkpoint import checkpoint_files, load_checkpoint
-from .errors import CheckpointError
+from .errors import CheckpointError, OutputError
 
 
 @dataclass
@@ -38,8 +38,10 @@ class Choice:
 
 
 def job_key(overrides: Iterable[str]) -> tuple[str, ...]:
-    """The overrides that identify a run: all but trainer.resume, in a canonical order."""
-    return tuple(sorted(o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "trainer.resume"))
+    """The overrides that identify a run: all but trainer.resume and Hydra's own (hydra.run.dir=...:
+    .hydra/overrides.yaml holds the job's alone), in a canonical order."""
+    keys = {o: o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    return tuple(sorted(o for o, k in keys.items() if k != "trainer.resume" and not k.startswith(("hydra.", "hydra/"))))
 
 
 def resolve_resume(resume: Optional[str], output_root: Path, run_dir: Optional[Path], overrides: Iterable[str]) -> Choice:
@@ -59,17 +61,21 @@ def resolve_resume(resume: Optional[str], output_root: Path, run_dir: Optional[P
 
 
 def _auto_candidates(output_root: Path, run_dir: Optional[Path], key: tuple[str, ...]) -> list[tuple[Path, Path]]:
-    """(checkpoint, run directory) of every run with these overrides that no other live process owns, newest first."""
+    """(checkpoint, run directory) of every run with these overrides, newest first. When the newest belongs to a
+    live process (this command twice: a duplicated job, a requeue while the first still runs), OutputError:
+    the second neither shares the directory nor silently starts the run over."""
     runs = {p.parent for p in output_root.glob("**/checkpoints")} if output_root.is_dir() else set()
     if run_dir is not None and (Path(run_dir) / "checkpoints").is_dir():
         runs.add(Path(run_dir))
-    files = [
-        (f.absolute(), run.absolute())
-        for run in runs
-        if _run_overrides(run) == key and rundir.owned_elsewhere(run) is None
-        for f in checkpoint_files(run / "checkpoints")
-    ]
-    return sorted(files, key=lambda fr: fr[0].stat().st_mtime, reverse=True)
+    files = sorted(((f.absolute(), run.absolute()) for run in runs if _run_overrides(run) == key
+                    for f in checkpoint_files(run / "checkpoints")), key=lambda fr: fr[0].stat().st_mtime, reverse=True)
+    owners = {run: rundir.owned_elsewhere(run) for run in {run for _, run in files}}
+    if files and owners[files[0][1]] is not None:
+        run, who = files[0][1], owners[files[0][1]]
+        raise OutputError(f"trainer.resume=auto: {run} is this run, and a live process is continuing it (pid {who.get('pid', '?')} "
+                          f"on {who.get('host', '?')}, started {who.get('started', '?')}): wait for it to end (then run this again), "
+                          f"or start a separate run with trainer.resume=null")
+    return [(f, run) for f, run in files if owners[run] is None]
 
 
 def _first_verified(candidates: list[tuple[Path, Path]], what: str, owned: bool) -> Choice:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 
 from rptrain import GradScaler, RoundPipe
@@ -22,6 +22,7 @@ from .errors import CheckpointError, one_line
 from .meters import RunProgress, global_progress, progress_from, progress_state
 from .metrics import MetricsLog
 from .resume import loader_state_for, resolve_resume
+from .shown_config import shown_config
 
 
 def choose_resume(cfg: DictConfig, run_dir: Path, overrides: list[str], d: Dist, console: Console) -> Optional[Path]:
@@ -104,7 +105,7 @@ class RunCheckpoints:
             "rng": rng_state(),
             "progress": progress_state(total),
             "history": metrics.records,
-            "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
+            "config": shown_config(self.cfg),  # resolved, but a value from the environment as written
             "overrides": self.overrides,
         }, p.step, self.cfg.trainer.keep_checkpoints)
         metrics.write_csv()

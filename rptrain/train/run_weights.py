@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig
 from torch import nn
 
 from .checkpoint import LAST, is_checkpoint, load_checkpoint
 from .errors import CheckpointError, one_line
 from .lora import merged
+from .stored_config import checked_config
 
 
 def run_checkpoint(path: str | Path) -> Optional[Path]:
@@ -29,13 +31,18 @@ def run_checkpoint(path: str | Path) -> Optional[Path]:
 
 
 def run_config(checkpoint: Path, state: dict) -> DictConfig:
-    """The config a checkpoint was written with: stored in it, else its run's .hydra/config.yaml."""
+    """The config a checkpoint was written with: stored in it, else its run's .hydra/config.yaml;
+    checked against the schema (stored_config.py: a file never names code to run)."""
     if state.get("config"):
-        return OmegaConf.create(state["config"])
+        return checked_config(state["config"], f"checkpoint {checkpoint}")
     saved = checkpoint.parent.parent / ".hydra" / "config.yaml"
     if not saved.is_file():
         raise CheckpointError(f"checkpoint {checkpoint} holds no config and {saved} is missing: export from the run directory it was written in")
-    return OmegaConf.load(saved)
+    try:
+        raw = yaml.safe_load(saved.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise CheckpointError(f"{saved} cannot be read ({one_line(err)[:200]}): export from the checkpoint of an intact run") from err
+    return checked_config(raw, str(saved))
 
 
 def check_same_model(model: nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:

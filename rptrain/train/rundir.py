@@ -6,8 +6,14 @@ directory holds a POSIX lock on its `.owner` file (pid, host, start time inside,
 the kernel, or the NFS lock manager, drops the lock when the process dies however it dies, so
 "is another live run using this directory" is a lock test, not a guess from a pid.
 
-Taking over a directory (resume in place) removes the temporary files of writes that were killed
-midway and turns a status.json that still says `running` into `interrupted`.
+A run directory belongs to one run: the config Hydra stored in its .hydra/config.yaml. Another
+config is refused there before anything is written (check_belongs), and so is a fresh start over
+this run's checkpoints (trainer.resume=auto continues it). Taking over a directory (resume in
+place) removes the temporary files of the run's own writes that were killed midway (by their exact
+names: nothing else in the directory is touched). A status.json that says `running` while no process
+holds the directory's lock belongs to a run that was killed (kill -9, the kernel's OOM killer, a
+machine that went down): every run start marks those under its output_root `killed` (mark_killed),
+and its own directory's too (take_over).
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+import yaml
 
 from .errors import OutputError
 from .status import read_status, write_status
@@ -136,21 +144,104 @@ def owned_elsewhere(run_dir: Path) -> Optional[dict]:
     return None if Path(run_dir).absolute() in _held else live_owner(run_dir)
 
 
+# The temporary names of the run's own writes, exactly: checkpoint.py's `.NAME.PID.HEX8.tmp`, status.py's
+# `.NAME.tmp-PID` (status.json, summary.json), metrics.py's `.metrics.csv.tmp`, plots.py's `.curves.png.tmp.png`.
+_RUN_TEMP = re.compile(r"\.(?:status|summary)\.json\.tmp-\d+|\.metrics\.csv\.tmp|\.curves\.png\.tmp\.png")
+_CHECKPOINT_TEMP = re.compile(r"\.(?:step-\d+|last)\.pt\.\d+\.[0-9a-f]{8}\.tmp")
+
+
+def run_temp_files(run_dir: Path) -> list[Path]:
+    """Temporary files a killed write of the run left behind; a user's own *.tmp does not match."""
+    found = []
+    for directory, names in ((Path(run_dir), _RUN_TEMP), (Path(run_dir) / "checkpoints", _CHECKPOINT_TEMP)):
+        if directory.is_dir():
+            found += [p for p in directory.iterdir() if names.fullmatch(p.name) and p.is_file()]
+    return sorted(found)
+
+
+def check_belongs(run_dir: Path, config: dict, resuming: bool, key: str) -> None:
+    """OutputError unless a run of `config` (the job config as Hydra stores it) may start in run_dir:
+    a directory holding another run's .hydra/config.yaml is refused, and so is a fresh start over
+    this run's checkpoints. trainer.resume is not part of a run's identity."""
+    saved = Path(run_dir) / ".hydra" / "config.yaml"
+    if not saved.is_file():
+        return  # new, or a folder without a run in it: a run's files go beside whatever is there
+    try:
+        old = yaml.safe_load(saved.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise OutputError(f"{key}={run_dir} holds a run whose {saved} cannot be read ({type(err).__name__}): choose another {key}") from err
+    differ = _differences(old, config)
+    if differ:
+        shown = "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
+        raise OutputError(f"{key}={run_dir} holds another run (its config differs: {shown}): a run directory belongs to one run: "
+                          f"choose another {key}, or give that run's own overrides to continue it")
+    from .checkpoint import checkpoint_files, step_of
+
+    found = checkpoint_files(Path(run_dir) / "checkpoints")
+    if found and not resuming:
+        step = step_of(found[0])
+        raise OutputError(f"{key}={run_dir} holds this run's checkpoints{f' (up to step {step})' if step is not None else ''}: "
+                          f"continue it with trainer.resume=auto, or choose another {key} to start over")
+
+
+def _differences(old: object, new: object, where: str = "") -> list[str]:
+    """`key: old -> new` for each leaf that differs (trainer.resume excluded)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            place = f"{where}.{k}" if where else str(k)
+            if place != "trainer.resume":
+                out += _differences(old.get(k, "<absent>"), new.get(k, "<absent>"), place)
+        return out
+    return [] if old == new else [f"{where or 'config'}: {str(old)[:40]} -> {str(new)[:40]}"]
+
+
 def take_over(run_dir: Path) -> list[str]:
     """For a directory this process now owns: clean up after a run that was killed. Returns what was done, one line each."""
     run_dir = Path(run_dir)
     said = []
-    stale = [p for d in (run_dir, run_dir / "checkpoints") for pattern in (".*.tmp", ".*.tmp-*") for p in d.glob(pattern)]
+    stale = run_temp_files(run_dir)
     for p in stale:
         p.unlink(missing_ok=True)
     if stale:
         said.append(f"removed {len(stale)} temporary file(s) left by an interrupted write: {', '.join(p.name for p in stale)}")
-    status = read_status(run_dir)
-    if status.get("state") == "running":
-        details = {k: v for k, v in status.items() if k not in ("state", "time")}
-        write_status(run_dir, "interrupted", reason="its process ended without a final status (killed, or the machine went down)", **details)
-        said.append(f"{run_dir}: status.json said running but its process is gone: marked interrupted")
+    if _mark_if_dead(run_dir, owned_here=True):
+        said.append(f"{run_dir}: status.json said running but its process is gone: marked killed")
     return said
+
+
+KILLED_REASON = "its process ended without a final status (killed: kill -9, out of memory, or the machine went down)"
+_SKIP = {"checkpoints", "hf", "adapter", ".hydra", "tensorboard", "mlruns", "wandb"}  # a run's own folders: no runs inside
+_scanned: set[Path] = set()
+
+
+def mark_killed(output_root: Path) -> list[str]:
+    """Mark `killed` every run under output_root whose status.json says running but whose process is gone
+    (once per process and root). Returns one line per run marked."""
+    root = Path(output_root).absolute()
+    if root in _scanned or not root.is_dir():
+        return []
+    _scanned.add(root)
+    said = []
+    for here, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP]
+        if "status.json" in files and _mark_if_dead(Path(here), owned_here=False):
+            said.append(f"{here}: status.json said running but its process is gone: marked killed")
+    return said
+
+
+def _mark_if_dead(run_dir: Path, owned_here: bool) -> bool:
+    status = read_status(run_dir)
+    if status.get("state") != "running" or (not owned_here and live_owner(run_dir) is not None):
+        return False
+    if not owned_here and not (Path(run_dir) / OWNER).is_file():
+        return False  # never locked (a run of an older rptrain): its liveness cannot be told
+    details = {k: v for k, v in status.items() if k not in ("state", "time")}
+    try:
+        write_status(run_dir, "killed", reason=KILLED_REASON, **details)
+    except OSError:
+        return False  # not ours to write (another user's run, a read-only copy): leave it
+    return True
 
 
 def _read(run_dir: Path) -> dict:

@@ -1,7 +1,13 @@
-"""SIGTERM/SIGINT -> a flag the training loop checks after each step.
+"""SIGTERM/SIGINT -> a flag the training loop checks after each step, or a stop right away.
 
-Cluster pre-emption sends SIGTERM and waits a grace period; Ctrl-C sends SIGINT. The loop then
-finishes the step, writes a checkpoint and exits with 128 + the signal number. A second signal
+Cluster pre-emption sends SIGTERM and waits a grace period; Ctrl-C sends SIGINT. Inside a training
+step (and a checkpoint write), the windows the loop marks with `request.deferred()`, the signal
+only sets the flag: the loop finishes the step, writes a checkpoint and exits with 128 + the signal
+number. Anywhere else (setup, data preparation, a chat template, an evaluation, waiting for a
+batch), when the request is `immediate` (one process), the handler raises StopNow at once: the
+loop writes the checkpoint of the last finished step if there is one to write, and the run ends
+within seconds instead of after the next step. Under torchrun the ranks must agree on the step
+they stop after, so there every signal waits for the end of a step. A second signal
 stops at once, for when the checkpoint itself hangs: with `on_abort` (the CLI) the process calls
 it (to write status.json) and exits with 128 + that signal right there, wherever the main thread
 was (in the optimizer step, in a checkpoint write: the previous checkpoint is untouched, since
@@ -23,13 +29,41 @@ from typing import Callable, Iterator, Optional
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+class StopNow(BaseException):
+    """A signal outside a step (BaseException, like KeyboardInterrupt: no `except Exception` may swallow it)."""
+
+    def __init__(self, request: "StopRequest") -> None:
+        super().__init__(f"{request.name} outside a training step")
+        self.request = request
+
+
 class StopRequest:
-    def __init__(self) -> None:
+    def __init__(self, immediate: bool = False) -> None:
         self.signum: Optional[int] = None
         self.since = 0.0  # time.monotonic() of the first request
+        self.immediate = immediate  # outside deferred() windows a signal raises StopNow at once
+        self._deferring = 0
 
     def set(self, signum: int) -> None:
         self.signum, self.since = signum, time.monotonic()
+
+    @property
+    def stops_now(self) -> bool:
+        """Whether a signal now raises StopNow (instead of waiting for the end of the step)."""
+        return self.immediate and not self._deferring
+
+    @contextlib.contextmanager
+    def deferred(self, then_stop: bool = False) -> Iterator[None]:
+        """A window a signal does not cut short (a training step, a checkpoint write). `then_stop`: a signal that
+        arrived within it raises StopNow when it ends (the loop does not check the flag right after it)."""
+        before = self.signum
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+        if then_stop and before is None and self.signum is not None and self.stops_now:
+            raise StopNow(self)
 
     def __bool__(self) -> bool:
         return self.signum is not None
@@ -53,11 +87,12 @@ class Interrupted(Exception):
 
 @contextlib.contextmanager
 def stop_on_signals(
-    announce: bool = True, duplicate_s: float = 0.0, on_abort: Optional[Callable[[int], None]] = None
+    announce: bool = True, duplicate_s: float = 0.0, on_abort: Optional[Callable[[int], None]] = None, immediate: bool = False
 ) -> Iterator[StopRequest]:
     """Within the block, SIGINT/SIGTERM set the returned request instead of killing the process.
-    `announce`: say so on stderr (under torchrun only rank 0 does). `on_abort(signum)`: see above."""
-    request = StopRequest()
+    `announce`: say so on stderr (under torchrun only rank 0 does). `on_abort(signum)`: see above.
+    `immediate`: outside the request's deferred() windows a signal raises StopNow (see above)."""
+    request = StopRequest(immediate)
     if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
         yield request
         return
@@ -81,8 +116,12 @@ def stop_on_signals(
                 # surface as that code's failure (and a traceback) instead of a stop.
                 os._exit(128 + signum)
         request.set(signum)
+        now = request.stops_now
         if announce:
-            _say(f"\nrptrain: {signal.Signals(signum).name} received: finishing the current step, then writing a checkpoint\n")
+            then = "stopping now" if now else "finishing the current step"
+            _say(f"\nrptrain: {signal.Signals(signum).name} received: {then}, then writing a checkpoint if there is one to write\n")
+        if now:
+            raise StopNow(request)
 
     previous = {s: signal.signal(s, handler) for s in SIGNALS}
     try:

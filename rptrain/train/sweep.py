@@ -23,13 +23,18 @@ from .dist import other_rank
 from .status import read_status, write_json_atomic
 
 
+# Jobs of this process's sweep whose directory Hydra could not write (cli/hydra_writes.py): they have no folder to be found in.
+unwritable_jobs: list[dict] = []
+
+
 class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))  # the launcher's value: ${now:} is resolved once per config
         job_dirs = find_jobs(sweep_dir)
-        if not job_dirs or other_rank():  # under torchrun rank 0 alone writes and prints it
+        lost, unwritable_jobs[:] = list(unwritable_jobs), []
+        if not (job_dirs or lost) or other_rank():  # under torchrun rank 0 alone writes and prints it
             return
-        rows = [job_row(d) for d in job_dirs]
+        rows = sorted([job_row(d) for d in job_dirs] + lost, key=lambda r: (not r["job"].isdigit(), int(r["job"]) if r["job"].isdigit() else 0))
         write_sweep_summary(sweep_dir, rows)
         make_console().print(sweep_table(rows))
         make_console().print(f"sweep summary: {sweep_dir / 'sweep_summary.json'}", markup=False)
@@ -72,7 +77,7 @@ def _overrides(job_dir: Path) -> list[str]:
     try:
         from omegaconf import OmegaConf
 
-        return list(OmegaConf.load(job_dir / ".hydra" / "overrides.yaml"))
+        return OmegaConf.to_container(OmegaConf.load(job_dir / ".hydra" / "overrides.yaml"), resolve=False)  # as typed
     except Exception:
         return []
 

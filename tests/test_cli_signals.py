@@ -1,0 +1,79 @@
+"""A signal outside a training step stops the run within seconds: during data preparation (before the
+first step: nothing to checkpoint) and during a long evaluation (the checkpoint of the last step).
+Ctrl-C while the program is still starting is one line and exit 130. Real processes: signals and exit codes."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_cli_helpers import TEST_ENV, TINY, error_lines
+
+# The slow part is made slow by patching it to wait (a marker file says it has begun).
+SLOW = """
+import pathlib, sys, time
+where, marker = sys.argv[1], pathlib.Path(sys.argv[2])
+def slow(real):
+    def wrapper(*args, **kwargs):
+        marker.write_text("begun")
+        time.sleep(600)
+        return real(*args, **kwargs)
+    return wrapper
+if where == "data":
+    from rptrain.train import setup
+    setup.build_data = slow(setup.build_data)
+else:
+    from rptrain.train import loop
+    loop.Trainer._evaluate = slow(loop.Trainer._evaluate)
+from rptrain.cli.main import main
+main(sys.argv[3:])
+"""
+
+
+def _stop_while_slow(tmp_path, where, args, signum):
+    run, marker = tmp_path / "run", tmp_path / "begun"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW, where, str(marker), *TINY, *args, f"hydra.run.dir={run}"], cwd=tmp_path,
+                            env=TEST_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        assert marker.exists(), proc.communicate()
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    return run, proc.returncode, err, took
+
+
+def test_sigterm_during_data_preparation_stops_within_seconds(tmp_path):
+    run, code, err, took = _stop_while_slow(tmp_path, "data", ["trainer.max_steps=4"], signal.SIGTERM)
+    assert code == 143 and took < 10 and "Traceback" not in err, (code, took, err)
+    [line] = [line for line in error_lines(err) if line.startswith("rptrain: stopped:")]
+    assert "interrupted at step 0 (SIGTERM): no checkpoint to write yet" in line, err
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "interrupted" and status["signal"] == "SIGTERM" and not (run / "checkpoints").exists()
+
+
+def test_sigint_during_a_long_evaluation_checkpoints_the_last_step(tmp_path):
+    args = ["trainer.max_steps=8", "trainer.eval_interval=2", "trainer.checkpoint_interval=100"]
+    run, code, err, took = _stop_while_slow(tmp_path, "eval", args, signal.SIGINT)
+    assert code == 130 and took < 10 and "Traceback" not in err, (code, took, err)
+    assert (run / "checkpoints" / "step-00000002.pt").is_file(), err
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "interrupted" and status["step"] == 2 and status["checkpoint"].endswith("last.pt")
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.0])
+def test_ctrl_c_while_starting_is_one_line_and_130(tmp_path, after_s):
+    proc = subprocess.Popen([sys.executable, "-m", "rptrain.cli.main", *TINY, "trainer.max_steps=1"], cwd=tmp_path, env=TEST_ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)  # importing torch and Hydra, composing the config
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err and len(error_lines(err)) == 1, (proc.returncode, err)
