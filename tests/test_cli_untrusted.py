@@ -10,6 +10,8 @@ import pytest
 import torch
 from test_cli_helpers import TINY, error_lines, explain, rptrain_here
 
+from rptrain.train.checkpoint import load_checkpoint
+
 
 @pytest.mark.parametrize("override", ["hydra.job.name=../../x", "hydra.output_subdir=../../y", "hydra.output_subdir=/tmp/y"])
 def test_hydra_paths_outside_the_run_directory_are_refused(tmp_path, override):
@@ -33,7 +35,7 @@ def test_environment_values_never_land_resolved_in_the_run_s_files(tmp_path, mon
     assert any("mlruns" in p.parts for p in written)
     leaked = [p for p in written if secret.encode() in p.read_bytes()]
     assert leaked == [], leaked
-    config = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["config"]
+    config = load_checkpoint(run / "checkpoints" / "last.pt")["config"]
     assert config["output_root"] == "${oc.env:RPTRAIN_TEST_API_KEY}" and secret not in repr(config)
 
 
