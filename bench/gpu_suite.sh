@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|lowmem|lowmem-big|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -199,6 +199,18 @@ if [[ $what == graphed ]]; then  # issue 33: the CLI and the tutorial's engine l
   run 300 python3 bench/cli_resnet.py --quick --timeout 90
   grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
   run 240 python3 bench/main_job.py
+fi
+lowmem=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --fused)
+if [[ $what == lowmem ]]; then  # issues 29/30/34 on CUDA: the engine, optimizer and MoE tests; the low-memory state at 14 B and 8 B
+  run 230 python3 -m pytest -q -rf -m "not slow" -p no:logging -p no:cacheprovider tests/test_engine_*.py tests/test_optim.py \
+    tests/test_optim_lowp.py tests/test_models_hf_moe.py tests/test_models_moe_kernels.py tests/test_train_startup.py
+  run 200 "${lowmem[@]}" --model qwen3_14b --impl rptrain --master-dtype bf16 --state-dtype int8
+  run 130 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8
+  run 130 "${lowmem[@]}" --model llama_8b --impl rptrain
+fi
+if [[ $what == lowmem-big ]]; then  # issue 29: the largest shape with the low-memory state; the 8 B plain peer (checkpointing) beside the preset
+  run 300 "${lowmem[@]}" --model qwen3_32b --impl rptrain --master-dtype bf16 --state-dtype int8
+  run 240 "${lowmem[@]}" --model llama_8b --impl rptrain plain --master-dtype bf16 --state-dtype int8
 fi
 if [[ $what == llm || $what == all ]]; then
   {
