@@ -21,6 +21,7 @@ from .checks import check_args, check_inputs, check_state_dict
 from .config import RoundPipeRunConfig, ResolvedRunConfig, resolve
 from .device import make_devices
 from .executor import Executor
+from ..optim.state import OptimizerMemory, state_memory_of
 from .fit import Size, check_fit, host_keeps_compute_copies
 from .gpushare import gpu_state_allowed
 from .passstate import Args, PassState, float_tensors
@@ -64,7 +65,9 @@ class RoundPipe(nn.Module):
     less a reserve, and the GPU's free memory. A model whose state does not fit raises
     ``DoesNotFit`` before anything is allocated (fit.py); ``.placement`` says where the state lives.
     ``gpu_state``: the leading layers' master, gradients and optimizer state on the GPU as far as they
-    fit, stepped there (one GPU, model resident: gpushare.py); False: everything on the host."""
+    fit, stepped there (one GPU, model resident: gpushare.py); False: everything on the host.
+    ``optimizer``: the optimizer that will step the master (its class or import path, or its
+    ``OptimizerMemory``: rptrain/optim/state.py), so the fit check counts its state; None: rptrain.optim.Adam."""
 
     def __init__(
         self,
@@ -83,6 +86,7 @@ class RoundPipe(nn.Module):
         max_host_memory: Size = None,
         max_gpu_memory: Size = None,
         gpu_state: bool = True,
+        optimizer: Any = None,
     ):
         super().__init__()
         check_args(model, optim_dtype, model_run_config, cuda_graphs, pin_model, tuning, optimizer_threads)
@@ -99,13 +103,15 @@ class RoundPipe(nn.Module):
         self._reducer = _reducer(process_group)
         resident = self._cuda and self._fits_resident(model, gpu_state)
         copies = host_keeps_compute_copies(resident, self._tuning.refresh_gpu_share)
+        memory = optimizer if isinstance(optimizer, OptimizerMemory) else state_memory_of(optimizer, optim_dtype)
         self.placement = check_fit(self._layers, optim_dtype, self._devices, resident, max_host_memory, max_gpu_memory, self._tuning.pin_frozen_share,
-                                   *gpu_state_allowed(gpu_state, self._devices, resident, self._tuning), compute_copies=copies)
+                                   *gpu_state_allowed(gpu_state, self._devices, resident, self._tuning), compute_copies=copies, optimizer=memory)
         pins = self._devices[0].pins_memory
         memory_format = check_memory_format(memory_format)
         self._host = HostState(self._layers, optim_dtype, pin_memory=pins, pin_master=resident and pins,
                                pin_frozen_share=self._tuning.pin_frozen_share, channels_last=memory_format is torch.channels_last,
-                               gpu_layers=self.placement.gpu_layers, gpu_device=self._devices[0], compute_copies=copies)
+                               gpu_layers=self.placement.gpu_layers, gpu_device=self._devices[0], compute_copies=copies,
+                               optimizer_bytes=memory.bytes_per_param)
         self._executor = Executor(self._layers, self._host, self._devices, self._tuning, resident=resident,
                                   cuda_graphs=cuda_graphs, reducer=self._reducer, memory_format=memory_format)
         if self._reducer is not None:
