@@ -82,13 +82,16 @@ class _FlatStepMixin:
             raise ValueError(f"{type(self).__name__}: a bf16 master or state_dtype={self.state_dtype} needs the flat step: "
                              "no amsgrad, maximize, capturable, differentiable or fused=False, parameters on a CPU or GPU")
 
-    @staticmethod
-    def _process_value_according_to_param_policy(param: Tensor, value: Tensor, param_id: int, param_groups: list, key: Any = None) -> Tensor:
+    def load_state_dict(self, state_dict: dict) -> None:
         """torch casts floating-point state to the parameters' dtype on load; the moments here keep their own
-        (bf16 or fp32 with a bf16 master, 8-bit codes and fp32 scales): loaded bit for bit."""
-        if key == "step":
-            return torch.optim.Optimizer._process_value_according_to_param_policy(param, value, param_id, param_groups, key)
-        return value.to(device=param.device)
+        (fp32 or bf16 beside a bf16 master, 8-bit codes and fp32 scales), so they load bit for bit."""
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(ids, params):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if key != "step" and isinstance(value, Tensor):
+                    self.state[p][key] = value.to(device=p.device)
 
     def _flat_eligible(self) -> bool:
         d = self.defaults

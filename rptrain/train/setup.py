@@ -28,6 +28,7 @@ from .memory_format import choose_memory_format
 from .meters import RunProgress, rank_share
 from .metrics import MetricsLog
 from .model import build_model, fingerprint
+from .optim import build_optimizer, master_dtype, optimizer_memory
 from .precision import build_scaler, torch_dtype
 from .report import Report
 from .resume import check_resume_state
@@ -67,7 +68,7 @@ class Components:
 
 def build_engine(cfg: DictConfig, model: torch.nn.Sequential, d: Dist) -> RoundPipe:
     with peer_errors("the comparison of the ranks' initial weights", d.world > 1):
-        return RoundPipe(model, torch_dtype(cfg.precision.optim_dtype), build_run_config(cfg.run_config, len(model)),
+        return RoundPipe(model, master_dtype(cfg.optim), build_run_config(cfg.run_config, len(model)), optimizer=optimizer_memory(cfg.optim),
                          devices=d.devices, process_group=d.group, cuda_graphs=cfg.engine.cuda_graphs,
                          optimizer_threads=cfg.engine.optimizer_threads,
                          max_host_memory=cfg.engine.max_host_memory, max_gpu_memory=cfg.engine.max_gpu_memory,
@@ -112,7 +113,7 @@ def _train_parts(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     t = cfg.trainer
     total_steps = t.max_steps or t.epochs * len(data.train)
     with OptimizerCtx():
-        optimizer = instantiate(cfg.optim.optimizer, params=engine.parameters(), _convert_="all")
+        optimizer = build_optimizer(cfg.optim, engine.parameters())
     scheduler = instantiate(cfg.optim.schedule, optimizer=optimizer, total_steps=total_steps)
     scaler = build_scaler(cfg.precision)
     param_names = {name for name, _ in engine.named_parameters()}
