@@ -25,9 +25,11 @@ def _value(x: Any) -> str:
 
 
 def _state_kwargs(optim: DictConfig) -> dict:
-    """``state_dtype`` for the optimizer's constructor; nothing at the default, so any torch optimizer builds."""
-    state = _value(optim.state_dtype)
-    return {} if state == "fp32" else {"state_dtype": state}
+    """``state_dtype`` and ``compile_step`` for the optimizer's constructor; nothing with an fp32 master and
+    state, so any torch optimizer builds."""
+    if _value(optim.master_dtype) == "fp32" and _value(optim.state_dtype) == "fp32":
+        return {}
+    return {"state_dtype": _value(optim.state_dtype), "compile_step": optim.compile_step}
 
 
 def check_optim_dtypes(optim: DictConfig) -> None:

@@ -318,6 +318,7 @@ class OptimConfig:
     clip_grad_norm: Optional[float] = None
     master_dtype: MasterDtype = MasterDtype.fp32  # the engine's master weights (RoundPipe's optim_dtype); gradients follow
     state_dtype: StateDtype = StateDtype.fp32  # the optimizer's moments (its state_dtype argument)
+    compile_step: bool = True  # torch.compile the low-precision step at first use (its compile_step argument)
 
 
 # ----------------------------------------------------------------------------- trainer
