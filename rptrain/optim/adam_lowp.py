@@ -6,9 +6,10 @@ low formats: the bf16 master and bf16 moments stochastically rounded, 8-bit mome
 block. It walks the run in chunks of ``CHUNK`` elements (a multiple of the block), so its fp32
 temporaries stay small and in cache.
 
-On first use the chunk step is compiled with torch.compile (inductor: C++ on the CPU, Triton on a
-GPU), one fused loop over parameter, gradient and moments instead of a pass per eager op; where
-compiling fails the eager functions run (same formulas; results agree to rounding, not bit for bit).
+With ``compiled`` (the optimizers' ``compile_step``) a CPU run takes cpu_kernel.py's C++ loop, built at
+first use, and a GPU run the chunk step compiled by torch.compile (Triton), one fused kernel instead of
+a pass per eager op; where neither builds the eager functions run (same formulas; results agree to
+rounding, not bit for bit).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from . import cpu_kernel
 from .lowbit import BLOCK, dequantize_signed, dequantize_unsigned, quantize_signed, quantize_unsigned, round_to_bf16
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,10 @@ def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Te
     """One step of a flat run: ``p`` (master, fp32 or bf16) and ``g`` its gradient, 1-D; ``state``:
     exp_avg and exp_avg_sq flat (fp32 or bf16), or with 8 bits also their ``*_scale`` per block.
     ``run_key`` tells runs' random streams apart."""
+    if compiled and p.device.type == "cpu":
+        seed_int = (int(step.item()) * _SEED_MIX + run_key) & 0xFFFFFFFF
+        if cpu_kernel.step(p, g, state, h, seed_int, decoupled):
+            return
     n = p.numel()
     seed = (step.to(torch.int64) * _SEED_MIX + run_key) & 0xFFFFFFFF
     int8 = "exp_avg_scale" in state
