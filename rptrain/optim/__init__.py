@@ -10,6 +10,10 @@ buffers too, viewed per parameter in ``optimizer.state`` so state dicts look exa
 torch's. Parameters on a GPU (the engine's GPU share) get the same treatment there, stepped first.
 Anything the flat path does not cover (amsgrad, maximize, non-contiguous parameters, ...) takes
 torch's own step.
+
+Low-memory state (issue 29; docs/low-memory-state.md): ``state_dtype`` fp32 | bf16 | int8 moments and a
+bf16 master stepped with stochastic rounding (lowbit.py formats, adam_lowp.py / cpu_kernel.py steps);
+every optimizer class may declare its state per parameter for the engine's fit check (state.py).
 """
 from .adam import Adam, AdamW
 
