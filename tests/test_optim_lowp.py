@@ -197,3 +197,26 @@ def test_cpu_kernel_agrees_with_the_eager_formulas(master, state):
     eager, cpp = results
     bound = (2.0**-7 * eager.abs().clamp_min(1e-3) * 2) if master == torch.bfloat16 else torch.full_like(eager, 2e-4)
     assert ((eager - cpp).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("master, state", [(torch.bfloat16, "int8"), (torch.bfloat16, "bf16"), (torch.float32, "int8")])
+def test_step_does_not_depend_on_the_chunking(master, state):
+    """A run of 5 blocks and a bit, stepped in chunks of one block, of its whole blocks (the compiled GPU
+    step's choice) and of the default: bit for bit the same weights and state."""
+    from rptrain.optim import adam_lowp
+    from rptrain.optim.flat import _FlatRuns
+    results = []
+    for chunk in (BLOCK, 5 * BLOCK, None):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(5 * BLOCK + 77).to(master))
+        p.grad = torch.randn_like(p)
+        opt = AdamW([p], lr=1e-2, state_dtype=state, compile_step=False)
+        runs = _FlatRuns(opt)
+        from rptrain.optim.adam import _state_layout
+        flats, step = runs.state([p], _state_layout(master, state))
+        step += 1
+        h = adam_lowp.hyper(opt.param_groups[0], step, None)
+        adam_lowp.step_run(p.detach(), p.grad, flats, step, h, 0, True, False, chunk=chunk)
+        results.append([p.detach().clone(), *(t.clone() for t in flats.values())])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))

@@ -108,19 +108,23 @@ def hyper(group: dict, step: Tensor, grad_scale: Optional[Tensor]) -> Tensor:
 
 
 def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Tensor, run_key: int, decoupled: bool,
-             compiled: bool) -> None:
+             compiled: bool, chunk: Optional[int] = None) -> None:
     """One step of a flat run: ``p`` (master, fp32 or bf16) and ``g`` its gradient, 1-D; ``state``:
     exp_avg and exp_avg_sq flat (fp32 or bf16), or with 8 bits also their ``*_scale`` per block.
-    ``run_key`` tells runs' random streams apart."""
+    ``run_key`` tells runs' random streams apart. ``chunk``: elements per call (a multiple of BLOCK; the
+    result does not depend on it); None: CHUNK, or on a GPU with a compiled step the run's whole blocks
+    in one kernel (a compiled kernel keeps no temporaries, and launches cost there)."""
     if compiled and p.device.type == "cpu":
         seed_int = (int(step.item()) * _SEED_MIX + run_key) & 0xFFFFFFFF
         if cpu_kernel.step(p, g, state, h, seed_int, decoupled):
             return
     n = p.numel()
+    if chunk is None:
+        chunk = max(BLOCK, n // BLOCK * BLOCK) if compiled and p.device.type == "cuda" else CHUNK
     seed = (step.to(torch.int64) * _SEED_MIX + run_key) & 0xFFFFFFFF
     int8 = "exp_avg_scale" in state
-    for a in range(0, n, CHUNK):
-        b = min(a + CHUNK, n)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
         start = torch.full((), a, dtype=torch.int64, device=p.device)
         pc, gc = p[a:b], g[a:b]
         if not int8:
