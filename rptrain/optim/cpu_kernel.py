@@ -146,7 +146,7 @@ def kernel() -> Optional[Any]:
     if _module is None and not _failed:
         try:
             from torch.utils.cpp_extension import load_inline
-            _module = load_inline("rptrain_adam_lowp_v3", cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math"],
+            _module = load_inline("rptrain_adam_lowp_v4", cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffinite-math-only"],
                                   extra_ldflags=[], verbose=False)
         except Exception as error:  # noqa: BLE001 - any build failure means: use the torch formulas
             _failed = True
