@@ -49,7 +49,7 @@ def test_bf16_master_accumulates_updates_smaller_than_its_step():
 
 def test_quantize_error_within_per_block_bounds():
     """Signed (sqrt map, 127 levels): |x' - x| <= s (sqrt(|x|/s) / 127 + 1 / (4 127^2)), s the block's
-    largest |x|. Non-negative (fourth-root map, 255 levels, rounded up): with t = (v/s)^(1/4), 0 <= v' - v <= s ((t + 1/255)^4 - t^4),
+    largest |x|. Non-negative (fourth-root map, 255 levels): with t = (v/s)^(1/4), |v' - v| <= s ((t + 1/255)^4 - t^4),
     and a non-zero v stays non-zero. Both keep each block's largest value and zeros exactly."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(8 * BLOCK, generator=g) * torch.logspace(-6, 2, 8).repeat_interleave(BLOCK)
@@ -69,7 +69,6 @@ def test_quantize_error_within_per_block_bounds():
     scale = s.repeat_interleave(BLOCK)
     t = (v / scale).sqrt().sqrt()
     assert ((back - v).abs() <= scale * ((t + 1 / 255) ** 4 - t**4) * (1 + 1e-5)).all()
-    assert (back >= v * (1 - 1e-5)).all()  # rounded up
     assert back[5] == 0 and back[7] > 0 and torch.allclose(back.view(8, -1).amax(1), s, rtol=1e-6)
 
 

@@ -190,7 +190,7 @@ def _message(plan: Placement, optim_dtype: torch.dtype, optimizer: OptimizerMemo
     host = plan.totals[HOST]
     options = []
     host_trainable = sum(p.run.numel + p.run.master_pad for p in plan.runs if p.state == HOST)
-    low = 2 + 2 * 2 + 2 * (1 + 4 / 256)  # bf16 master, two bf16 gradient buffers, two 8-bit moments with block scales
+    low = 2 + 2 * 2 + state_memory_of("rptrain.optim.AdamW", torch.bfloat16, state_dtype="int8").bytes_per_param  # bf16 master and gradients
     now = optim_dtype.itemsize + 2 * grad_dtype(optim_dtype).itemsize + optimizer.bytes_per_param
     if now > low:
         saved = int(host_trainable * (now - low))

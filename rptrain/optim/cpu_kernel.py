@@ -26,7 +26,7 @@ _SOURCE = r"""
 #include <cstring>
 
 namespace {
-constexpr int64_t B = 256;
+constexpr int64_t B = 64;  // lowbit.BLOCK
 
 inline uint32_t mix(uint32_t x) {  // lowbit.hash32, in 32-bit unsigned arithmetic
   x = ((x >> 16) ^ x) * 0x45D9F3Bu;
@@ -97,7 +97,8 @@ void run(P* __restrict__ p, const G* __restrict__ g, void* m_, void* v_, float* 
         for (int64_t j = 0; j < len; ++j) {
           float a = std::nearbyint(std::sqrt(std::fabs(mo[j]) * m_inv) * 127.f);
           mq[j] = int8_t(mo[j] < 0.f ? -a : a);
-          vq[j] = uint8_t(std::min(std::ceil(std::sqrt(std::sqrt(vo[j] * v_inv)) * 255.f), 255.f));
+          float l = std::nearbyint(std::sqrt(std::sqrt(vo[j] * v_inv)) * 255.f);
+          vq[j] = uint8_t(vo[j] > 0.f ? std::max(l, 1.f) : 0.f);
         }
         for (int64_t j = len; j < B; ++j) { mq[j] = 0; vq[j] = 0; }
         ms[blk] = m_scale; vs[blk] = v_scale;
@@ -146,7 +147,7 @@ def kernel() -> Optional[Any]:
     if _module is None and not _failed:
         try:
             from torch.utils.cpp_extension import load_inline
-            _module = load_inline("rptrain_adam_lowp_v4", cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffinite-math-only"],
+            _module = load_inline("rptrain_adam_lowp_v5", cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffinite-math-only"],
                                   extra_ldflags=[], verbose=False)
         except Exception as error:  # noqa: BLE001 - any build failure means: use the torch formulas
             _failed = True

@@ -13,19 +13,16 @@ magnitude). The maps keep small values, as torchao's and bitsandbytes' dynamic m
 closed form instead of a lookup table (an elementwise formula compiles into one loop):
 - first moment (signed): ``q = round(127 sqrt(|m| / scale)) sign(m)``, ``m = (q / 127)^2 scale``;
   the smallest non-zero level is scale / 127^2 (and scale / 254^2 rounds to it).
-- second moment (non-negative): ``q = ceil(255 (v / scale)^(1/4))``, ``v = (q / 255)^4 scale``: the
+- second moment (non-negative): ``q = round(255 (v / scale)^(1/4))``, ``v = (q / 255)^4 scale``: the
   square root of ``v`` (the update's denominator) gets the first moment's square-root map with twice
-  the levels, rounded up: the stored ``v`` is never smaller than the exact one, so quantization never
-  enlarges an update through its denominator (rounding to nearest let a small ``v`` fall to half its
-  value, and a 300-step fine-tune with bf16 master and 8-bit moments spiked near its end:
-  bench/optim_quality.py), and a non-zero ``v`` never codes as 0.
+  the levels. A non-zero ``v`` never codes as 0, so no update divides by eps alone.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-BLOCK = 256
+BLOCK = 64  # elements per scale: 256 (torchao's) let small moments in a block of large ones lose too much (docs/low-memory-state.md)
 _M32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # a 32-bit avalanche multiplier (< 2^27: products stay below 2^59 in int64)
 _TINY = torch.finfo(torch.float32).tiny
@@ -60,10 +57,11 @@ def dequantize_signed(q: Tensor, scale: Tensor) -> Tensor:
 
 
 def quantize_unsigned(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Non-negative fp32 ``x`` -> (uint8 codes, fp32 scale per block), rounded up (never below ``x``)."""
+    """Non-negative fp32 ``x`` -> (uint8 codes, fp32 scale per block); non-zero values code at least 1."""
     blocks = x.view(-1, BLOCK)
     scale = blocks.amax(dim=1)
-    level = ((blocks / scale.clamp_min(_TINY)[:, None]).sqrt().sqrt() * 255).ceil().clamp_max(255)
+    level = (blocks / scale.clamp_min(_TINY)[:, None]).sqrt().sqrt() * 255
+    level = torch.where(blocks > 0, level.round().clamp_min(1), 0.0)
     return level.to(torch.uint8).view(x.shape), scale
 
 
