@@ -46,7 +46,7 @@ def test_defaults_are_the_tutorials_setup(make):
     assert cfg.optim.schedule.decay.value == "constant" and cfg.optim.schedule.warmup_steps == 0
     validate_config(cfg)
     tutorial = make("precision=fp16").precision
-    assert tutorial.compute_dtype.value == "float16" and tutorial.optim_dtype.value == "float32"
+    assert tutorial.compute_dtype.value == "float16" and cfg.optim.master_dtype.value == "fp32"
     assert tutorial.grad_scaler.enabled and tutorial.grad_scaler.init_scale == 2.0**16
 
 
@@ -167,7 +167,7 @@ def test_optimizer_yaml_instantiates_the_class_it_names(make):
     (["model=llama_tiny"], "data=text|synthetic_tokens"),
     (["data=synthetic", "trainer.log_interval=0"], "trainer.log_interval=0"),
     (["optim.schedule.min_lr_ratio=2"], "min_lr_ratio"),
-    (["precision.optim_dtype=float16"], "master weights"),
+    (["optim.optimizer._target_=torch.optim.SGD", "optim.master_dtype=bf16"], "does not implement a bf16 master"),
     (["data=cifar10", "data.num_classes=100"], "data.num_classes=100"),
     (["model=llama_tiny", "data=synthetic_tokens", "model.vocab_size=10"], "model.vocab_size=10"),
 ])

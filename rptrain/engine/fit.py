@@ -4,8 +4,8 @@ the machine gets one error with the numbers instead of a kill by the operating s
 The prediction is the engine's own accounting (``RoundPipe.memory_report``, host.py), made from the
 flat layouts alone: master, two gradient buffers (async steps), two compute copies (none when the
 GPUs keep the model resident and cast every version themselves: resident.py), frozen weights and
-buffers; the optimizer's state is not known yet (the optimizer is made after the engine), so
-Adam's two moments in the master's dtype are assumed, the optimizers rptrain ships. On top of that,
+buffers, and the optimizer's state as its class declares it (rptrain/optim/state.py: the optimizer is
+made after the engine, from its master parameters; the engine is told which one). On top of that,
 small pinned host blocks are rounded up to a power of two by PyTorch's caching host allocator (every
 page of the block is locked; pinned.py maps large ones at their exact size), which ``memory_report``
 does not show but the machine pays.
@@ -27,7 +27,8 @@ from torch import nn
 
 from .device import Device
 from .gpushare import cuts
-from .host import pins_frozen
+from ..optim.state import OptimizerMemory, state_memory_of
+from .host import grad_dtype, pins_frozen
 from .pinned import rounding
 from .layout import FlatLayout
 from .placement import GPU, HOST, GiB, Placement, Run, StateBytes, fmt_bytes, place
@@ -129,15 +130,19 @@ def host_keeps_compute_copies(resident: bool, refresh_gpu_share: float = Tuning.
 
 def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Sequence[Device], resident: bool,
               max_host_memory: Size = None, max_gpu_memory: Size = None, pin_frozen_share: float = Tuning.pin_frozen_share,
-              gpu_state: bool = False, gpu_reserve: float = 0.0, notes: Sequence[str] = (), compute_copies: Optional[bool] = None) -> Placement:
+              gpu_state: bool = False, gpu_reserve: float = 0.0, notes: Sequence[str] = (), compute_copies: Optional[bool] = None,
+              optimizer: Optional[OptimizerMemory] = None) -> Placement:
     """The engine's placement with its budgets; raises DoesNotFit if it does not fit. ``gpu_state``:
     trainable state may go to the GPU (placement.py), keeping ``gpu_reserve`` of its free memory for
     the activations the first call has yet to measure; ``notes``: why it may not, when it may not;
-    ``compute_copies``: the host keeps two compute copies of its share (host.py); None: host_keeps_compute_copies(resident)."""
+    ``compute_copies``: the host keeps two compute copies of its share (host.py); None: host_keeps_compute_copies(resident);
+    ``optimizer``: its state per parameter (None: rptrain.optim.Adam's with this master)."""
     params, frozen, buffers = FlatLayout.of_parameters(layers, True), FlatLayout.of_parameters(layers, False), FlatLayout.of_buffers(layers)
     pin = any(d.is_cuda and getattr(d, "pins_memory", True) for d in devices)  # as host.py pins (a simulated GPU does not)
     copies = host_keeps_compute_copies(resident) if compute_copies is None else compute_copies
-    state = StateBytes(master=optim_dtype.itemsize, optimizer=2 * optim_dtype.itemsize, host_compute_copies=2 if copies else 0)
+    optimizer = optimizer or state_memory_of(None, optim_dtype)
+    grad_bytes = grad_dtype(optim_dtype).itemsize
+    state = StateBytes(master=optim_dtype.itemsize, optimizer=optimizer.bytes_per_param, grad=grad_bytes, host_compute_copies=2 if copies else 0)
     flat = lambda layout: [n * layout.dtypes[k].itemsize for k, n in layout.sizes.items()]
     frozen_bytes = sum(flat(frozen))
     host, host_from = host_budget(max_host_memory)
@@ -149,7 +154,9 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
     resident_bytes = 3 * sum(grads) + sum(weights) - sum(grads)
     need_gpu = (resident_bytes if resident else max(2 * w + 3 * g for w, g in zip(weights, grads))) if gpu else 0
     runs = runs_of(params) + runs_of(frozen)
-    notes = ("optimizer state: Adam's two moments in the master's dtype, assumed (the optimizer comes after the engine)",
+    notes = (f"optimizer state: {optimizer.what}",
+             *([f"master {optim_dtype} is the stepped copy; gradients travel and accumulate in {grad_dtype(optim_dtype)}".replace("torch.", "")]
+               if optim_dtype.itemsize < 4 else []),
              "GPU: the largest layer's weights and gradients (or the resident model); activations are measured by the first call",
              *([f"GPU: {fmt_bytes(int(gpu_reserve * gpu))} ({gpu_reserve:.0%} of free) kept for activations"] if gpu_state else []),
              *([] if copies else ["host: no compute copies (the GPU keeps the model resident and casts every version from the master)"]),
@@ -163,29 +170,32 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
     cut = cuts(params, plan.gpu_layers)
     host_params = [(n - cut[k]) * params.dtypes[k].itemsize for k, n in params.sizes.items()] * state.host_compute_copies
     host_master = params.total - sum(cut.values())  # the master layout, alignment included
-    pinned = [*host_params, host_master * 4, host_master * 4, *flat(buffers)] if pin else []
+    pinned = [*host_params, host_master * grad_bytes, host_master * grad_bytes, *flat(buffers)] if pin else []
     if pin and pins_frozen(frozen_bytes, pin_frozen_share):
         pinned += flat(frozen)
     if resident:
         pinned.append(host_master * optim_dtype.itemsize)
     plan = place(runs, state, pinned_rounding=sum(rounding(n) for n in pinned), **kw)
     if not plan.fits:
-        raise DoesNotFit(_message(plan, optim_dtype), plan)
+        raise DoesNotFit(_message(plan, optim_dtype, optimizer), plan)
     return plan
 
 
-def _message(plan: Placement, optim_dtype: torch.dtype) -> str:
+def _message(plan: Placement, optim_dtype: torch.dtype, optimizer: OptimizerMemory) -> str:
     parts = []
     for where in plan.short():
         kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.totals[where].items() if v)
         parts.append(f"{where} memory needed {fmt_bytes(plan.total(where))} ({kinds}) but {fmt_bytes(plan.available(where))} "
                      f"available ({plan.sources.get(where, 'budget')})")
     host = plan.totals[HOST]
-    trainable = sum(p.run.numel for p in plan.runs if p.run.trainable)
     options = []
-    if optim_dtype.itemsize > 2:  # master and moments in bf16: 2 + 4 bytes a parameter instead of 4 + 8
-        saved = trainable * (optim_dtype.itemsize - 2) * 3
-        options.append(f"optim_dtype=torch.bfloat16 (CLI: precision.optim_dtype=bfloat16) needs about {fmt_bytes(plan.total(HOST) - saved)} of host memory")
+    host_trainable = sum(p.run.numel + p.run.master_pad for p in plan.runs if p.state == HOST)
+    low = 2 + 2 * 2 + state_memory_of("rptrain.optim.AdamW", torch.bfloat16, state_dtype="int8").bytes_per_param  # bf16 master and gradients
+    now = optim_dtype.itemsize + 2 * grad_dtype(optim_dtype).itemsize + optimizer.bytes_per_param
+    if now > low:
+        saved = int(host_trainable * (now - low))
+        options.append(f"a bf16 master with 8-bit Adam moments (optim_dtype=torch.bfloat16, rptrain.optim.AdamW(state_dtype='int8'); "
+                       f"CLI: optim=adamw_lowmem) needs about {fmt_bytes(plan.total(HOST) - saved)} of host memory")
     lora = sum(p.run.numel * p.run.itemsize for p in plan.runs) + host["buffers"]
     options.append(f"LoRA (CLI: model.lora.rank=16) stores the weights once, about {fmt_bytes(lora)} of host memory")
     need = -(-plan.total(HOST) // GiB)

@@ -37,8 +37,11 @@ def cuts(layout: FlatLayout, layers: int) -> dict[str, int]:
 
 
 class GpuShare:
-    def __init__(self, layout: FlatLayout, layers: int, device: Device, optim_dtype: torch.dtype):
+    def __init__(self, layout: FlatLayout, layers: int, device: Device, optim_dtype: torch.dtype, optimizer_bytes: float,
+                 grad_dtype: torch.dtype = torch.float32):
+        """``optimizer_bytes``: the optimizer's state per parameter (its class declares it: rptrain/optim/state.py)."""
         self.layout, self.layers, self.device, self.optim_dtype = layout, layers, device, optim_dtype
+        self.optimizer_bytes, self.grad_dtype = optimizer_bytes, grad_dtype
         self.cut = cuts(layout, layers)
         self.master = self.allocate(optim_dtype)
 
@@ -58,8 +61,9 @@ class GpuShare:
         return (Range(r.key, r.start, cut) if cut > r.start else None, Range(r.key, cut, r.stop) if r.stop > cut else None)
 
     def state_bytes(self) -> int:
-        """GPU bytes of the share's state: master, two gradient buffers, Adam's two moments (assumed)."""
-        return sum(self.cut.values()) * (3 * self.optim_dtype.itemsize + 2 * 4)
+        """GPU bytes of the share's state: master, two gradient buffers, the optimizer's state."""
+        per = self.optim_dtype.itemsize + 2 * self.grad_dtype.itemsize + self.optimizer_bytes
+        return int(sum(self.cut.values()) * per)
 
     def wait_queued(self) -> None:
         """Wait for the GPU work queued on the device's current stream (the optimizer's kernels on the

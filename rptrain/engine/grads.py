@@ -1,4 +1,5 @@
-"""The gradient sink: a job's gradients into the open window's fp32 buffer (host, or GPU for the GPU share).
+"""The gradient sink: a job's gradients into the open window's buffer (fp32, or bf16 with a bf16 master;
+host, or GPU for the GPU share).
 
 Chosen once per engine: ``GradSink`` copies (a slot's first gradient of the window) or adds (later
 ones, after the call's work is done) and sends each gradient of the last microbatch's backward as
@@ -54,7 +55,8 @@ class GradSink:
             device.check_ready("download", (g for _, g in pieces))
             converted = []
             for r, g in pieces:  # the GPU share's gradients are cast as they land (not when reduced: averaged in fp32)
-                converted.append((r, g if self.lands_as_is and state.grad_buffer.on_gpu(r) else g.float()))
+                dtype = state.grad_buffer.dtype if self.lands_as_is else torch.float32  # a reducer averages in fp32
+                converted.append((r, g if self.lands_as_is and state.grad_buffer.on_gpu(r) else g.to(dtype)))
                 device.keep_alive(g, "download")
             self._deliver(device, job, converted, state)
 
@@ -68,7 +70,7 @@ class GradSink:
                 with state.lock:
                     runs = _fresh_runs(layout, buffer, r)
                 for lo, hi, fresh in runs:
-                    src = g32[lo - r.start : hi - r.start]
+                    src = g32[lo - r.start : hi - r.start].to(buffer.dtype)
                     cut = min(max(lo, len(buffer.gpu[r.key]) if r.key in buffer.gpu else 0), hi)
                     if cut > lo:  # the GPU share's gradients stay on the GPU: copied or added there, in order
                         gpu = buffer.gpu[r.key][lo:cut]
@@ -83,7 +85,7 @@ class GradSink:
                     if fresh:
                         device.copy_to_host(dst, src)
                     else:
-                        staged = torch.empty(hi - lo, dtype=torch.float32, pin_memory=device.pins_memory)
+                        staged = torch.empty(hi - lo, dtype=buffer.dtype, pin_memory=device.pins_memory)
                         device.copy_to_host(staged, src)
                         state.deferred_adds.append((dst, staged))
 

@@ -7,15 +7,16 @@
   None when the GPUs keep the whole model resident (resident.py): they cast every version from the
   master themselves (refresh.py), so host copies would be waste (2 x 2 bytes a bf16 parameter).
 - ``buffers``: BatchNorm statistics and other buffers, one flat tensor per dtype, updated in place.
-- ``grads[w]``: two flat fp32 gradient buffers in the master's layout. A call accumulates into the
-  open window's buffer while the optimizer may still read the other one.
+- ``grads[w]``: two flat gradient buffers in the master's layout, fp32 (bf16 with a bf16 master:
+  ``grad_dtype``). A call accumulates into the open window's buffer while the optimizer may still
+  read the other one.
 - ``frozen``: parameters with ``requires_grad=False`` (e.g. a LoRA base model), stored once in their own
   dtype, one flat tensor per dtype, read-only: no master, no gradient, no second copy, since nothing
   ever writes them. ``requires_grad`` is read when the engine wraps the model.
 
-Bytes per parameter: trainable = compute dtype x 2 (0 when resident) + optim dtype (master) + 4 x 1
-or 2 (gradient buffers; the second only for async steps) + the optimizer's state (Adam: 2 x optim
-dtype); frozen = its own dtype x 1.
+Bytes per parameter: trainable = compute dtype x 2 (0 when resident) + optim dtype (master) + grad
+dtype x 1 or 2 (gradient buffers; the second only for async steps) + the optimizer's state (what its
+class declares: rptrain/optim/state.py); frozen = its own dtype x 1.
 
 With a GPU share (gpushare.py) the leading layers' master and gradients live on the GPU and their
 compute copy only there: the host's flat tensors of trainable state hold the rest (``HostShare``).
@@ -35,6 +36,12 @@ from torch import Tensor, nn
 from . import pinned
 from .gpushare import GpuShare
 from .layout import FlatLayout, Range, Slot, _align, shaped
+
+
+def grad_dtype(optim_dtype: torch.dtype) -> torch.dtype:
+    """The gradient buffers' dtype: bf16 where the master is bf16 (gradients travel and accumulate in the
+    master's dtype; the step works in fp32 and rounds stochastically), else fp32."""
+    return torch.bfloat16 if optim_dtype == torch.bfloat16 else torch.float32
 
 
 def pins_frozen(nbytes: int, pin_share: float) -> bool:
@@ -79,13 +86,13 @@ class HostShare:
 
 
 class GradBuffer:
-    """One fp32 gradient buffer and which slots of it hold this window's gradients: on the host, and
-    on the GPU for the GPU share (``gpu``, one tensor per dtype; gpushare.py)."""
+    """One gradient buffer (``dtype``: grad_dtype) and which slots of it hold this window's gradients: on
+    the host, and on the GPU for the GPU share (``gpu``, one tensor per dtype; gpushare.py)."""
 
-    def __init__(self, host: HostShare, pin_memory: bool, share: Optional[GpuShare] = None):
-        self.host = host
-        self.flat = pinned.zeros(host.total, torch.float32, pin_memory)
-        self.gpu = share.allocate(torch.float32) if share is not None else {}
+    def __init__(self, host: HostShare, pin_memory: bool, share: Optional[GpuShare] = None, dtype: torch.dtype = torch.float32):
+        self.host, self.dtype = host, dtype
+        self.flat = pinned.zeros(host.total, dtype, pin_memory)
+        self.gpu = share.allocate(dtype) if share is not None else {}
         self.views = [share.view(self.gpu, slot) if share is not None and share.holds(slot) else host.master_view(self.flat, slot)
                       for slot in host.layout.slots]  # master .grad per slot
         self.written = [False] * len(host.layout.slots)
@@ -111,9 +118,10 @@ class GradBuffer:
 class HostState:
     def __init__(self, layers: Sequence[nn.Module], optim_dtype: torch.dtype, pin_memory: bool, pin_master: bool = False,
                  pin_frozen_share: float = 0.5, channels_last: bool = False, gpu_layers: int = 0, gpu_device: Any = None,
-                 compute_copies: bool = True, keep_user_weights: bool = True):
+                 compute_copies: bool = True, optimizer_bytes: Optional[float] = None, keep_user_weights: bool = True):
         """``gpu_layers``: how many leading layers keep master and gradients on ``gpu_device`` (gpushare.py);
         ``compute_copies``: False where resident GPUs cast every version themselves (no host compute copies);
+        ``optimizer_bytes``: the optimizer's state per parameter (None: Adam's two moments in ``optim_dtype``);
         ``keep_user_weights``: False lets the user's tensors go where the host keeps no compute copy (see
         ``release_user_weights``)."""
         for layer in layers:
@@ -134,7 +142,8 @@ class HostState:
 
         # The GPU share (gpushare.py) has its master and gradients on the GPU and its compute copy in
         # the resident store: the host allocates none of them.
-        self.gpu = GpuShare(self.params, gpu_layers, gpu_device, optim_dtype) if gpu_layers else None
+        optimizer_bytes = 2 * optim_dtype.itemsize if optimizer_bytes is None else optimizer_bytes
+        self.gpu = GpuShare(self.params, gpu_layers, gpu_device, optim_dtype, optimizer_bytes, grad_dtype(optim_dtype)) if gpu_layers else None
         self.host = HostShare(self.params, self.gpu.cut if self.gpu else dict.fromkeys(self.params.sizes, 0))
         self.compute = [self.host.allocate(pin_memory), self.host.allocate(pin_memory)] if compute_copies else None
         self._shown: dict[int, list] = {}  # version parity -> the user's parameters' views of that host copy
@@ -162,7 +171,8 @@ class HostState:
         if not keep_user_weights:
             self.release_user_weights()
         self.show_version(0)
-        self.grads: list[GradBuffer] = [GradBuffer(self.host, pin_memory, self.gpu)]
+        self.grad_dtype = grad_dtype(optim_dtype)
+        self.grads: list[GradBuffer] = [GradBuffer(self.host, pin_memory, self.gpu, self.grad_dtype)]
 
     def _store_frozen(self, pin_memory: bool, pin_share: float) -> dict[str, Tensor]:
         """One flat copy of the frozen parameters; each original is let go as soon as it is copied,
@@ -273,7 +283,7 @@ class HostState:
 
     def grad_buffer(self, index: int) -> GradBuffer:
         while len(self.grads) <= index:  # the second buffer only when training runs asynchronously
-            self.grads.append(GradBuffer(self.host, self.pin_memory, self.gpu))
+            self.grads.append(GradBuffer(self.host, self.pin_memory, self.gpu, self.grad_dtype))
         return self.grads[index]
 
     def _master_view(self, slot: Slot) -> Tensor:

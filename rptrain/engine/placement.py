@@ -19,7 +19,8 @@ from typing import Iterable, Optional, Sequence
 
 GPU, HOST = "gpu", "host"
 PLACES = (GPU, HOST)
-# master: fp32 weights; grads: fp32 gradient buffers; optimizer: its state (Adam: two moments);
+# master: fp32 (or bf16) weights; grads: gradient buffers (the master's dtype if bf16, else fp32);
+# optimizer: its state (what the optimizer class declares: rptrain/optim/state.py);
 # compute: the weights in the model's dtype that layers compute with (and, on the GPU, the gradients
 # staged for download); frozen: requires_grad=False weights; buffers: BatchNorm statistics and such;
 # activations: what the schedule keeps on the GPU; pinned_rounding: pinned host blocks are rounded
@@ -47,8 +48,8 @@ class StateBytes:
     """Bytes per trainable parameter of each kind of state, and how many copies each place keeps."""
 
     master: int = 4  # the optimizer's dtype (fp32)
-    optimizer: int = 8  # AdamW: two fp32 moments
-    grad: int = 4  # one fp32 gradient buffer
+    optimizer: float = 8  # AdamW: two fp32 moments; 8-bit moments with a scale per block: fractional
+    grad: int = 4  # one fp32 gradient buffer (bf16 with a bf16 master)
     host_grad_buffers: int = 2  # the optimizer reads one while the next backward fills the other (async steps)
     # Two as on the host: the window's buffer alternates (versions.py), and a buffer is reused only after
     # the step that read it has finished on the GPU. One would do if the next backward waited on an event
@@ -148,7 +149,7 @@ def place(runs: Iterable[Run], state: StateBytes, *, gpu_free: int, host_budget:
     totals[GPU].update(compute=gpu_compute, activations=gpu_activations)
     totals[HOST].update(buffers=buffers, pinned_rounding=pinned_rounding)
     room = gpu_free - gpu_compute - gpu_activations if gpu_state else 0
-    on_gpu = lambda run: (run.numel + run.master_pad) * (state.master + state.optimizer + state.grad * state.gpu_grad_buffers)
+    on_gpu = lambda run: int((run.numel + run.master_pad) * (state.master + state.optimizer + state.grad * state.gpu_grad_buffers))
     need: dict[int, int] = {}
     for run in runs:
         if run.trainable:
@@ -173,7 +174,7 @@ def place(runs: Iterable[Run], state: StateBytes, *, gpu_free: int, host_budget:
             totals[HOST]["grads"] += n * state.grad * state.host_grad_buffers
             totals[HOST]["compute"] += run.numel * run.itemsize * state.host_compute_copies
         totals[where]["master"] += n * state.master
-        totals[where]["optimizer"] += n * state.optimizer
+        totals[where]["optimizer"] += int(n * state.optimizer)
         placed.append(RunPlace(run, where))
     return Placement(tuple(placed), totals, gpu_free, host_budget, dict(sources or {}), tuple(notes))
 

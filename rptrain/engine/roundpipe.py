@@ -23,6 +23,7 @@ from .config import RoundPipeRunConfig, default_microbatches_for
 from .device import make_devices
 from .explain import explain
 from .executor import Executor
+from ..optim.state import OptimizerMemory, state_memory_of
 from .fit import Size
 from .passstate import Args, PassState, float_tensors
 from .host import HostState
@@ -74,7 +75,9 @@ class RoundPipe(nn.Module):
     ``keep_user_weights``: True (the original library's behaviour) keeps the wrapped module's weights on
     the host, written at ``synchronize()``, also where the engine itself keeps none there (resident GPUs);
     False lets those go (a model's size in the compute dtype of host memory) and leaves placeholders:
-    read the weights through ``state_dict()`` (the CLI does)."""
+    read the weights through ``state_dict()`` (the CLI does).
+    ``optimizer``: the optimizer that will step the master (its class or import path, or its
+    ``OptimizerMemory``: rptrain/optim/state.py), so the fit check counts its state; None: rptrain.optim.Adam."""
 
     def __init__(
         self,
@@ -94,6 +97,7 @@ class RoundPipe(nn.Module):
         max_gpu_memory: Size = None,
         gpu_state: bool = True,
         keep_user_weights: bool = True,
+        optimizer: Any = None,
     ):
         super().__init__()
         check_args(model, optim_dtype, model_run_config, cuda_graphs, pin_model, tuning, optimizer_threads)
@@ -105,14 +109,15 @@ class RoundPipe(nn.Module):
         self._devices = make_devices(devices)
         self._cuda = self._devices[0].is_cuda
         self._reducer = _reducer(process_group)
+        memory = optimizer if isinstance(optimizer, OptimizerMemory) else state_memory_of(optimizer, optim_dtype)
         resident, copies, self.placement = placement_for(self._layers, optim_dtype, self._devices, self._tuning, self._reducer, gpu_state,
-                                                         max_host_memory, max_gpu_memory)
+                                                         max_host_memory, max_gpu_memory, memory)
         pins = self._devices[0].pins_memory and pin_model != "off" and ("register" if pin_model == "register" else True)
         memory_format = check_memory_format(memory_format)
         self._host = HostState(self._layers, optim_dtype, pin_memory=pins, pin_master=resident and pins,
                                pin_frozen_share=self._tuning.pin_frozen_share, channels_last=memory_format is torch.channels_last,
                                gpu_layers=self.placement.gpu_layers, gpu_device=self._devices[0], compute_copies=copies,
-                               keep_user_weights=keep_user_weights)
+                               optimizer_bytes=memory.bytes_per_param, keep_user_weights=keep_user_weights)
         self._executor = Executor(self._layers, self._host, self._devices, self._tuning, resident=resident,
                                   cuda_graphs=cuda_graphs, reducer=self._reducer, memory_format=memory_format)
         if self._reducer is not None:

@@ -14,6 +14,10 @@ differentiable, capturable, complex or non-contiguous parameters, ...) takes tor
 
 Each optimizer's per-parameter state is declared as data (``state_specs``, state_spec.py), so its
 memory can be counted before it is allocated.
+
+Low-memory state (issue 29; docs/low-memory-state.md): Adam/AdamW take ``state_dtype`` fp32 | bf16 | int8
+moments and step a bf16 master with stochastic rounding (lowbit.py formats, adam_lowp.py / cpu_kernel.py
+steps); an optimizer class states its memory for the engine's fit check (state.py: ``state_memory``).
 """
 from .adafactor import Adafactor
 from .adam import Adam, AdamW

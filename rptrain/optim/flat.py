@@ -2,6 +2,9 @@
 flat per-dtype layout), so an optimizer kernel runs once per run instead of once per tensor."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -59,7 +62,7 @@ class _FlatRuns:
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
-        self.cache: dict[tuple, tuple[Tensor, Tensor, Tensor, list[Tensor], list[Tensor]]] = {}
+        self.cache: dict[tuple, tuple[dict[str, Tensor], Tensor, list[dict[str, Tensor]]]] = {}
         self._layouts: dict[tuple, list[list[int]]] = {}
 
     def runs(self, group: dict) -> list[list[Tensor]]:
@@ -95,33 +98,53 @@ class _FlatRuns:
                 return []  # let torch handle the unusual case
         return runs
 
-    def state(self, run: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """Flat exp_avg, exp_avg_sq and the shared step count of ``run``, viewed in optimizer.state."""
+    def state(self, run: list[Tensor], layout: tuple["FlatState", ...]) -> tuple[dict[str, Tensor], Tensor]:
+        """The run's state tensors (flat, by name, as ``layout`` describes them) and its shared step
+        count, viewed per parameter in optimizer.state (exactly torch's state dict for full-size tensors)."""
         key = tuple(id(p) for p in run)
         state = self.optimizer.state
         cached = self.cache.get(key)
         if cached is not None:
-            m, v, step, m_views, v_views = cached
-            if all(state[p].get("exp_avg") is mv and state[p].get("exp_avg_sq") is vv and state[p].get("step") is step
-                   for p, mv, vv in zip(run, m_views, v_views)):
-                return m, v, step
-        numel, device = _span(run), run[0].device  # a GPU share's moments live on its GPU (engine/gpushare.py)
-        m = torch.zeros(numel, dtype=run[0].dtype, device=device)
-        v = torch.zeros(numel, dtype=run[0].dtype, device=device)
+            flats, step, views = cached
+            if all(state[p].get(name) is view for p, per_param in zip(run, views) for name, view in per_param.items()) \
+                    and all(state[p].get("step") is step for p in run):
+                return flats, step
+        numel, device = _span(run), run[0].device  # a GPU share's state lives on its GPU (engine/gpushare.py)
+        flats = {s.name: torch.zeros(s.numel(numel), dtype=s.dtype or run[0].dtype, device=device) for s in layout}
         steps = [state[p]["step"] for p in run if "step" in state[p]]
         step = torch.tensor(float(steps[0]) if steps else 0.0, dtype=torch.float32, device=device)
-        m_views, v_views = [], []
+        views = []
         for p in run:
             offset = p.storage_offset() - run[0].storage_offset()
-            mv, vv = _like(m, offset, p), _like(v, offset, p)
-            if "exp_avg" in state[p]:  # e.g. after load_state_dict: keep the loaded moments
-                mv.copy_(state[p]["exp_avg"])
-                vv.copy_(state[p]["exp_avg_sq"])
-            state[p].update(exp_avg=mv, exp_avg_sq=vv, step=step)
-            m_views.append(mv)
-            v_views.append(vv)
-        self.cache[key] = (m, v, step, m_views, v_views)
-        return m, v, step
+            per_param = {s.name: s.view(flats[s.name], offset, p) for s in layout}
+            if all(name in state[p] for name in per_param):  # e.g. after load_state_dict: keep the loaded state
+                for name, view in per_param.items():
+                    view.copy_(state[p][name])
+            state[p].update(per_param, step=step)
+            views.append(per_param)
+        self.cache[key] = (flats, step, views)
+        return flats, step
+
+
+@dataclass(frozen=True)
+class FlatState:
+    """One state tensor of a run: ``dtype`` (None: the parameters'); ``block`` > 0: one element per
+    ``block`` elements of the run (a scale per block), else one per element, padded to ``pad`` elements."""
+
+    name: str
+    dtype: Optional[torch.dtype] = None
+    block: int = 0
+    pad: int = 1
+
+    def numel(self, span: int) -> int:
+        return -(-span // self.block) if self.block else -(-span // self.pad) * self.pad
+
+    def view(self, flat: Tensor, offset: int, p: Tensor) -> Tensor:
+        """Parameter ``p``'s part (it starts ``offset`` elements into the run): shaped like ``p``, or its
+        blocks' scales (a block shared with a neighbour appears in both)."""
+        if not self.block:
+            return _like(flat, offset, p)
+        return flat[offset // self.block : -(-(offset + p.numel()) // self.block)]
 
 
 def _match_grad_layouts(groups: list[dict]) -> None:

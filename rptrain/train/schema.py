@@ -24,6 +24,17 @@ class Dtype(Enum):
     float64 = "float64"
 
 
+class MasterDtype(Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"  # stepped with stochastic rounding (rptrain.optim.Adam/AdamW)
+
+
+class StateDtype(Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    int8 = "int8"  # block-wise 8-bit moments
+
+
 class Pipeline(Enum):
     tensor = "tensor"  # uint8 tensors in memory, whole-batch augmentation (fast)
     torchvision = "torchvision"  # the tutorial's per-sample PIL transforms behind a DataLoader
@@ -281,7 +292,6 @@ class GradScalerConfig:
 @dataclass
 class PrecisionConfig:
     compute_dtype: Dtype = Dtype.float16  # the engine's compute copy (the model's dtype)
-    optim_dtype: Dtype = Dtype.float32  # master weights and optimizer state on the host
     grad_scaler: GradScalerConfig = field(default_factory=GradScalerConfig)
 
 
@@ -334,6 +344,9 @@ class OptimConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     clip_grad_norm: Optional[float] = None
+    master_dtype: MasterDtype = MasterDtype.fp32  # the engine's master weights (RoundPipe's optim_dtype); gradients follow
+    state_dtype: StateDtype = StateDtype.fp32  # the optimizer's moments (its state_dtype argument)
+    compile_step: bool = True  # torch.compile the low-precision step at first use (its compile_step argument)
 
 
 # ----------------------------------------------------------------------------- trainer

@@ -34,6 +34,7 @@ from .memory_format import choose_memory_format
 from .meters import RunProgress, rank_share
 from .metrics import MetricsLog
 from .model import build_model, fingerprint
+from .optim import build_optimizer, master_dtype, optimizer_memory
 from .precision import build_scaler, torch_dtype
 from .report import Report
 from .resume import check_resume_state
@@ -74,7 +75,7 @@ class Components:
 
 def build_engine(cfg: DictConfig, model: torch.nn.Sequential, d: Dist) -> RoundPipe:
     with peer_errors("the comparison of the ranks' initial weights", d.world > 1):
-        return RoundPipe(model, torch_dtype(cfg.precision.optim_dtype), build_run_config(cfg.run_config, len(model)),
+        return RoundPipe(model, master_dtype(cfg.optim), build_run_config(cfg.run_config, len(model)), optimizer=optimizer_memory(cfg.optim),
                          devices=d.devices, process_group=d.group, cuda_graphs=cfg.engine.cuda_graphs,
                          optimizer_threads=cfg.engine.optimizer_threads,
                          max_host_memory=cfg.engine.max_host_memory, max_gpu_memory=cfg.engine.max_gpu_memory,
@@ -94,8 +95,9 @@ def build_data_and_model(cfg: DictConfig, d: Optional[Dist] = None) -> tuple[tor
     check_vocab(cfg, data.vocab_size)
     if d is not None:  # meta tensors draw no random numbers: the model below is initialised as without this
         e = cfg.engine
-        check_model_fits(build_model(cfg, dtype, device="meta", vocab_size=data.vocab_size), torch_dtype(cfg.precision.optim_dtype),
-                         d.devices, max_host_memory=e.max_host_memory, max_gpu_memory=e.max_gpu_memory, gpu_state=e.gpu_state)
+        check_model_fits(build_model(cfg, dtype, device="meta", vocab_size=data.vocab_size), master_dtype(cfg.optim), d.devices,
+                         max_host_memory=e.max_host_memory, max_gpu_memory=e.max_gpu_memory, gpu_state=e.gpu_state,
+                         optimizer=optimizer_memory(cfg.optim))
     return dtype, data, build_model(cfg, dtype, vocab_size=data.vocab_size)
 
 
@@ -158,7 +160,7 @@ def _train_parts(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     t = cfg.trainer
     total_steps = t.max_steps or t.epochs * len(data.train)
     with OptimizerCtx():
-        optimizer = instantiate(cfg.optim.optimizer, params=engine.parameters(), _convert_="all")
+        optimizer = build_optimizer(cfg.optim, engine.parameters())
     scheduler = instantiate(cfg.optim.schedule, optimizer=optimizer, total_steps=total_steps)
     warmup = cfg.optim.schedule.get("warmup_steps") or 0
     if warmup > total_steps and d.main:

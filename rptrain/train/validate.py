@@ -22,6 +22,7 @@ from rptrain.models.hf_presets import MOE_PRESETS, QWEN3_PRESETS
 
 from . import dist, schema
 from .errors import ConfigError
+from .optim import check_optim_dtypes
 from .model import DATA_FOR, IMAGE, LM, data_kind, model_kind
 from .run_config import default_num_microbatch
 
@@ -128,8 +129,6 @@ def validate_config(cfg: DictConfig) -> None:
         _validate_dist(cfg, world, micro, source)
     _validate_optim(cfg.optim)
     _validate_scaler(cfg.precision.grad_scaler)
-    if cfg.precision.optim_dtype.value not in ("float32", "float64"):
-        raise ConfigError(f"precision.optim_dtype={cfg.precision.optim_dtype.value}: master weights must be float32 (or float64)")
     if kind == LM:
         _validate_lm(cfg)
     else:
@@ -169,6 +168,7 @@ def _missing_values(cfg: DictConfig) -> None:
 
 
 def _validate_optim(optim: DictConfig) -> None:
+    check_optim_dtypes(optim)
     o, s = optim.optimizer, optim.schedule
     if not o.lr > 0:
         raise ConfigError(f"optim.optimizer.lr={o.lr} must be > 0")

@@ -1,0 +1,149 @@
+"""Adam/AdamW over one flat run with a bf16 master and/or bf16 or 8-bit moments (lowbit.py's formats).
+
+torch's fused kernels keep moments in the parameter's dtype and round a bf16 parameter to nearest,
+which drops updates smaller than half a bf16 step; this step computes in fp32 and writes back in the
+low formats: the bf16 master and bf16 moments stochastically rounded, 8-bit moments re-quantized per
+block. It walks the run in chunks of ``CHUNK`` elements (a multiple of the block), so its fp32
+temporaries stay small and in cache.
+
+With ``compiled`` (the optimizers' ``compile_step``) a CPU run takes cpu_kernel.py's C++ loop, built at
+first use, and a GPU run the chunk step compiled by torch.compile (Triton), one fused kernel instead of
+a pass per eager op; where neither builds the eager functions run (same formulas; results agree to
+rounding, not bit for bit).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from . import cpu_kernel
+from .lowbit import BLOCK, dequantize_signed, dequantize_unsigned, quantize_signed, quantize_unsigned, round_to_bf16
+
+log = logging.getLogger(__name__)
+CHUNK = 1 << 18  # elements: 1 MiB per fp32 temporary (bench/optim_lowp.py)
+_SEED_MIX = 0x9E3779B1
+_M_SALT, _V_SALT = 0x5BD1E995, 0x27D4EB2F  # distinct random streams for the moments' rounding
+
+
+def _adam(p32: Tensor, g32: Tensor, m: Tensor, v: Tensor, h: Tensor, decoupled: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """One Adam(W) update in fp32, as torch's fused kernel computes it. ``h``: lr, beta1, beta2, eps,
+    weight_decay, 1 - beta1^step, sqrt(1 - beta2^step), 1 / grad scale."""
+    lr, beta1, beta2, eps, weight_decay, correction1, correction2_sqrt, inv_scale = h.unbind()
+    g32 = g32 * inv_scale
+    if decoupled:
+        p32 = p32 * (1 - lr * weight_decay)
+    else:
+        g32 = g32 + weight_decay * p32
+    m = m + (g32 - m) * (1 - beta1)
+    v = v * beta2 + g32 * g32 * (1 - beta2)
+    p32 = p32 - (lr / correction1) * m / (v.sqrt() / correction2_sqrt + eps)
+    return p32, m, v
+
+
+def _store_param(p: Tensor, p32: Tensor, index: Tensor, seed: Tensor) -> None:
+    p.copy_(round_to_bf16(p32, index, seed) if p.dtype == torch.bfloat16 else p32)
+
+
+def _chunk_float(p: Tensor, g: Tensor, m: Tensor, v: Tensor, h: Tensor, seed: Tensor, start: Tensor, decoupled: bool) -> None:
+    """Moments in fp32 or bf16 (stochastically rounded)."""
+    index = torch.arange(p.numel(), device=p.device) + start
+    p32, m32, v32 = _adam(p.float(), g.float(), m.float(), v.float(), h, decoupled)
+    _store_param(p, p32, index, seed)
+    for state, value, salt in ((m, m32, _M_SALT), (v, v32, _V_SALT)):
+        state.copy_(round_to_bf16(value, index, seed ^ salt) if state.dtype == torch.bfloat16 else value)
+
+
+def _chunk_int8(p: Tensor, g: Tensor, mq: Tensor, ms: Tensor, vq: Tensor, vs: Tensor, h: Tensor, seed: Tensor, start: Tensor,
+                decoupled: bool) -> None:
+    """Moments in 8 bits with a scale per block (``p``, ``g``: a whole number of blocks)."""
+    index = torch.arange(p.numel(), device=p.device) + start
+    p32, m32, v32 = _adam(p.float(), g.float(), dequantize_signed(mq, ms), dequantize_unsigned(vq, vs), h, decoupled)
+    _store_param(p, p32, index, seed)
+    q, s = quantize_signed(m32)
+    mq.copy_(q)
+    ms.copy_(s)
+    q, s = quantize_unsigned(v32)
+    vq.copy_(q)
+    vs.copy_(s)
+
+
+_compiled: dict[tuple[str, str], Callable] = {}
+_failed: set[str] = set()
+
+
+def _kernel(name: str, eager: Callable, device: torch.device, compiled: bool) -> Callable:
+    if not compiled or device.type in _failed:
+        return eager
+    key = (name, device.type)
+    if key not in _compiled:
+        _compiled[key] = torch.compile(eager, dynamic=True, fullgraph=True)
+    return _compiled[key]
+
+
+def _call(name: str, eager: Callable, compiled: bool, *args: Any, **kwargs: Any) -> None:
+    device = args[0].device
+    fn = _kernel(name, eager, device, compiled)
+    if fn is eager:
+        return eager(*args, **kwargs)
+    try:
+        return fn(*args, **kwargs)
+    except Exception as error:  # no compiler on this machine, say: the eager formulas give the same update
+        _failed.add(device.type)
+        log.warning("compiling the low-precision Adam step failed on %s (%s); it runs eager", device.type, error)
+        return eager(*args, **kwargs)
+
+
+def hyper(group: dict, step: Tensor, grad_scale: Optional[Tensor]) -> Tensor:
+    """``_adam``'s ``h`` on the step's device, from the group and the (already incremented) step."""
+    beta1, beta2 = group["betas"]
+    s = step.double()
+    inv = torch.ones((), dtype=torch.float64, device=step.device) if grad_scale is None else 1 / grad_scale.double()
+    scalars = [torch.as_tensor(x, dtype=torch.float64, device=step.device)
+               for x in (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])]
+    return torch.stack([*scalars, 1 - beta1 ** s, (1 - beta2 ** s).sqrt(), inv.reshape(())]).float()
+
+
+def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Tensor, run_key: int, decoupled: bool,
+             compiled: bool, chunk: Optional[int] = None) -> None:
+    """One step of a flat run: ``p`` (master, fp32 or bf16) and ``g`` its gradient, 1-D; ``state``:
+    exp_avg and exp_avg_sq flat (fp32 or bf16), or with 8 bits also their ``*_scale`` per block.
+    ``run_key`` tells runs' random streams apart. ``chunk``: elements per call (a multiple of BLOCK; the
+    result does not depend on it); None: CHUNK, or on a GPU with a compiled step the run's whole blocks
+    in one kernel (a compiled kernel keeps no temporaries, and launches cost there)."""
+    if compiled and p.device.type == "cpu":
+        seed_int = (int(step.item()) * _SEED_MIX + run_key) & 0xFFFFFFFF
+        if cpu_kernel.step(p, g, state, h, seed_int, decoupled):
+            return
+    n = p.numel()
+    if chunk is None:
+        chunk = max(BLOCK, n // BLOCK * BLOCK) if compiled and p.device.type == "cuda" else CHUNK
+    seed = (step.to(torch.int64) * _SEED_MIX + run_key) & 0xFFFFFFFF
+    int8 = "exp_avg_scale" in state
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        start = torch.full((), a, dtype=torch.int64, device=p.device)
+        pc, gc = p[a:b], g[a:b]
+        if not int8:
+            _call("float", _chunk_float, compiled, pc, gc, state["exp_avg"][a:b], state["exp_avg_sq"][a:b], h, seed, start, decoupled)
+            continue
+        padded = -(-(b - a) // BLOCK) * BLOCK
+        if padded != b - a:  # the run's last partial block: zero-padded copies (state buffers are padded already)
+            pc = torch.cat([pc, pc.new_zeros(padded - (b - a))])
+            gc = torch.cat([gc, gc.new_zeros(padded - (b - a))])
+        blocks = slice(a // BLOCK, a // BLOCK + padded // BLOCK)
+        _call("int8", _chunk_int8, compiled, pc, gc, state["exp_avg"][a : a + padded], state["exp_avg_scale"][blocks],
+              state["exp_avg_sq"][a : a + padded], state["exp_avg_sq_scale"][blocks], h, seed, start, decoupled)
+        if padded != b - a:
+            p[a:b].copy_(pc[: b - a])
+
+
+def padded_numel(numel: int) -> int:
+    return -(-numel // BLOCK) * BLOCK
+
+
+def blocks(numel: int) -> int:
+    return math.ceil(numel / BLOCK)

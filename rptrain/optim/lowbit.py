@@ -1,0 +1,71 @@
+"""Low-precision number formats of the optimizer: stochastic rounding to bf16, block-wise 8-bit moments.
+
+Pure functions of tensors (eager, or traced by torch.compile: adam_lowp.py), on any device.
+
+Stochastic rounding: an fp32 value between two bf16 neighbours rounds up with probability equal to its
+distance from the lower one, so the rounded value is unbiased and small updates to a bf16 master
+accumulate in expectation instead of vanishing. The random bits are a hash of the element's index
+and a seed (the step and the run), not a generator's state: a resumed run draws the same bits, and
+nothing random has to be saved.
+
+8-bit moments, in blocks of ``BLOCK`` elements with one fp32 scale each (the block's largest
+magnitude). The maps keep small values, as torchao's and bitsandbytes' dynamic maps do, with a
+closed form instead of a lookup table (an elementwise formula compiles into one loop):
+- first moment (signed): ``q = round(127 sqrt(|m| / scale)) sign(m)``, ``m = (q / 127)^2 scale``;
+  the smallest non-zero level is scale / 127^2 (and scale / 254^2 rounds to it).
+- second moment (non-negative): ``q = round(255 (v / scale)^(1/4))``, ``v = (q / 255)^4 scale``: the
+  square root of ``v`` (the update's denominator) gets the first moment's square-root map with twice
+  the levels. A non-zero ``v`` never codes as 0, so no update divides by eps alone.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+BLOCK = 64  # elements per scale: 256 (torchao's) let small moments in a block of large ones lose too much (docs/low-memory-state.md)
+_M32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # a 32-bit avalanche multiplier (< 2^27: products stay below 2^59 in int64)
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def hash32(index: Tensor, seed: Tensor) -> Tensor:
+    """32 well-mixed bits (int64 in [0, 2^32)) per ``index`` (int64) and ``seed`` (int64 0-d)."""
+    x = (index ^ seed) & _M32
+    x = (((x >> 16) ^ x) * _MIX) & _M32
+    x = (((x >> 16) ^ x) * _MIX) & _M32
+    return (x >> 16) ^ x
+
+
+def round_to_bf16(x: Tensor, index: Tensor, seed: Tensor) -> Tensor:
+    """fp32 ``x`` stochastically rounded to bf16: 16 random bits added below bf16's last bit, then cut."""
+    noise = (hash32(index, seed) & 0xFFFF).to(torch.int32)
+    bits = (x.contiguous().view(torch.int32) + noise) & -65536  # -65536: 0xFFFF0000 as int32
+    return bits.view(torch.float32).to(torch.bfloat16)
+
+
+def quantize_signed(x: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 ``x`` (numel a multiple of BLOCK) -> (int8 codes like ``x``, fp32 scale per block)."""
+    blocks = x.view(-1, BLOCK)
+    scale = blocks.abs().amax(dim=1)
+    level = (blocks.abs() / scale.clamp_min(_TINY)[:, None]).sqrt() * 127
+    return (level.round() * blocks.sign()).to(torch.int8).view(x.shape), scale
+
+
+def dequantize_signed(q: Tensor, scale: Tensor) -> Tensor:
+    level = q.view(-1, BLOCK).float() / 127
+    return (level * level.abs() * scale[:, None]).view(q.shape)
+
+
+def quantize_unsigned(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Non-negative fp32 ``x`` -> (uint8 codes, fp32 scale per block); non-zero values code at least 1."""
+    blocks = x.view(-1, BLOCK)
+    scale = blocks.amax(dim=1)
+    level = (blocks / scale.clamp_min(_TINY)[:, None]).sqrt().sqrt() * 255
+    level = torch.where(blocks > 0, level.round().clamp_min(1), 0.0)
+    return level.to(torch.uint8).view(x.shape), scale
+
+
+def dequantize_unsigned(q: Tensor, scale: Tensor) -> Tensor:
+    level = q.view(-1, BLOCK).float() / 255
+    level = level * level
+    return (level * level * scale[:, None]).view(q.shape)
