@@ -38,6 +38,7 @@ from rptrain.engine import DoesNotFit, trace
 from rptrain.models import QWEN3_PRESETS, LlamaConfig, build_model, count_tokens, flops_per_token, llama_config, qwen3_config
 from rptrain.models.llama import decoder_config
 from rptrain.optim import AdamW
+from rptrain.optim.state import state_memory_of
 
 
 class Checkpointed(nn.Module):
@@ -114,8 +115,8 @@ def run_rptrain(args, cfg, name):
     # engine from before they existed.
     options = dict(cuda_graphs=args.cuda_graphs, max_gpu_memory=args.max_gpu_memory)
     if args.master_dtype != "fp32" or args.state_dtype != "fp32":  # issue 29's low-memory state (optim=adamw_lowmem: bf16, int8)
-        options.update(optim_dtype=torch.bfloat16 if args.master_dtype == "bf16" else torch.float32,
-                       optimizer=functools.partial(AdamW, **low_memory_state(args)), keep_user_weights=False)
+        master = torch.bfloat16 if args.master_dtype == "bf16" else torch.float32
+        options.update(optim_dtype=master, optimizer=state_memory_of(AdamW, master, **low_memory_state(args)), keep_user_weights=False)
     if not args.gpu_state:
         options["gpu_state"] = False
     if args.gpu_reserve is not None:
