@@ -7,15 +7,16 @@ block. It walks the run in chunks of ``CHUNK`` elements (a multiple of the block
 temporaries stay small and in cache.
 
 With ``compiled`` (the optimizers' ``compile_step``) a CPU run takes cpu_kernel.py's C++ loop, built at
-first use, and a GPU run the chunk step compiled by torch.compile (Triton), one fused kernel instead of
-a pass per eager op; where neither builds the eager functions run (same formulas; results agree to
-rounding, not bit for bit).
+first use; where it does not build the eager functions run (same formulas; results agree to rounding,
+not bit for bit). A GPU run takes the eager functions over chunks of ``GPU_CHUNK`` elements: torch.compile
+on the optimizer thread broke the model's own compiled kernels on the thread issuing the pass (dynamo's
+tracing flag is process-wide: "Detected that you are using FX to symbolically trace a dynamo-optimized
+function", llama_8b with model.fused on the H200, 2026-12-04), and large chunks keep the launches few.
 """
 from __future__ import annotations
 
-import logging
 import math
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -23,7 +24,6 @@ from torch import Tensor
 from . import cpu_kernel
 from .lowbit import BLOCK, dequantize_signed, dequantize_unsigned, quantize_signed, quantize_unsigned, round_to_bf16
 
-log = logging.getLogger(__name__)
 CHUNK = 1 << 18  # elements: 1 MiB per fp32 temporary (bench/optim_lowp.py)
 _SEED_MIX = 0x9E3779B1
 _M_SALT, _V_SALT = 0x5BD1E995, 0x27D4EB2F  # distinct random streams for the moments' rounding
@@ -71,30 +71,7 @@ def _chunk_int8(p: Tensor, g: Tensor, mq: Tensor, ms: Tensor, vq: Tensor, vs: Te
     vs.copy_(s)
 
 
-_compiled: dict[tuple[str, str], Callable] = {}
-_failed: set[str] = set()
-
-
-def _kernel(name: str, eager: Callable, device: torch.device, compiled: bool) -> Callable:
-    if not compiled or device.type in _failed:
-        return eager
-    key = (name, device.type)
-    if key not in _compiled:
-        _compiled[key] = torch.compile(eager, dynamic=True, fullgraph=True)
-    return _compiled[key]
-
-
-def _call(name: str, eager: Callable, compiled: bool, *args: Any, **kwargs: Any) -> None:
-    device = args[0].device
-    fn = _kernel(name, eager, device, compiled)
-    if fn is eager:
-        return eager(*args, **kwargs)
-    try:
-        return fn(*args, **kwargs)
-    except Exception as error:  # no compiler on this machine, say: the eager formulas give the same update
-        _failed.add(device.type)
-        log.warning("compiling the low-precision Adam step failed on %s (%s); it runs eager", device.type, error)
-        return eager(*args, **kwargs)
+GPU_CHUNK = 1 << 24  # 16 M elements: 64 MB per fp32 temporary, a few dozen launches per GB of master
 
 
 def hyper(group: dict, step: Tensor, grad_scale: Optional[Tensor]) -> Tensor:
@@ -112,15 +89,14 @@ def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Te
     """One step of a flat run: ``p`` (master, fp32 or bf16) and ``g`` its gradient, 1-D; ``state``:
     exp_avg and exp_avg_sq flat (fp32 or bf16), or with 8 bits also their ``*_scale`` per block.
     ``run_key`` tells runs' random streams apart. ``chunk``: elements per call (a multiple of BLOCK; the
-    result does not depend on it); None: CHUNK, or on a GPU with a compiled step the run's whole blocks
-    in one kernel (a compiled kernel keeps no temporaries, and launches cost there)."""
+    result does not depend on it); None: CHUNK on the CPU, GPU_CHUNK on a GPU."""
     if compiled and p.device.type == "cpu":
         seed_int = (int(step.item()) * _SEED_MIX + run_key) & 0xFFFFFFFF
         if cpu_kernel.step(p, g, state, h, seed_int, decoupled):
             return
     n = p.numel()
     if chunk is None:
-        chunk = max(BLOCK, n // BLOCK * BLOCK) if compiled and p.device.type == "cuda" else CHUNK
+        chunk = GPU_CHUNK if p.device.type != "cpu" else CHUNK
     seed = (step.to(torch.int64) * _SEED_MIX + run_key) & 0xFFFFFFFF
     int8 = "exp_avg_scale" in state
     for a in range(0, n, chunk):
@@ -128,14 +104,14 @@ def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Te
         start = torch.full((), a, dtype=torch.int64, device=p.device)
         pc, gc = p[a:b], g[a:b]
         if not int8:
-            _call("float", _chunk_float, compiled, pc, gc, state["exp_avg"][a:b], state["exp_avg_sq"][a:b], h, seed, start, decoupled)
+            _chunk_float(pc, gc, state["exp_avg"][a:b], state["exp_avg_sq"][a:b], h, seed, start, decoupled)
             continue
         padded = -(-(b - a) // BLOCK) * BLOCK
         if padded != b - a:  # the run's last partial block: zero-padded copies (state buffers are padded already)
             pc = torch.cat([pc, pc.new_zeros(padded - (b - a))])
             gc = torch.cat([gc, gc.new_zeros(padded - (b - a))])
         blocks = slice(a // BLOCK, a // BLOCK + padded // BLOCK)
-        _call("int8", _chunk_int8, compiled, pc, gc, state["exp_avg"][a : a + padded], state["exp_avg_scale"][blocks],
+        _chunk_int8(pc, gc, state["exp_avg"][a : a + padded], state["exp_avg_scale"][blocks],
               state["exp_avg_sq"][a : a + padded], state["exp_avg_sq_scale"][blocks], h, seed, start, decoupled)
         if padded != b - a:
             p[a:b].copy_(pc[: b - a])
