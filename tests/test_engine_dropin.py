@@ -591,7 +591,7 @@ def test_loss_fn_returning_several_losses():
     engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
     expected = [0.0, 0.0, 0.0]
     for xm, ym in zip(x.chunk(2), y.chunk(2)):
-        ce, reg, acc = losses(ref.compute(xm), ym)
+        ce, reg, acc = losses(ref.compute(xm.to(ref.device)), ym.to(ref.device))
         (ce + reg).backward()
         expected = [e + v.item() for e, v in zip(expected, (ce, reg, acc))]
     ref.step()
@@ -633,7 +633,7 @@ def test_split_specs_on_dimension_one():
             engine.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
             expected, outs = 0.0, []
             for xm, ym in zip(x.chunk(3, dim=1), y.chunk(3, dim=1)):
-                o = ref.compute(xm)
+                o = ref.compute(xm.to(ref.device))
                 l = loss_fn(o, ym)
                 l.backward()
                 expected, outs = expected + l.item(), outs + [o.detach()]

@@ -257,3 +257,10 @@ def merge_outputs(outputs: list[Any], spec: Any = None) -> Any:
         return pytree.tree_unflatten([PackedData(c) for c in columns], treespec)
     specs = _spec_leaves(None if spec is True else spec, treespec, "merge_output")
     return pytree.tree_unflatten([_merge_leaf(c, s) for c, s in zip(columns, specs)], treespec)
+
+
+def summed_losses(losses: list, device: torch.device) -> Any:
+    """The microbatches' losses summed: a tensor, or a list of sums when ``loss_fn`` returned several."""
+    if isinstance(losses[0], torch.Tensor):
+        return torch.stack([loss.to(device) for loss in losses]).sum()
+    return [torch.stack([micro[i].to(device) for micro in losses]).sum() for i in range(len(losses[0]))]

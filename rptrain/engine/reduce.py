@@ -89,3 +89,8 @@ class GradReducer:
         holder = [obj if self.rank == 0 else None]
         dist.broadcast_object_list(holder, src=dist.get_global_rank(self.group, 0), group=self.group)
         return holder[0]
+
+
+def make_reducer(process_group: Any) -> Optional["GradReducer"]:
+    """The data-parallel reducer over ``process_group``, or None without one."""
+    return None if process_group is None else GradReducer(process_group)

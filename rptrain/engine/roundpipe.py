@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from .batching import merge_outputs, split_inputs, split_label
+from .batching import merge_outputs, split_inputs, split_label, summed_losses
 from .checks import check_args, check_inputs, check_state_dict
 from .config import RoundPipeRunConfig, default_microbatches_for
 from .device import make_devices
@@ -25,6 +25,7 @@ from .explain import explain
 from .executor import Executor
 from ..optim.state import OptimizerMemory, state_memory_of
 from .fit import Size
+from .forwarding import ForwardsAttributes
 from .passstate import Args, PassState, float_tensors
 from .host import HostState
 from .memory_format import check_memory_format
@@ -34,16 +35,18 @@ from .planning import Planner
 from .prefit import layers_of, placement_for
 from .prepare import Preparer
 from .recorded import run_recorded
+from .reduce import make_reducer
 from .scaler import register_step_queue
 from .trace import span
 from .tuning import Tuning
+from .user_module import UserModule
 from .versions import Versions
 from .worker import TaskThread
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
 
-class RoundPipe(nn.Module):
+class RoundPipe(ForwardsAttributes):
     """One pipelined model: an ``nn.Sequential`` is split into its elements, any other module is one
     layer (the original library's rule). Arguments:
 
@@ -108,7 +111,7 @@ class RoundPipe(nn.Module):
         self._run_config = model_run_config or RoundPipeRunConfig()
         self._devices = make_devices(devices)
         self._cuda = self._devices[0].is_cuda
-        self._reducer = _reducer(process_group)
+        self._reducer = make_reducer(process_group)
         memory = optimizer if isinstance(optimizer, OptimizerMemory) else state_memory_of(optimizer, optim_dtype)
         resident, copies, self.placement = placement_for(self._layers, optim_dtype, self._devices, self._tuning, self._reducer, gpu_state,
                                                          max_host_memory, max_gpu_memory, memory)
@@ -126,7 +129,7 @@ class RoundPipe(nn.Module):
         self._prepare = Preparer(self._run_config, len(self._layers), len(self._devices), self._cuda, self._planner)
         self._versions = Versions(self._host, self._executor, self._optimizer_thread(optimizer_threads), OptimizerCtx)
         self._closed = False
-        self._synchronized: Optional[tuple[int, list[int]]] = None  # (version, the user's parameters' counters) at synchronize()
+        self._user = UserModule(self._host, self._versions)  # the wrapped module as its user sees it (user_module.py)
         register_step_queue(self)
         self.keeps_user_weights = keep_user_weights
         self._initialized = True  # from here on, attributes RoundPipe lacks are the wrapped model's
@@ -146,35 +149,6 @@ class RoundPipe(nn.Module):
         return thread
 
     # ----------------------------------------------------------------------------- nn.Module surface
-    def __getattr__(self, name: str) -> Any:
-        """Attributes RoundPipe lacks are read from the wrapped model."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            model = self.__dict__.get("_modules", {}).get("model")
-            if model is None:
-                raise
-            return getattr(model, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """After construction, attributes RoundPipe does not have itself are written to the wrapped model."""
-        if self.__dict__.get("_initialized") and not self._owns(name):
-            setattr(self.model, name, value)
-        else:
-            super().__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if self.__dict__.get("_initialized") and not self._owns(name):
-            delattr(self.model, name)
-        else:
-            super().__delattr__(name)
-
-    def _owns(self, name: str) -> bool:
-        return name in self.__dict__ or name in self._modules or name in self._parameters or name in self._buffers or hasattr(type(self), name)
-
-    def _apply(self, fn: Callable, recurse: bool = True) -> "RoundPipe":
-        raise RuntimeError("RoundPipe decides where weights live: do not call .to()/.cuda()/.half() on it; build the model in the dtype you want before wrapping it")
-
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """Names as in the wrapped Sequential. Inside ``OptimizerCtx``: the master parameters (frozen
         ones are yielded as they are: they never get a gradient, so optimizers skip them)."""
@@ -272,7 +246,7 @@ class RoundPipe(nn.Module):
         if state.input_requires_grad:  # e.g. an encoder's packed output: its backward runs now
             pairs = [(t, g) for i, grads in zip(inputs, state.input_grads) for t, g in zip(i, grads or ()) if t.requires_grad and g is not None]
             torch.autograd.backward([t for t, _ in pairs], [g.to(t.device) for t, g in pairs])
-        loss = _summed(state.losses, cfg.output_device)
+        loss = summed_losses(state.losses, cfg.output_device)
         if return_outputs:
             return loss, merge_outputs(state.outputs, cfg.merge_output)
         return loss
@@ -306,31 +280,7 @@ class RoundPipe(nn.Module):
         A user's own optimizer may then step those parameters (the original library's documented use):
         the next call finds them changed, takes them as the new weights and drops the gradients they used."""
         self._check_open()
-        self._synchronize()
-
-    def _synchronize(self) -> None:
-        self._versions.synchronize()
-        self._show_grads()
-        self._synchronized = (self._versions.written, self._host.user_param_versions())
-
-    def _adopt_user_steps(self) -> None:
-        """Parameters written since ``synchronize()``, with no step of ours in between: a plain optimizer
-        over the wrapped model's parameters has stepped them. They become the master (and every copy),
-        and the gradients that step consumed are dropped, as the original library moves them into ``.grad``."""
-        synced, self._synchronized = self._synchronized, None
-        if synced is None or synced[0] != self._versions.written or synced[1] == self._host.user_param_versions():
-            return
-        self._host.read_user_params()
-        self._versions.discard_window()
-        self._synchronize()
-
-    def _show_grads(self) -> None:
-        """The wrapped model's ``.grad``: the gradients accumulated since the last step (in the
-        parameter's dtype; the step still uses the fp32 sums), None where there are none."""
-        buffer = self._versions.open_buffer()
-        for slot, p in zip(self._host.params.slots, self._host.user_params):
-            written = buffer is not None and buffer.written[slot.index]
-            p.grad = buffer.views[slot.index].to(p.device, p.dtype, copy=True) if written else None
+        self._user.synchronize()
 
     def wait_for_steps(self) -> None:
         """Wait for queued optimizer work without raising its errors (GradScaler.update uses it)."""
@@ -362,7 +312,7 @@ class RoundPipe(nn.Module):
         if self._closed:
             raise RuntimeError(f"RoundPipe{f' {self.name!r}' if self.name else ''} was closed: make a new one to train or evaluate again")
         self._versions.raise_errors()
-        self._adopt_user_steps()
+        self._user.adopt_user_steps()
 
     # ----------------------------------------------------------------------------- state dicts
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
@@ -390,25 +340,10 @@ class RoundPipe(nn.Module):
                 if key in targets:
                     targets[key].copy_(value)
         self._executor.store.frozen_changed()
-        self._synchronize()
+        self._user.synchronize()
         return IncompatibleKeys(missing, unexpected)
 
     # ----------------------------------------------------------------------------- plans
     def _auto_plan(self, min_stages: Optional[int], memory_cap: Optional[int]) -> ExecutePlan:
         """``ExecutePlan.auto``: the measured costs when a call has measured them, else the sizes."""
         return self._planner.auto(min_stages, memory_cap)
-
-
-def _summed(losses: list, device: torch.device) -> Any:
-    """The microbatches' losses summed: a tensor, or a list of sums when ``loss_fn`` returned several."""
-    if isinstance(losses[0], torch.Tensor):
-        return torch.stack([loss.to(device) for loss in losses]).sum()
-    return [torch.stack([micro[i].to(device) for micro in losses]).sum() for i in range(len(losses[0]))]
-
-
-def _reducer(process_group: Any) -> Any:
-    if process_group is None:
-        return None
-    from .reduce import GradReducer
-
-    return GradReducer(process_group)

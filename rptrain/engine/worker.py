@@ -79,6 +79,10 @@ def _loop(tasks: "queue.Queue", threads: Optional[int], ready: threading.Event) 
     # Holds only the queue, not the engine, so an unused engine can be garbage-collected.
     if threads is not None:
         torch.set_num_threads(threads)
+        # torch sets a thread's count lazily, from the process default, at its first parallel call: take it
+        # now, while the default is ours (the caller puts its own back once ``ready`` is set). On the H200's
+        # torch the step function otherwise ran with the caller's 16 threads.
+        torch.get_num_threads()
     ready.set()
     while True:
         item = tasks.get()
