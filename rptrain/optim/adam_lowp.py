@@ -71,7 +71,7 @@ def _chunk_int8(p: Tensor, g: Tensor, mq: Tensor, ms: Tensor, vq: Tensor, vs: Te
     vs.copy_(s)
 
 
-GPU_CHUNK = 1 << 24  # 16 M elements: 64 MB per fp32 temporary, a few dozen launches per GB of master
+GPU_CHUNK = 1 << 22  # 4 M elements: 16 MB per fp32 temporary (16 M ran a 14 B plan out of GPU memory, 2026-12-04)
 
 
 def hyper(group: dict, step: Tensor, grad_scale: Optional[Tensor]) -> Tensor:
