@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 
@@ -42,10 +41,14 @@ def test_the_meta_check_draws_no_random_numbers():
 def test_a_model_that_cannot_fit_is_refused_before_it_is_built(tmp_path):
     """llama_1b (3.6 GiB of fp32 weights) on a 2 GiB budget: one line, exit 2, and the process never
     holds the model (peak 0.8 GiB measured; 4.3 GiB when the model was built before the check)."""
-    proc = subprocess.run([sys.executable, "-m", "rptrain.cli.main", "model=llama_1b", "data=synthetic_tokens",
+    # The peak is read in a wrapper process whose only child is the run: RUSAGE_CHILDREN of the test's own
+    # process is the largest of every child it ever waited for (an earlier test's run, say).
+    wrapper = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+               "sys.stderr.write(p.stderr); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(p.returncode)")
+    proc = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "rptrain.cli.main", "model=llama_1b", "data=synthetic_tokens",
                            "engine.max_host_memory=2GiB", f"hydra.run.dir={tmp_path / 'run'}"],
                           capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    peak = int(proc.stdout.split()[-1]) * 1024
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "the training state does not fit" in lines[0], proc.stderr[-2000:]
     assert peak < 2 * 2**30, peak
