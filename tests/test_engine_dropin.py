@@ -634,7 +634,7 @@ def test_split_specs_on_dimension_one():
             expected, outs = 0.0, []
             for xm, ym in zip(x.chunk(3, dim=1), y.chunk(3, dim=1)):
                 o = ref.compute(xm.to(ref.device))
-                l = loss_fn(o, ym)
+                l = loss_fn(o, ym.to(ref.device))
                 l.backward()
                 expected, outs = expected + l.item(), outs + [o.detach()]
             ref.step()

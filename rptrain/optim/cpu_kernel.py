@@ -10,7 +10,10 @@ per-block maximum; this loop is the issue's "compiled or C++ CPU kernel".
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import platform
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -141,17 +144,30 @@ _module: Any = None
 _failed = False
 
 
+def _cpu_tag() -> str:
+    """A short hash of this CPU's model and instruction-set flags. The module is built with -march=native
+    and torch caches builds by name in the user's home, which a cluster's nodes may share: a build from
+    another CPU model could stop this one with an illegal instruction, so each CPU kind gets its own name."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [line for line in info.splitlines() if line.startswith(("flags", "model name", "Features", "CPU part"))]
+        text = "\n".join(dict.fromkeys(lines)) or platform.processor()
+    except OSError:
+        text = platform.machine() + platform.processor()
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def kernel() -> Optional[Any]:
     """The built extension, or None where it cannot be built (no compiler): callers fall back."""
     global _module, _failed
     if _module is None and not _failed:
         try:
             from torch.utils.cpp_extension import load_inline
-            _module = load_inline("rptrain_adam_lowp_v5", cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffinite-math-only"],
+            _module = load_inline(f"rptrain_adam_lowp_v5_{_cpu_tag()}", cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffinite-math-only"],
                                   extra_ldflags=[], verbose=False)
         except Exception as error:  # noqa: BLE001 - any build failure means: use the torch formulas
             _failed = True
-            log.warning("building the C++ low-precision Adam step failed (%s); torch.compile's runs instead", error)
+            log.warning("building the C++ low-precision Adam step failed (%s); the eager torch formulas run instead", error)
     return _module
 
 
