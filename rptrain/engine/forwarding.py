@@ -1,15 +1,15 @@
-"""The engine as the wrapped model's stand-in: attributes it lacks are read, written and deleted on the
-wrapped model (the original library's behaviour), and moving it with ``.to()`` is refused."""
+"""The engine (and wrap_model's wrapper) as the wrapped model's stand-in: attributes it lacks are read,
+written and deleted on the wrapped model (the original library's behaviour)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 
 
 class ForwardsAttributes(nn.Module):
-    """Mixed into RoundPipe, which sets ``_initialized`` once its own attributes exist and keeps the
-    wrapped model as ``model``."""
+    """Mixed into RoundPipe and WrappedModel, which set ``_initialized`` once their own attributes exist and
+    keep the wrapped model as ``model``."""
 
     def __getattr__(self, name: str) -> Any:
         """Attributes RoundPipe lacks are read from the wrapped model."""
@@ -36,6 +36,3 @@ class ForwardsAttributes(nn.Module):
 
     def _owns(self, name: str) -> bool:
         return name in self.__dict__ or name in self._modules or name in self._parameters or name in self._buffers or hasattr(type(self), name)
-
-    def _apply(self, fn: Callable, recurse: bool = True) -> "ForwardsAttributes":
-        raise RuntimeError("RoundPipe decides where weights live: do not call .to()/.cuda()/.half() on it; build the model in the dtype you want before wrapping it")

@@ -136,8 +136,7 @@ class RoundPipe(ForwardsAttributes):
 
     @staticmethod
     def default_num_microbatch(devices: Any = None) -> int:
-        """The ``num_microbatch`` a ``RoundPipe(..., devices=devices)`` uses when no run config sets one:
-        its GPUs + 1, or 1 on the CPU (callers planning batches ask here rather than counting GPUs)."""
+        """``num_microbatch`` without a run config's: GPUs + 1, or 1 on the CPU (callers ask here, never count GPUs)."""
         return default_microbatches_for(devices)
 
     def _optimizer_thread(self, threads: Optional[int]) -> TaskThread:
@@ -149,9 +148,11 @@ class RoundPipe(ForwardsAttributes):
         return thread
 
     # ----------------------------------------------------------------------------- nn.Module surface
+    def _apply(self, fn: Callable, recurse: bool = True) -> "RoundPipe":  # .to(), .cuda(), .half(), ...
+        raise RuntimeError("RoundPipe decides where weights live: do not call .to()/.cuda()/.half() on it; build the model in the dtype you want before wrapping it")
+
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """Names as in the wrapped Sequential. Inside ``OptimizerCtx``: the master parameters (frozen
-        ones are yielded as they are: they never get a gradient, so optimizers skip them)."""
+        """The wrapped model's names; inside ``OptimizerCtx`` the master parameters (frozen ones as they are: no gradient)."""
         originals = self.model.named_parameters(prefix=prefix, remove_duplicate=remove_duplicate)
         if not in_optimizer_ctx():
             yield from originals

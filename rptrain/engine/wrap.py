@@ -25,6 +25,7 @@ from torch import nn
 
 from .batching import merge_outputs, split_inputs, split_label
 from .config import RoundPipeRunConfig
+from .forwarding import ForwardsAttributes
 from .optimizer_ctx import OptimizerCtx, in_optimizer_ctx
 from .roundpipe import RoundPipe
 
@@ -98,7 +99,7 @@ def _wrap_children(module: nn.Module, prefix: str, make: Callable, config: Round
         setattr(module, name, engine)
 
 
-class WrappedModel(nn.Module):
+class WrappedModel(ForwardsAttributes):
     """A model with ``RoundPipe`` engines in place of its heavy children (``wrap_model``)."""
 
     def __init__(self, model: nn.Module, engines: list[tuple[str, RoundPipe]], run_config: Optional[RoundPipeRunConfig] = None):
@@ -116,28 +117,6 @@ class WrappedModel(nn.Module):
                                  "engine's weights; untie them or pass the engine's module in skip_modules")
         self._glue = list({id(p): (n, p) for n, p in reversed(list(_glue_parameters(model, "")))}.values())[::-1]
         self._initialized = True  # from here on, attributes WrappedModel lacks are the model's
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["model"], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """After construction, attributes WrappedModel does not have itself are written to the model."""
-        if self.__dict__.get("_initialized") and not self._owns(name):
-            setattr(self.model, name, value)
-        else:
-            super().__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if self.__dict__.get("_initialized") and not self._owns(name):
-            delattr(self.model, name)
-        else:
-            super().__delattr__(name)
-
-    def _owns(self, name: str) -> bool:
-        return name in self.__dict__ or name in self._modules or hasattr(type(self), name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._raise_errors()
