@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import adam_lowp
-from .flat import FlatState, _FlatRuns, _flat, _match_grad_layouts, _span
+from .flat import FlatState, _FlatRuns, _flat, _span, before_torch_step
 from .lowbit import BLOCK
 from .state import OptimizerMemory, StateTensor, moments
 
@@ -100,11 +100,7 @@ class _FlatStepMixin:
         return all(p.device.type in ("cpu", "cuda") for g in self.param_groups for p in g["params"])
 
     def _torch_step(self, closure: Optional[Callable]) -> Any:
-        from .flatstep import unshare_scalars  # (imported here: one line to merge with issue 29's adam.py)
-
-        unshare_scalars(self)  # type: ignore[arg-type]
-        if self.defaults.get("fused"):
-            _match_grad_layouts(self.param_groups)
+        before_torch_step(self)  # type: ignore[arg-type]
         return super().step(closure)  # type: ignore[misc]
 
     @torch.no_grad()

@@ -156,3 +156,25 @@ def _match_grad_layouts(groups: list[dict]) -> None:
             g = p.grad
             if g is not None and p.device.type == "cpu" and g.stride() != p.stride():
                 p.grad = torch.empty_strided(p.shape, p.stride(), dtype=g.dtype).copy_(g)
+
+
+def unshare_scalars(optimizer: torch.optim.Optimizer) -> None:
+    """Call before torch's own step. torch counts each parameter's steps in place, so a count the flat
+    path shares across a run would advance once per parameter: each parameter gets its own copy."""
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for name, value in state.items():
+                if isinstance(value, Tensor) and value.dim() == 0:
+                    if id(value) in seen:
+                        state[name] = value.clone()
+                    seen.add(id(value))
+
+
+def before_torch_step(optimizer: torch.optim.Optimizer) -> None:
+    """What every flat-run optimizer does before falling back to torch's own step: per-parameter step
+    counts, and gradients in their parameters' layout for torch's fused kernels."""
+    unshare_scalars(optimizer)
+    if optimizer.defaults.get("fused"):
+        _match_grad_layouts(optimizer.param_groups)

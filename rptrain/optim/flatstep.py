@@ -16,7 +16,7 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 from torch import Tensor
 
-from .flat import _FlatRuns, _flat, _like, _match_grad_layouts, _span
+from .flat import _FlatRuns, _flat, _like, _span, before_torch_step
 from .kernels import Elementwise
 from .state_spec import StateSpec, optimizer_memory
 
@@ -30,20 +30,6 @@ def fused_by_default(params: Any, kwargs: dict, devices: tuple[str, ...] = ("cpu
         tensors = [p[1] if isinstance(p, tuple) else p for p in tensors]  # named parameters
         kwargs["fused"] = all(t.is_floating_point() and t.device.type in devices for t in tensors) or None
     return params, kwargs
-
-
-def unshare_scalars(optimizer: torch.optim.Optimizer) -> None:
-    """Call before torch's own step. torch counts each parameter's steps in place, so a count the flat
-    path shares across a run would advance once per parameter: each parameter gets its own copy."""
-    seen: set[int] = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p, {})
-            for name, value in state.items():
-                if isinstance(value, Tensor) and value.dim() == 0:
-                    if id(value) in seen:
-                        state[name] = value.clone()
-                    seen.add(id(value))
 
 
 class _RunState:
@@ -86,9 +72,7 @@ class FlatStepMixin:
         )
 
     def _torch_step(self, closure: Optional[Callable]) -> Any:
-        unshare_scalars(self)  # type: ignore[arg-type]
-        if self.defaults.get("fused"):
-            _match_grad_layouts(self.param_groups)
+        before_torch_step(self)  # type: ignore[arg-type]
         return super().step(closure)  # type: ignore[misc]
 
     @torch.no_grad()
