@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|lowmem|lowmem-big|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|lowmem|lowmem-big|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == endrun ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -211,6 +211,29 @@ fi
 if [[ $what == lowmem-big ]]; then  # issue 29: the largest shape with the low-memory state; the 8 B plain peer (checkpointing) beside the preset
   run 300 "${lowmem[@]}" --model qwen3_32b --impl rptrain --master-dtype bf16 --state-dtype int8
   run 240 "${lowmem[@]}" --model llama_8b --impl rptrain plain --master-dtype bf16 --state-dtype int8
+fi
+if [[ $what == endrun ]]; then  # issue 32: an 8 B full fine-tune from a HF folder to its end; issue 29: time to the first step (about 7 minutes)
+  # A random Llama-3.1-8B-shaped folder (bf16, 14.96 GiB), then `rptrain model=hf` with the low-memory preset for 3 steps
+  # at 4 x 4096, its evaluation, checkpoint (about 31 GiB) and export (15 GiB), its host memory sampled per phase
+  # (bench/endrun.py); then the preset's time to its first step. ENDRUN_TINY=1: the same at CI size (a CPU will do).
+  er=${ENDRUN_DIR:-/tmp/endrun} tiny=${ENDRUN_TINY:+--tiny}
+  mkdir -p "$er"
+  folder=$er/llama-3.1-8b
+  free_gib=$(( $(df -Pk "$er" | awk 'NR==2 {print $4}') / 1048576 ))
+  shm_gib=$(( $(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $4}') / 1048576 ))
+  # The folder, a checkpoint and an export need about 61 GiB: a short disk gets the folder in /dev/shm (host memory the
+  # low-memory preset can spare: its host state is about 16 GiB), so the checkpoint still fits.
+  if [[ -z $tiny ]] && (( free_gib < 64 && shm_gib >= 17 )); then folder=/dev/shm/endrun-llama-3.1-8b; fi
+  echo "endrun: disk $er ${free_gib} GiB free, /dev/shm ${shm_gib} GiB free; the folder goes to $folder" | tee -a "$out/suite.log"
+  run 150 python3 bench/hf_folder.py --out "$folder" $tiny
+  for optim in ${ENDRUN_OPTIMS:-adamw_lowmem}; do
+    run 330 python3 bench/endrun.py --model hf --folder "$folder" --optim "$optim" --out-dir "$er" --timeout 300 \
+      --timeline "$out/endrun-hf-$optim.jsonl" --log "$out/endrun-hf-$optim.log" $tiny
+  done
+  rm -rf "$folder"  # before the next run: in /dev/shm it is host memory
+  run 150 python3 bench/endrun.py --model llama_8b --optim adamw_lowmem --until first_step --out-dir "$er" --timeout 130 \
+    --timeline "$out/endrun-llama_8b.jsonl" --log "$out/endrun-llama_8b.log" $tiny
+  grep '^{"bench": "\(endrun\|hf_folder\)"' "$out/suite.log" > "$out/endrun.jsonl"
 fi
 if [[ $what == llm || $what == all ]]; then
   {

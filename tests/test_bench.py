@@ -171,3 +171,23 @@ def test_llm_records_an_engine_that_does_not_fit(monkeypatch):
     assert record["error"].startswith("does not fit: the training state does not fit: host memory needed"), record
     assert "1.00 MiB available (a 1 MiB test budget)" in record["error"] and "tokens_per_s" not in record
     assert record["host_budget_gib"] == round(2**20 / 2**30, 2) and record["host_needed_gib"] >= 0
+
+
+def test_endrun_samples_a_run_to_its_end(tmp_path):
+    """Issue 32's GPU mode at CI size (bash bench/gpu_suite.sh endrun): a random Llama folder written shard by
+    shard, then `rptrain model=hf` to its end with its memory sampled per phase and its outputs sized."""
+    (folder,) = run_tiny("hf_folder.py", "--out", str(tmp_path / "llama"))
+    assert folder["params"] == 139_584 and (tmp_path / "llama" / "model.safetensors.index.json").is_file()
+    (run,) = run_tiny("endrun.py", "--folder", str(tmp_path / "llama"), "--out-dir", str(tmp_path / "runs"))
+    assert run["exit"] == 0 and run["status"] == "completed" and not run["timed_out"], run
+    assert 0 < run["time_to_first_step_s"] <= run["last_step_s"] < run["wall_s"]
+    assert run["peak_rss_gib"] >= run["setup_peak_gib"]["vmrss"] > 0
+    assert set(run["written_gib"]) == {"checkpoints", "hf"} and "export_left_out" not in run
+    assert not (tmp_path / "runs" / "hf-adamw_lowmem-end").exists()  # deleted after: its disk is the next run's
+
+
+@pytest.mark.slow
+def test_endrun_stops_at_the_first_step(tmp_path):
+    """--until first_step (issue 29's start-up time): the process group is killed after the first step's line."""
+    (run,) = run_tiny("endrun.py", "--model", "llama_8b", "--until", "first_step", "--out-dir", str(tmp_path))
+    assert run["exit"] == -9 and run["status"] == "running" and run["time_to_first_step_s"] > 0, run
