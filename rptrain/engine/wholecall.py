@@ -1,0 +1,215 @@
+"""A whole training call recorded as one CUDA graph and replayed (callpath.py says when).
+
+Every microbatch's forward, ``loss_fn`` and backward are recorded once per call shape: the stage's
+weights are the resident live copy, its buffers and gradient tensors static (resident.py), so a
+replay reads and writes the same memory as the recording did, and the backward adds into the static
+gradients that the SEND action then hands to the open window. The inputs and labels are copied into
+the graph's static ones before each replay; the losses and outputs it returns live in memory the
+next replay overwrites, so the caller copies them.
+
+What the recording bakes in is part of the key: the train/eval modes, the inputs' and labels'
+shapes and constants, autocast, and ``loss_fn``: its code and what it closes over (numbers by value,
+other objects by identity: the tutorial's ``lambda out, y: scaler.scale(criterion(out, y))`` is a new
+function object every call, the same key). Globals it reads are assumed constant. A ``GradScaler``'s
+scale is read from a device tensor (scaler.py), refreshed before each replay, so a changed scale
+needs no new recording. A call this cannot hold (inputs that need gradients, tensors the engine
+cannot see, a ``loss_fn`` that reads tensor values on the host) returns None: the executor runs it
+stage by stage, and ``fallback`` keeps the reason for ``explain()``.
+"""
+from __future__ import annotations
+
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .batching import iter_tensors, map_tensors, opaque_type
+from .compute import loss_scalars
+from .graphs import signature
+from .passstate import call_layer
+from .scaler import recording_scalers, scaling_by_tensors
+from .tuning import Tuning
+
+_VALUES = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+
+
+def _value_key(v: Any, depth: int = 0) -> Any:
+    """Numbers and strings by value, containers of them by their items, anything else by identity."""
+    if isinstance(v, _VALUES):
+        return ("v", type(v), v)
+    if isinstance(v, (tuple, list)) and depth < 3:
+        return ("s", type(v), tuple(_value_key(x, depth + 1) for x in v))
+    return ("id", id(v))
+
+
+def loss_key(fn: Callable) -> tuple:
+    """What a recording of ``fn`` depends on (its identity where it has no code of its own)."""
+    if isinstance(fn, types.MethodType):
+        return ("method", id(fn.__self__), loss_key(fn.__func__))
+    if hasattr(fn, "func") and hasattr(fn, "args") and hasattr(fn, "keywords"):  # functools.partial
+        return ("partial", loss_key(fn.func), _value_key(fn.args), tuple(sorted((k, _value_key(v)) for k, v in fn.keywords.items())))
+    code = getattr(fn, "__code__", None)
+    if code is None:  # a callable object, e.g. nn.CrossEntropyLoss(): its tensors are read from their memory
+        return ("object", id(fn))
+    cells = tuple(_value_key(c.cell_contents) for c in (fn.__closure__ or ()))
+    return ("code", code, cells, _value_key(fn.__defaults__), _value_key(sorted((fn.__kwdefaults__ or {}).items())))
+
+
+def _autocast() -> tuple:
+    return tuple((kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cuda", "cpu"))
+
+
+@dataclass
+class Recorded:
+    """One recorded call: its static inputs, labels, losses and outputs, and the scalers it scales with."""
+
+    graph: Any  # torch.cuda.CUDAGraph (None on a simulated device: replays run eagerly)
+    inputs: list
+    labels: list
+    losses: list  # per microbatch: (whether loss_fn returned one tensor, its scalar losses)
+    outputs: list
+    factors: dict  # GradScaler -> its scale's device tensor
+    filled: dict = field(default_factory=dict)  # GradScaler -> the scale the tensor holds
+    keep: Any = None  # the loss_fn recorded: its closure's objects stay alive, so their ids stay theirs
+
+
+@dataclass
+class Replayed:
+    """What one replay gives the caller: each microbatch's losses, outputs (static memory) and the scales used."""
+
+    losses: list
+    outputs: list
+    scalers: dict
+
+
+def fill_scales(rec: Recorded) -> dict:
+    """Each recorded scaler's current scale into its device tensor (only when it changed): the scales used."""
+    scalers = {}
+    for scaler, factor in rec.factors.items():
+        scale = scaler.get_scale()
+        if rec.filled.get(scaler) != scale:
+            factor.fill_(scale)
+            rec.filled[scaler] = scale
+        scalers[scaler] = scale
+    return scalers
+
+
+def _copy_into(static: Any, value: Any) -> None:
+    for s, t in zip(iter_tensors(static), iter_tensors(value)):
+        if s.data_ptr() != t.data_ptr():
+            s.copy_(t, non_blocking=True)
+
+
+def run_call(modules: Iterable[nn.Module], inputs: list, labels: list, loss_fn: Callable, factors: dict, registry: dict) -> tuple[list, list]:
+    """Every microbatch's forward, loss and backward (the body a graph records)."""
+    layers = list(modules)
+    losses, outputs = [], []
+    with torch.enable_grad():
+        for x, y in zip(inputs, labels):
+            out = x
+            for layer in layers:
+                out = call_layer(layer, out)
+            with recording_scalers(registry), scaling_by_tensors(factors):
+                loss = loss_fn(out, y)
+            items = loss_scalars(loss)
+            trained = [t for t in items if t.requires_grad]
+            if trained:  # as torch.autograd.backward(loss): every loss that needs it
+                torch.autograd.backward(trained)
+            losses.append((isinstance(loss, Tensor), [t.detach().reshape(()) for t in items]))
+            outputs.append(map_tensors(Tensor.detach, out))
+    return losses, outputs
+
+
+class WholeCallGraphs:
+    """Recorded whole calls on one device, by key; at most ``tuning.max_recorded_graphs`` of them."""
+
+    def __init__(self, device: torch.device, tuning: Tuning):
+        self.device, self.tuning = device, tuning
+        self._recorded: dict[tuple, Optional[Recorded]] = {}
+        self.fallback: Optional[str] = None  # why the newest call ran stage by stage (None: it replayed)
+        self._failed: dict[tuple, str] = {}  # key -> why its recording failed
+        self._pool = None
+        self._stream: Optional[torch.cuda.Stream] = None
+
+    def run(self, modes: tuple, modules: Any, inputs: list, labels: list, loss_fn: Callable) -> Optional[Replayed]:
+        """Replay (recording first on a new key); None: run this call stage by stage (``fallback`` says why).
+        ``modules``: the stage's modules, bound on iteration (only recording and eager replays need them)."""
+        key, why = self._key(modes, inputs, labels, loss_fn)
+        if key is not None and key not in self._recorded:
+            if sum(r is not None for r in self._recorded.values()) >= self.tuning.max_recorded_graphs:
+                why = f"{self.tuning.max_recorded_graphs} call shapes already recorded (Tuning.max_recorded_graphs)"
+                warnings.warn(f"rptrain: {why}; new shapes run stage by stage", stacklevel=4)
+                key = None
+            else:
+                self._recorded[key] = self._record(key, modules, inputs, labels, loss_fn)
+        rec = self._recorded.get(key) if key is not None else None
+        if rec is None:
+            self.fallback = why or self._failed.get(key, "not recorded")
+            return None
+        self.fallback = None
+        return self._replay(rec, modules, inputs, labels, loss_fn)
+
+    def _key(self, modes: tuple, inputs: list, labels: list, loss_fn: Callable) -> tuple[Optional[tuple], Optional[str]]:
+        for value in (inputs, labels):
+            if opaque_type(value) is not None:
+                return None, "an input or label holds tensors the engine cannot see"
+        parts = (signature(inputs), signature(labels))
+        if None in parts:
+            return None, "an input or label is not hashable"
+        try:
+            fn = loss_key(loss_fn)
+            hash(fn)
+        except TypeError:
+            return None, "loss_fn's closure holds values that cannot be compared"
+        return (modes, parts, fn, _autocast()), None
+
+    def _replay(self, rec: Recorded, modules: Any, inputs: list, labels: list, loss_fn: Callable) -> Replayed:
+        for static, value in zip(rec.inputs + rec.labels, inputs + labels):
+            _copy_into(static, value)
+        scalers = fill_scales(rec)
+        rec.graph.replay()
+        return Replayed(rec.losses, rec.outputs, scalers)
+
+    def _record(self, key: tuple, modules: Any, inputs: list, labels: list, loss_fn: Callable) -> Optional[Recorded]:
+        layers = list(modules)
+        params = [p for m in layers for p in m.parameters()]
+        buffers = [b for m in layers for b in m.buffers()]
+        saved_buffers = [b.detach().clone() for b in buffers]
+        saved_grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        rng = torch.cuda.get_rng_state(self.device)
+        try:
+            return self._capture(layers, inputs, labels, loss_fn)
+        except Exception as e:  # anything a graph cannot hold: this call shape runs stage by stage
+            reason = self._failed[key] = f"recording the whole call failed: {type(e).__name__}: {e}"
+            warnings.warn(f"rptrain: {reason}; running it stage by stage", stacklevel=5)
+            return None
+        finally:
+            if self._stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            with torch.no_grad():  # the warm-up calls updated statistics, gradients and random state
+                for b, value in zip(buffers, saved_buffers):
+                    b.copy_(value)
+                for p, value in zip(params, saved_grads):
+                    if value is not None:
+                        p.grad.copy_(value)
+            torch.cuda.set_rng_state(rng, self.device)
+
+    def _capture(self, layers: list, inputs: list, labels: list, loss_fn: Callable) -> Recorded:
+        static_in = [map_tensors(lambda t: t.detach().clone(), v) for v in inputs]
+        static_labels = [map_tensors(lambda t: t.detach().clone(), v) for v in labels]
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+        factors: dict = {}
+        # One stream for the warm-up and the recording: autograd runs a node's backward on its forward's stream.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for _ in range(self.tuning.graph_warmup):  # cuDNN's algorithm search, lazy state, the scale tensors
+                run_call(layers, static_in, static_labels, loss_fn, factors, {})
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                losses, outputs = run_call(layers, static_in, static_labels, loss_fn, factors, {})
+        return Recorded(graph, static_in, static_labels, losses, outputs, factors, {s: s.get_scale() for s in factors}, loss_fn)
