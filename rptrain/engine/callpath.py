@@ -49,7 +49,7 @@ def decide(jobs: Sequence[Job], *, cuda: bool, whole_call: bool, graphed: bool, 
     if len({j.device for j in jobs}) > 1:
         reasons.append(f"{len({j.device for j in jobs})} devices")
     if len(jobs) != 1 or jobs[0].kind is not JobKind.FUSED:
-        reasons.append(f"{len(jobs)} stages (one fused stage needed)")
+        reasons.append(f"{len(jobs)} stages (the whole call needs a single stage)")
     elif cuda and not graphed:
         reasons.append("the stage is not replayed as CUDA graphs (weights not resident, graphs off, or over Tuning.max_graph_params)")
     if reducer:

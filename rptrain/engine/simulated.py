@@ -174,7 +174,8 @@ class _EagerWholeCall(WholeCallGraphs):
     the scales read from their tensors as a replay reads them; like a real replay it returns the
     losses and outputs in the same memory every time."""
 
-    def _record(self, key: tuple, modules: Any, inputs: list, labels: list, loss_fn: Callable) -> Recorded:
+    def _capture(self, layers: list, inputs: list, labels: list, loss_fn: Callable) -> Recorded:
+        run_call(layers, inputs, labels, loss_fn, {}, {})  # the warm-up a recording runs (its effects are put back)
         return Recorded(None, [], [], [], [], {}, keep=loss_fn)
 
     def _replay(self, rec: Recorded, modules: Any, inputs: list, labels: list, loss_fn: Callable) -> Replayed:

@@ -18,10 +18,12 @@ stage by stage, and ``fallback`` keeps the reason for ``explain()``.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +35,10 @@ from .passstate import call_layer
 from .scaler import recording_scalers, scaling_by_tensors
 from .tuning import Tuning
 
+# Recordings of one call shape and loss_fn code that differ only in what loss_fn closes over: past
+# this, such a closure is taken to change every call (a per-batch divisor) and recording it is not
+# worth its warm-up calls.
+_CLOSURES_PER_CALL = 2
 _VALUES = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 
 
@@ -45,6 +51,19 @@ def _value_key(v: Any, depth: int = 0) -> Any:
     return ("id", id(v))
 
 
+def _cells(fn: Callable) -> list:
+    out = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # a cell not yet assigned
+            out.append(_EMPTY)
+    return out
+
+
+_EMPTY = object()
+
+
 def loss_key(fn: Callable) -> tuple:
     """What a recording of ``fn`` depends on (its identity where it has no code of its own)."""
     if isinstance(fn, types.MethodType):
@@ -54,8 +73,45 @@ def loss_key(fn: Callable) -> tuple:
     code = getattr(fn, "__code__", None)
     if code is None:  # a callable object, e.g. nn.CrossEntropyLoss(): its tensors are read from their memory
         return ("object", id(fn))
-    cells = tuple(_value_key(c.cell_contents) for c in (fn.__closure__ or ()))
+    cells = tuple(_value_key(v) for v in _cells(fn))
     return ("code", code, cells, _value_key(fn.__defaults__), _value_key(sorted((fn.__kwdefaults__ or {}).items())))
+
+
+def _identities(container: Any) -> Any:
+    items = container.items() if isinstance(container, dict) else container
+    return [tuple(map(id, kv)) if isinstance(container, dict) else id(kv) for kv in items]
+
+
+@contextlib.contextmanager
+def closure_kept(fn: Callable) -> Iterator[None]:
+    """Run recordings with the lists, dicts and sets ``fn`` closes over put back afterwards; raise if one
+    changed. Such a ``loss_fn`` has side effects (say, it appends a count per microbatch) that a replay,
+    which never calls it, would not have: the call runs stage by stage instead."""
+    containers = [v for v in _cells(fn) if isinstance(v, (list, dict, set))]
+    saved = [(copy.copy(c), _identities(c)) for c in containers]
+    changed = False
+    try:
+        yield
+    finally:
+        for c, (before, ids) in zip(containers, saved):
+            if _identities(c) != ids:
+                changed = True
+                c.clear()
+                if isinstance(c, list):
+                    c.extend(before)
+                else:
+                    c.update(before)
+    if changed:
+        raise SideEffects("loss_fn changes a list, dict or set it closes over, which a replayed graph would not do")
+
+
+class SideEffects(Exception):
+    pass
+
+
+def _family(key: tuple) -> tuple:
+    modes, parts, fn, autocast = key
+    return (modes, parts, fn[:2], autocast)
 
 
 def _autocast() -> tuple:
@@ -139,9 +195,8 @@ class WholeCallGraphs:
         ``modules``: the stage's modules, bound on iteration (only recording and eager replays need them)."""
         key, why = self._key(modes, inputs, labels, loss_fn)
         if key is not None and key not in self._recorded:
-            if sum(r is not None for r in self._recorded.values()) >= self.tuning.max_recorded_graphs:
-                why = f"{self.tuning.max_recorded_graphs} call shapes already recorded (Tuning.max_recorded_graphs)"
-                warnings.warn(f"rptrain: {why}; new shapes run stage by stage", stacklevel=4)
+            why = self._refusal(key)
+            if why is not None:
                 key = None
             else:
                 self._recorded[key] = self._record(key, modules, inputs, labels, loss_fn)
@@ -151,6 +206,18 @@ class WholeCallGraphs:
             return None
         self.fallback = None
         return self._replay(rec, modules, inputs, labels, loss_fn)
+
+    def _refusal(self, key: tuple) -> Optional[str]:
+        """Why a new key is not recorded: the recording limit, or a loss_fn whose closure changes every call."""
+        if sum(r is not None for r in self._recorded.values()) >= self.tuning.max_recorded_graphs:
+            why = f"{self.tuning.max_recorded_graphs} call shapes already recorded (Tuning.max_recorded_graphs)"
+            warnings.warn(f"rptrain: {why}; new shapes run stage by stage", stacklevel=5)
+            return why
+        family = _family(key)  # the same shapes and loss_fn code, other closure values
+        if sum(_family(k) == family for k in self._recorded) >= _CLOSURES_PER_CALL:
+            return (f"loss_fn's closure changed in {_CLOSURES_PER_CALL} calls of the same shapes (say, a per-batch number): "
+                    "calls with a changed closure run stage by stage")
+        return None
 
     def _key(self, modes: tuple, inputs: list, labels: list, loss_fn: Callable) -> tuple[Optional[tuple], Optional[str]]:
         for value in (inputs, labels):
@@ -179,9 +246,10 @@ class WholeCallGraphs:
         buffers = [b for m in layers for b in m.buffers()]
         saved_buffers = [b.detach().clone() for b in buffers]
         saved_grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
-        rng = torch.cuda.get_rng_state(self.device)
+        rng = self._rng()
         try:
-            return self._capture(layers, inputs, labels, loss_fn)
+            with closure_kept(loss_fn):  # warm-ups and the recording leave the closure as it was
+                return self._capture(layers, inputs, labels, loss_fn)
         except Exception as e:  # anything a graph cannot hold: this call shape runs stage by stage
             reason = self._failed[key] = f"recording the whole call failed: {type(e).__name__}: {e}"
             warnings.warn(f"rptrain: {reason}; running it stage by stage", stacklevel=5)
@@ -195,7 +263,16 @@ class WholeCallGraphs:
                 for p, value in zip(params, saved_grads):
                     if value is not None:
                         p.grad.copy_(value)
-            torch.cuda.set_rng_state(rng, self.device)
+            self._set_rng(rng)
+
+    def _rng(self) -> Tensor:
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+
+    def _set_rng(self, state: Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
 
     def _capture(self, layers: list, inputs: list, labels: list, loss_fn: Callable) -> Recorded:
         static_in = [map_tensors(lambda t: t.detach().clone(), v) for v in inputs]
