@@ -2,7 +2,8 @@
 and why the others do not, on the CPU; training through it on a SimulatedDevice (each replay run
 eagerly, the scales read from their device tensors) against plain PyTorch (tests/reference.py, fp32:
 rtol 1e-5) and against the stage-by-stage path. tests/test_engine_whole_call_cuda.py runs the real
-CUDA graphs."""
+CUDA graphs: the ``cuda`` parameters (``-m cuda``) run the same tests on a real GPU, plus the checks only a
+real capture can make."""
 from __future__ import annotations
 
 import functools
@@ -87,30 +88,43 @@ def test_loss_keys_compare_code_and_closure_not_function_objects():
         functools.partial(nn.functional.cross_entropy, label_smoothing=0.2))
 
 
-def sim(tuning: Tuning = Tuning()) -> dict:
-    return dict(devices=[SimulatedDevice(0)], tuning=tuning)
+WHERE = ["simulated", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def sim(tuning: Tuning = Tuning(), where: str = "simulated") -> dict:
+    if where == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return dict(devices=["cuda:0"] if where == "cuda" else [SimulatedDevice(0)], tuning=tuning)
 
 
 def whole_graphs(engine: RoundPipe):
     [graphs] = engine._executor._whole.values()
+    if engine.devices[0].type == "cuda":  # a real recording, not the simulated eager one
+        assert all(rec is None or isinstance(rec.graph, torch.cuda.CUDAGraph) for rec in graphs._recorded.values())
     return graphs
 
 
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("delayed", [False, True])
-def test_training_through_the_whole_call_matches_pytorch_and_the_stage_path(delayed):
+def test_training_through_the_whole_call_matches_pytorch_and_the_stage_path(delayed, where):
+    """The planner's plan (the first call measures, the second records, the rest replay), BatchNorm
+    statistics included, against plain PyTorch and the stage path at rtol 1e-5."""
     batches = image_batches(count=5)
-    whole, ref = train_both(convnet(), batches, 2, delayed=delayed, **sim())
+    whole, ref = train_both(convnet(), batches, 2, delayed=delayed, **sim(where=where))
     assert_state_close(whole.state_dict(), ref.state())
     graphs = whole_graphs(whole)
     assert len(graphs._recorded) == 1 and graphs.fallback is None  # one shape, recorded once, replayed since
-    staged, _ = train_both(convnet(), batches, 2, delayed=delayed, **sim(Tuning(whole_call_graphs=False)))
+    staged, _ = train_both(convnet(), batches, 2, delayed=delayed, **sim(Tuning(whole_call_graphs=False), where))
     assert not staged._executor._whole
     assert_state_close(whole.state_dict(), staged.state_dict())
+    whole.close()
+    staged.close()
 
 
-def test_returned_losses_and_outputs_are_the_callers_own():
+@pytest.mark.parametrize("where", WHERE)
+def test_returned_losses_and_outputs_are_the_callers_own(where):
     """A replay writes the same memory every time: what a call returned must not change with the next."""
-    engine = RoundPipe(convnet(), **sim())
+    engine = RoundPipe(convnet(), **sim(where=where))
     cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=SINGLE)
     (x1, y1), (x2, y2) = image_batches(count=2)
     first = engine.forward_backward(input_args=(x1,), label=y1, loss_fn=nn.CrossEntropyLoss(), return_outputs=True, run_config=cfg)
@@ -120,19 +134,21 @@ def test_returned_losses_and_outputs_are_the_callers_own():
     engine.close()
 
 
-def test_a_changing_scale_is_read_at_each_replay():
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("delayed", [False, True])
+def test_a_changing_scale_is_read_at_each_replay(delayed, where):
     """fp16 compute, GradScaler through an overflow (the scale changes every step): the same skipped
     step and final scale as plain PyTorch, masters within 2e-3, on one recording."""
-    engine = RoundPipe(model16(), **sim())
+    engine = RoundPipe(model16(), **sim(where=where))
     with OptimizerCtx():
         opt = Adam(engine.parameters(), lr=1e-2)
     scaler = GradScaler(init_scale=2.0**10, growth_interval=1)
-    ref = ScaledReference(model16(), False, 2.0**10, 1)
+    ref = ScaledReference(model16(), delayed, 2.0**10, 1)
     cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=ExecutePlan.single_stage(5))
     skipped = []
     for x, y in overflow_batches():
         engine.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: scaler.scale(fp16_loss(o, t)), run_config=cfg)
-        engine.step(lambda: (scaler.step(opt), opt.zero_grad()), is_async=False)
+        engine.step(lambda: (scaler.step(opt), opt.zero_grad()), is_async=delayed)
         scaler.update()
         skipped.append(ref.iteration(x, y, 2))
     assert skipped[2] and not any(skipped[:2]) and scaler.get_scale() == ref.scale
@@ -191,3 +207,43 @@ def test_a_closure_changing_every_call_stops_being_recorded():
     engine.forward_backward(input_args=(x,), label=y, loss_fn=other_code)  # another loss_fn: recorded
     assert len(graphs._recorded) == 3 and graphs.fallback is None
     engine.close()
+
+
+@pytest.mark.cuda
+def test_a_loss_fn_reading_the_gpu_on_the_host_falls_back_on_a_gpu():
+    """``.item()`` cannot be recorded: the call runs stage by stage, with the right loss, and says why."""
+    engine = RoundPipe(convnet(), model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=SINGLE), **sim(where="cuda"))
+    x, y = image_batches(count=1)[0]
+    reads = lambda out, lab: nn.functional.cross_entropy(out, lab) * (1.0 if nn.functional.cross_entropy(out, lab).item() < 1e9 else 0.0)  # noqa: E731
+    with pytest.warns(UserWarning, match="recording the whole call failed"):
+        loss = engine.forward_backward(input_args=(x,), label=y, loss_fn=reads)
+    expected = sum(nn.functional.cross_entropy(convnet().cuda()(xm.cuda()), ym.cuda()).item() for xm, ym in zip(x.chunk(2), y.chunk(2)))
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert "recording the whole call failed" in engine.explain(x)
+    engine.close()
+
+
+@pytest.mark.cuda
+def test_fp16_channels_last_whole_call_matches_the_stage_path_on_a_gpu():
+    """The CLI's setting on a small ResNet: fp16 compute, channels-last, GradScaler, async steps, the
+    planner's plan; the whole call against the stage path (the same kernels: within 2e-3)."""
+    from rptrain.models import build_model
+
+    results = []
+    for tuning in (Tuning(), Tuning(whole_call_graphs=False)):
+        torch.manual_seed(0)
+        model = build_model("resnet18", widths=(8, 16, 32, 64), stem_channels=8, num_classes=10).half()
+        engine = RoundPipe(model, memory_format=torch.channels_last, **sim(tuning, "cuda"))
+        with OptimizerCtx():
+            opt = Adam(engine.parameters(), lr=1e-3)
+        scaler = GradScaler()
+        for x, y in image_batches(count=5, batch=16):
+            engine.forward_backward(input_args=(x.half().cuda(),), label=y.cuda(),
+                                    loss_fn=lambda out, lab: scaler.scale(nn.functional.cross_entropy(out.float(), lab)))
+            engine.step(lambda: (scaler.step(opt), opt.zero_grad()))
+            scaler.update()
+        engine.synchronize()
+        results.append(engine.state_dict())
+        assert bool(engine._executor._whole) == tuning.whole_call_graphs
+        engine.close()
+    assert_state_close(results[0], results[1], rtol=2e-3, atol=2e-3)
