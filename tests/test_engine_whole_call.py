@@ -247,3 +247,16 @@ def test_fp16_channels_last_whole_call_matches_the_stage_path_on_a_gpu():
         assert bool(engine._executor._whole) == tuning.whole_call_graphs
         engine.close()
     assert_state_close(results[0], results[1], rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_compiled_stages_train_as_pytorch(where):
+    """Tuning(compile_stages=True) (CLI engine.compile): the stage compiled inside the recording (inductor on
+    a GPU; on the CPU dynamo with the eager backend, so the tracing of the bound layers is what is
+    tested), against plain PyTorch at the fp32 tolerance (2e-4 on a GPU: inductor's fused kernels round apart)."""
+    whole, ref = train_both(convnet(), image_batches(count=4), 2, **sim(Tuning(compile_stages=True), where))
+    rtol = 2e-4 if where == "cuda" else 1e-5
+    assert_state_close(whole.state_dict(), ref.state(), rtol=rtol, atol=rtol)
+    graphs = whole_graphs(whole)
+    assert graphs._compiled and graphs.fallback is None
+    whole.close()

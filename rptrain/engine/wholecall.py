@@ -159,18 +159,29 @@ def _copy_into(static: Any, value: Any) -> None:
             s.copy_(t, non_blocking=True)
 
 
-def run_call(modules: Iterable[nn.Module], inputs: list, labels: list, loss_fn: Callable, factors: dict, registry: dict) -> tuple[list, list]:
-    """Every microbatch's forward, loss and backward (the body a graph records)."""
-    layers = list(modules)
+def _stage_forward(layers: list) -> Callable[[Any], Any]:
+    def forward(x: Any) -> Any:
+        for layer in layers:
+            x = call_layer(layer, x)
+        return x
+
+    return forward
+
+
+def run_call(modules: Iterable[nn.Module], inputs: list, labels: list, loss_fn: Callable, factors: dict, registry: dict,
+             forward: Optional[Callable[[Any], Any]] = None, before_backward: Callable[[], None] = lambda: None) -> tuple[list, list]:
+    """Every microbatch's forward, loss and backward (the body a graph records); ``forward``: the
+    stage's layers as one function (compiled: ``Tuning.compile_stages``), else they run one by one;
+    ``before_backward``: called with each microbatch's activations alive (a memory check)."""
+    forward = forward or _stage_forward(list(modules))
     losses, outputs = [], []
     with torch.enable_grad():
         for x, y in zip(inputs, labels):
-            out = x
-            for layer in layers:
-                out = call_layer(layer, out)
+            out = forward(x)
             with recording_scalers(registry), scaling_by_tensors(factors):
                 loss = loss_fn(out, y)
             items = loss_scalars(loss)
+            before_backward()
             trained = [t for t in items if t.requires_grad]
             if trained:  # as torch.autograd.backward(loss): every loss that needs it
                 torch.autograd.backward(trained)
@@ -189,6 +200,17 @@ class WholeCallGraphs:
         self._failed: dict[tuple, str] = {}  # key -> why its recording failed
         self._pool = None
         self._stream: Optional[torch.cuda.Stream] = None
+        self._compiled: dict[tuple, Callable] = {}  # the layers' ids -> their forward, compiled once
+
+    def _forward(self, layers: list) -> Optional[Callable[[Any], Any]]:
+        """The stage compiled (``Tuning.compile_stages``; inductor, compiled by the first warm-up call and
+        recorded inside the graph), else None: the layers run one by one."""
+        if not self.tuning.compile_stages:
+            return None
+        key = tuple(map(id, layers))
+        if key not in self._compiled:
+            self._compiled[key] = torch.compile(_stage_forward(layers), backend="inductor" if self.device.type == "cuda" else "eager")
+        return self._compiled[key]
 
     def run(self, modes: tuple, modules: Any, inputs: list, labels: list, loss_fn: Callable) -> Optional[Replayed]:
         """Replay (recording first on a new key); None: run this call stage by stage (``fallback`` says why).
@@ -265,6 +287,16 @@ class WholeCallGraphs:
                         p.grad.copy_(value)
             self._set_rng(rng)
 
+    def _memory_budget(self) -> float:
+        return self.tuning.max_graph_memory_share * torch.cuda.get_device_properties(self.device).total_memory
+
+    def _check_kept(self, start: int, budget: float) -> None:
+        """A graph's activations live in its private pool (graphs.py says why that bounds them)."""
+        kept = torch.cuda.memory_allocated(self.device) - start
+        if kept > budget:
+            raise MemoryError(f"a microbatch keeps {kept / 2**30:.2f} GiB for its backward, over Tuning.max_graph_memory_share "
+                              f"({self.tuning.max_graph_memory_share:.0%} of the GPU)")
+
     def _rng(self) -> Tensor:
         return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
 
@@ -281,12 +313,14 @@ class WholeCallGraphs:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
         factors: dict = {}
+        forward = self._forward(layers)
         # One stream for the warm-up and the recording: autograd runs a node's backward on its forward's stream.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        start, budget = torch.cuda.memory_allocated(self.device), self._memory_budget()
         with torch.cuda.stream(self._stream):
-            for _ in range(self.tuning.graph_warmup):  # cuDNN's algorithm search, lazy state, the scale tensors
-                run_call(layers, static_in, static_labels, loss_fn, factors, {})
+            for _ in range(self.tuning.graph_warmup):  # cuDNN's algorithm search, compiling, lazy state, the scale tensors
+                run_call(layers, static_in, static_labels, loss_fn, factors, {}, forward, lambda: self._check_kept(start, budget))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                losses, outputs = run_call(layers, static_in, static_labels, loss_fn, factors, {})
+                losses, outputs = run_call(layers, static_in, static_labels, loss_fn, factors, {}, forward)
         return Recorded(graph, static_in, static_labels, losses, outputs, factors, {s: s.get_scale() for s in factors}, loss_fn)
