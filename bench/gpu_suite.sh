@@ -202,13 +202,13 @@ if [[ $what == graphed ]]; then  # issue 33: the CLI and the tutorial's engine l
 fi
 if [[ $what == whole-call ]]; then  # issue 33: the whole call as one CUDA graph: its CUDA tests, then the engine as the CLI uses it with
   # and without it beside the whole-step-graphed plain loop, each in its own process (about 3.5 minutes)
-  run 110 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_engine_whole_call.py tests/test_engine_gpu_state.py \
-    tests/test_engine_scaler.py tests/test_seed_tutorial.py tests/test_train_speed.py
+  run 120 python3 -m pytest -q -rf -m "not slow" -p no:logging -p no:cacheprovider tests/test_engine_whole_call.py tests/test_engine_gpu_state.py \
+    tests/test_engine_scaler.py tests/test_seed_tutorial.py tests/test_train_speed.py tests/test_models_fused.py
   as_cli=(--memory-format channels_last --metrics-on-device --data-on-device --read-interval 25 --steps 60 --warmup 10)
-  run 40 python3 bench/resnet.py --impl graphed --memory-format channels_last --read-interval 25 --steps 60 --warmup 10 --data-on-device
-  run 40 python3 bench/resnet.py --impl rptrain "${as_cli[@]}"
-  run 40 python3 bench/resnet.py --impl rptrain "${as_cli[@]}" --no-whole-call
-  run 40 python3 bench/resnet.py --impl rptrain --steps 60 --warmup 10  # the tutorial's own loop: loss and outputs read on the CPU every step
+  run 35 python3 bench/resnet.py --impl graphed --memory-format channels_last --read-interval 25 --steps 60 --warmup 10 --data-on-device
+  run 35 python3 bench/resnet.py --impl rptrain "${as_cli[@]}"
+  run 35 python3 bench/resnet.py --impl rptrain "${as_cli[@]}" --no-whole-call
+  run 35 python3 bench/resnet.py --impl rptrain --steps 60 --warmup 10  # the tutorial's own loop: loss and outputs read on the CPU every step
 fi
 lowmem=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --fused)
 if [[ $what == lowmem ]]; then  # issues 29/30/34 on CUDA: the engine, optimizer and MoE tests; the low-memory state at 14 B and 8 B
