@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|lowmem|lowmem-big|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == endrun ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == endrun || $what == whole-call ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -199,6 +199,16 @@ if [[ $what == graphed ]]; then  # issue 33: the CLI and the tutorial's engine l
   run 300 python3 bench/cli_resnet.py --quick --timeout 90
   grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
   run 240 python3 bench/main_job.py
+fi
+if [[ $what == whole-call ]]; then  # issue 33: the whole call as one CUDA graph: its CUDA tests, then the engine as the CLI uses it with
+  # and without it beside the whole-step-graphed plain loop, each in its own process (about 3.5 minutes)
+  run 120 python3 -m pytest -q -rf -m "not slow" -p no:logging -p no:cacheprovider tests/test_engine_whole_call.py tests/test_engine_gpu_state.py \
+    tests/test_engine_scaler.py tests/test_seed_tutorial.py tests/test_train_speed.py tests/test_models_fused.py
+  as_cli=(--memory-format channels_last --metrics-on-device --data-on-device --read-interval 25 --steps 60 --warmup 10)
+  run 35 python3 bench/resnet.py --impl graphed --memory-format channels_last --read-interval 25 --steps 60 --warmup 10 --data-on-device
+  run 35 python3 bench/resnet.py --impl rptrain "${as_cli[@]}"
+  run 35 python3 bench/resnet.py --impl rptrain "${as_cli[@]}" --no-whole-call
+  run 35 python3 bench/resnet.py --impl rptrain --steps 60 --warmup 10  # the tutorial's own loop: loss and outputs read on the CPU every step
 fi
 lowmem=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --fused)
 if [[ $what == lowmem ]]; then  # issues 29/30/34 on CUDA: the engine, optimizer and MoE tests; the low-memory state at 14 B and 8 B

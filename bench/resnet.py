@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from common import emit, parser, sync, time_steps
-from rptrain import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from rptrain import GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.engine import trace
 from rptrain.models import build_model
 from rptrain.optim import Adam
@@ -185,6 +185,8 @@ def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int
     extra = dict(cuda_graphs=not args.no_graphs, optimizer_threads=optimizer_threads) if ours else {}
     if ours and args.no_gpu_state:  # passed only when set: gpu_suite.sh engine-ab runs an engine from before the option
         extra["gpu_state"] = False
+    if ours and args.no_whole_call:  # passed only when set, as --no-gpu-state
+        extra["tuning"] = Tuning(whole_call_graphs=False)
     if ours and memory_format != "contiguous":  # inputs converted, weights stored channels-last (engine/memory_format.py)
         extra["memory_format"] = torch.channels_last
     model = lib.RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32, **extra)
@@ -235,6 +237,9 @@ def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int
         summarize_trace(trace.spans())
     plan = model.plan
     emit(bench="resnet34_plan", forward_stages=len(plan.forward) if plan else None, backward_stages=len(plan.backward) if plan else None)
+    # Which path the timed calls took (engine/callpath.py), and why a call ran stage by stage if one did.
+    paths = [line.strip() for line in model.explain(data[0][0]).splitlines() if line.startswith(("call path", "  the last call"))]
+    emit(bench="resnet34_call_path", path=" | ".join(paths))
     model.close()
     return seconds
 
@@ -300,6 +305,8 @@ def main() -> None:
                    help="engine: RoundPipeRunConfig(output_device=the GPU), loss and accuracy summed there (as the CLI does)")
     p.add_argument("--data-on-device", action="store_true",
                    help="the batches wait on the GPU (as the CLI's GPU-augmented dataset does), no upload per step")
+    p.add_argument("--no-whole-call", action="store_true",
+                   help="engine: Tuning(whole_call_graphs=False), each call stage by stage (stage graphs) instead of one recorded graph")
     p.add_argument("--no-gpu-state", action="store_true", help="engine: RoundPipe(gpu_state=False), all training state on the host")
     p.add_argument("--trace", action="store_true")
     p.add_argument("--no-graphs", action="store_true")
@@ -346,7 +353,8 @@ def main() -> None:
                 seconds = engine(args, model_kwargs, optimizer_threads=threads, memory_format=fmt)
                 rate = args.batch / seconds
                 emit(bench="resnet34", impl="rptrain", device=args.device, batch=args.batch, microbatches=args.microbatches, read_interval=args.read_interval,
-                     memory_format=fmt, metrics_on_device=args.metrics_on_device, data_on_device=args.data_on_device, cuda_graphs=not args.no_graphs, optimizer_threads=threads, adam=not args.no_step, step_ms=round(seconds * 1e3, 3),
+                     memory_format=fmt, metrics_on_device=args.metrics_on_device, data_on_device=args.data_on_device, cuda_graphs=not args.no_graphs,
+                     whole_call=not args.no_whole_call, optimizer_threads=threads, adam=not args.no_step, step_ms=round(seconds * 1e3, 3),
                      images_per_s=round(rate, 1), **({"rptrain_over_plain": round(rate / plain_rate, 3)} if plain_rate else {}))
         if args.impl in ("roundpipe", "all"):
             seconds = engine(args, model_kwargs, "roundpipe")

@@ -419,6 +419,7 @@ def test_fused_stage_replays_as_cuda_graphs_and_matches(cuda_graphs):
     engine, ref = train_both(convnet(), image_batches(), 2, cuda_graphs=cuda_graphs)
     assert_state_close(engine.state_dict(), ref.state())
     graphs = [rec for g in engine._executor._graphs.values() for rec in g._graphs.values() if rec is not None]
+    graphs += [rec for g in engine._executor._whole.values() for rec in g._recorded.values() if rec is not None]  # one stage: the whole call's
     assert bool(graphs) == cuda_graphs
 
 
@@ -434,7 +435,7 @@ def test_big_stages_run_eagerly_and_match():
 def test_input_shapes_past_the_recording_limit_run_eagerly():
     """Every batch size records its own graphs; past the limit new sizes run eagerly, still exact."""
     batches = [b for size in (4, 6, 8, 10) for b in image_batches(count=1, batch=size)]
-    engine, ref = train_both(convnet(), batches, 1, tuning=Tuning(max_recorded_graphs=2))
+    engine, ref = train_both(convnet(), batches, 1, tuning=Tuning(max_recorded_graphs=2, whole_call_graphs=False))  # the stage's graphs
     assert_state_close(engine.state_dict(), ref.state())
     [stage_graphs] = engine._executor._graphs.values()
     assert sum(rec is not None for rec in stage_graphs._graphs.values()) == 2
@@ -442,11 +443,15 @@ def test_input_shapes_past_the_recording_limit_run_eagerly():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_stages_too_large_for_a_graph_run_eagerly():
-    """A stage whose saved activations exceed the graph memory share is never recorded, still exact."""
-    engine, ref = train_both(convnet(), image_batches(count=3), 1, tuning=Tuning(max_graph_memory_share=1e-9))
+    """A stage whose saved activations exceed the graph memory share is never recorded (neither the whole
+    call nor the stage), still exact."""
+    with pytest.warns(UserWarning, match="max_graph_memory_share"):
+        engine, ref = train_both(convnet(), image_batches(count=3), 1, tuning=Tuning(max_graph_memory_share=1e-9))
     assert_state_close(engine.state_dict(), ref.state())
     [stage_graphs] = engine._executor._graphs.values()
     assert stage_graphs._graphs and all(rec is None for rec in stage_graphs._graphs.values())
+    [whole] = engine._executor._whole.values()
+    assert whole._recorded and all(rec is None for rec in whole._recorded.values()) and "max_graph_memory_share" in whole.fallback
 
 
 def test_gradients_go_home_during_the_last_backward(monkeypatch):

@@ -18,10 +18,13 @@ def sims(count: int, memory: int = 1 << 30) -> list[SimulatedDevice]:
     return [SimulatedDevice(i, memory) for i in range(count)]
 
 
+STAGED = Tuning(whole_call_graphs=False)  # stage graphs instead of the whole call's (tests/test_engine_whole_call.py)
+
+
 @pytest.mark.parametrize("delayed", [False, True])
 def test_resident_measured_plan_and_graphs_match(delayed):
     """Resident weights, the measured first call and the graph bookkeeping of the fused stage."""
-    engine, ref = train_both(convnet(), image_batches(), 2, devices=sims(1), delayed=delayed)
+    engine, ref = train_both(convnet(), image_batches(), 2, devices=sims(1), delayed=delayed, tuning=STAGED)
     assert engine._executor.resident and engine.plan is not None
     assert_state_close(engine.state_dict(), ref.state())
     [graphs] = engine._executor._graphs.values()
@@ -97,23 +100,29 @@ class _SquaredMean(torch.nn.Module):
         return x.pow(2).mean()
 
 
-def test_a_replayed_stage_returning_its_own_output_as_the_loss_keeps_each_microbatch():
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_replayed_stage_returning_its_own_output_as_the_loss_keeps_each_microbatch(whole):
     """A replay hands back the same memory every time (as a CUDA graph does): an identity loss_fn's
-    per-microbatch losses must be copied before the next replay overwrites them (exact: same kernels)."""
+    per-microbatch losses must be copied before the next replay overwrites them (exact: same kernels);
+    a stage's graphs and a whole call's alike."""
     from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), _SquaredMean())
     x = torch.randn(6, 4)
     expected = sum(model(chunk) for chunk in x.chunk(2)).item()
-    engine = RoundPipe(model, devices=sims(1), model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    engine = RoundPipe(model, devices=sims(1), model_run_config=RoundPipeRunConfig(num_microbatch=2), tuning=Tuning(whole_call_graphs=whole))
     with OptimizerCtx():
         torch.optim.SGD(engine.parameters(), lr=0.0)
     for _ in range(3):  # the first call measures, the next record and replay
         loss = engine.forward_backward(input_args=(x,), loss_fn=lambda out, _: out)
         assert loss.item() == pytest.approx(expected, rel=1e-6)
-    [graphs] = engine._executor._graphs.values()
-    assert graphs.replays(next(iter(graphs._graphs)))
+    if whole:
+        [graphs] = engine._executor._whole.values()
+        assert len(graphs._recorded) == 1 and graphs.fallback is None
+    else:
+        [graphs] = engine._executor._graphs.values()
+        assert graphs.replays(next(iter(graphs._graphs)))
     engine.close()
 
 

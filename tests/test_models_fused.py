@@ -139,4 +139,5 @@ def test_fused_llama_replays_in_cuda_graphs_like_pytorch():
     engine.synchronize()
     assert_state_close(engine.state_dict(), ref.state(), rtol=1e-5, atol=1e-6)
     graphs = [rec for g in engine._executor._graphs.values() for rec in g._graphs.values() if rec is not None]
+    graphs += [rec for g in engine._executor._whole.values() for rec in g._recorded.values() if rec is not None]  # one stage: the whole call's
     assert graphs, "the fused stage ran eagerly: its CUDA graph capture failed (see the warning)"

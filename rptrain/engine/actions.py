@@ -17,6 +17,7 @@ import enum
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from .callpath import CallPath, decide
 from .schedule import Job, JobKind
 
 
@@ -29,6 +30,7 @@ class Op(enum.Enum):
     FORWARD = "F"
     FUSED = "L"
     BACKWARD = "B"
+    CALL = "W"  # every microbatch's forward, loss and backward: one recorded graph (wholecall.py)
     SEND = "SEND"
     REDUCE = "REDUCE"
     WRITEBACK = "WRITEBACK"
@@ -76,6 +78,7 @@ class Facts:
     num_microbatch: int
     profile: bool = False  # this call measures every layer (no graphs)
     offload: bool = False  # saved activations go to host memory
+    whole_call: bool = False  # the engine may replay a whole call as one graph (callpath.py)
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,22 @@ def lower(jobs: Sequence[Job], facts: Facts, sizes: Callable[[int, int], Sizes])
     streamed = facts.cuda and not facts.resident
     prefetched = {nxt.index for nxt in following.values()} if streamed else set()
     return [_lower_job(job, facts, sizes, following.get(job.index) if streamed else None, job.index in prefetched) for job in jobs]
+
+
+def lower_call(jobs: Sequence[Job], facts: Facts, sizes: Callable[[int, int], Sizes]) -> tuple[list[Lowered], CallPath]:
+    """``lower`` and the call's path (callpath.py): on the whole-call path the fused job's compute
+    actions become one ``W`` action covering every microbatch, its gradients sent after it."""
+    lowered = lower(jobs, facts, sizes)
+    path = decide(jobs, cuda=facts.cuda, whole_call=facts.whole_call, graphed=len(lowered) == 1 and lowered[0].graphed,
+                  reducer=facts.reducer, profile=facts.profile, offload=facts.offload)
+    if path.whole:
+        item = lowered[0]
+        compute = [a for a in item.actions if a.op is Op.FUSED]
+        call = Action(compute[0].device, Op.CALL, compute[0].job, note=f"m0-{len(compute) - 1} whole-call graph")
+        actions = [a for a in item.actions if a.op is not Op.FUSED]
+        actions.insert(actions.index(next(a for a in actions if a.op is Op.START)) + 1, call)
+        lowered = [Lowered(item.job, tuple(actions), item.graphed, False, item.offload)]
+    return lowered, path
 
 
 def _lower_job(job: Job, facts: Facts, sizes: Callable[[int, int], Sizes], prefetch: Optional[Job], was_prefetched: bool) -> Lowered:

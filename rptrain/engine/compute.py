@@ -82,7 +82,7 @@ def forward(run: JobRun, x: Any, micro: int, state: PassState) -> Any:
     if state.profile:
         state.activation_bytes[job.start] = max(state.activation_bytes.get(job.start, 0), sum(t.nbytes for t in iter_tensors(out)))
     if job.index == len(state.jobs) - 1:  # the call's output
-        state.outputs[micro] = _to_output(device, out, state)
+        state.outputs[micro] = to_output(device, out, state)
     return out
 
 def fused(run: JobRun, x: Any, micro: int, state: PassState) -> Any:
@@ -99,7 +99,7 @@ def fused(run: JobRun, x: Any, micro: int, state: PassState) -> Any:
             out = _run_layers(run, job.start, job.stop, leaves, micro, state)
         with recording_scalers(state.scalers):
             loss = state.loss_fn(out, label)
-        losses = _scalars(loss)
+        losses = loss_scalars(loss)
         counter.stop()
         trained = [t for t in losses if t.requires_grad]
         if trained:  # as torch.autograd.backward(loss): every loss that needs it, the original library's semantics
@@ -112,7 +112,7 @@ def fused(run: JobRun, x: Any, micro: int, state: PassState) -> Any:
     if state.want_outputs:
         # A graph's outputs live in memory its next replay overwrites: copy them first.
         keep = (lambda t: t.detach().clone()) if key is not None else Tensor.detach
-        state.outputs[micro] = _to_output(device, map_tensors(keep, out), state)
+        state.outputs[micro] = to_output(device, map_tensors(keep, out), state)
     if not needs_input_grad:
         return None
     # A graph returns input gradients in memory its next replay overwrites.
@@ -121,7 +121,7 @@ def fused(run: JobRun, x: Any, micro: int, state: PassState) -> Any:
         state.input_grads[micro] = grads
     return grads
 
-def _scalars(loss: Any) -> list[Tensor]:
+def loss_scalars(loss: Any) -> list[Tensor]:
     """``loss_fn``'s result as a list of scalar tensors: one, or a sequence of them (several losses)."""
     items = [loss] if isinstance(loss, Tensor) else list(loss) if isinstance(loss, (tuple, list)) and loss else None
     if items is None or not all(isinstance(t, Tensor) and t.numel() == 1 for t in items):
@@ -158,7 +158,7 @@ def _backward_segments(run: JobRun, grads: Any, micro: int, state: PassState) ->
         state.input_grads[micro] = grads
     return grads
 
-def _to_output(device: Device, value: Any, state: PassState) -> Any:
+def to_output(device: Device, value: Any, state: PassState) -> Any:
     target = state.output_device
     if not device.is_cuda or target == device.torch_device:
         return map_tensors(lambda t: t.to(target), value)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -18,6 +18,9 @@ from torch import Tensor
 from .batching import map_tensors
 from .graphs import StageGraphs
 from .tuning import Tuning
+
+if TYPE_CHECKING:
+    from .wholecall import WholeCallGraphs
 
 STREAMS = ("compute", "upload", "download", "prefetch")
 
@@ -74,6 +77,12 @@ class Device:
     def graphs(self, tuning: Tuning) -> StageGraphs:
         """Where this device records and replays CUDA graphs."""
         return StageGraphs(self.torch_device, tuning)
+
+    def whole_call_graphs(self, tuning: Tuning) -> "WholeCallGraphs":
+        """Where this device records and replays whole training calls as CUDA graphs (wholecall.py)."""
+        from .wholecall import WholeCallGraphs  # imported here: it imports the compute functions, which import this module
+
+        return WholeCallGraphs(self.torch_device, tuning)
 
     def keep_alive(self, tensor: Tensor, stream: str) -> None:
         """Tell the allocator ``tensor`` is used on ``stream`` so its memory is not reused too early."""

@@ -15,15 +15,17 @@ import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from . import compute
-from .actions import Action, Facts, Lowered, Op, Sizes, lower
+from .actions import Action, Facts, Lowered, Op, Sizes, lower_call
+from .callpath import CallPath
 from .compute import BoundOnUse, JobRun, buffer_versions
 from .device import Device
 from .graphs import StageGraphs
 from .grads import GradSink, ReducingSink
 from .host import HostState
+from .batching import map_tensors
 from .memory_format import convert_inputs
 from .passstate import PassState
 from .replica import Shell
@@ -57,17 +59,18 @@ class Executor:
         self._shells: dict[tuple[int, int], Shell] = {}
         self._graphs: dict[int, StageGraphs] = {}
         self._stage_modules: dict[tuple[int, int], list[nn.Module]] = {}  # (start, stop) -> its layers' modules, walked once
-        self._lowered: dict[tuple, tuple[Sequence[Job], list[Lowered]]] = {}  # (id(jobs), facts) -> (jobs, actions)
+        self._lowered: dict[tuple, tuple[Sequence[Job], list[Lowered], CallPath]] = {}  # (id(jobs), facts) -> (jobs, actions, path)
+        self._whole: dict[int, Any] = {}  # device index -> its recorded whole calls (wholecall.py)
         self._handlers: dict[Op, Callable[[JobRun, Action, PassState], None]] = {
             Op.UPLOAD: self._bring, Op.BIND: self._bring, Op.PREFETCH: self._prefetch, Op.BUFFERS: self._buffers,
-            Op.START: self._start, Op.FORWARD: self._compute, Op.FUSED: self._compute, Op.BACKWARD: self._compute,
+            Op.START: self._start, Op.FORWARD: self._compute, Op.FUSED: self._compute, Op.BACKWARD: self._compute, Op.CALL: self._whole_call,
             Op.SEND: self._send, Op.REDUCE: self._send, Op.WRITEBACK: self._write_back,
         }
 
     # ----------------------------------------------------------------------------- lowering
     def facts(self, num_microbatch: int, profile: bool, offload: bool) -> Facts:
         return Facts(self.cuda, self.resident, self.cuda_graphs, self.tuning.max_graph_params, self.reducing,
-                     num_microbatch, profile, offload)
+                     num_microbatch, profile, offload, self.tuning.whole_call_graphs)
 
     def sizes(self, start: int, stop: int) -> Sizes:
         host = self.host
@@ -79,13 +82,24 @@ class Executor:
     def lower(self, jobs: Sequence[Job], facts: Facts) -> list[Lowered]:
         """The call's actions, lowered once per call shape: schedules are cached (schedule.py), so the
         same shape brings the same ``jobs`` object and a lookup costs one hash of ``facts``."""
+        return self._lower_call(jobs, facts)[1]
+
+    def call_path(self, jobs: Sequence[Job], facts: Facts) -> CallPath:
+        """Whether the call replays as one graph, or why not (callpath.py)."""
+        return self._lower_call(jobs, facts)[2]
+
+    def whole_call_fallback(self) -> Optional[str]:
+        """Why the newest whole-call-path call ran stage by stage (None: replayed, or none ran)."""
+        return next((g.fallback for g in self._whole.values() if g.fallback), None)
+
+    def _lower_call(self, jobs: Sequence[Job], facts: Facts) -> tuple:
         key = (id(jobs), facts)
         found = self._lowered.get(key)
         if found is None or found[0] is not jobs:
             if len(self._lowered) > 256:  # schedules evicted from their cache come back as new objects
                 self._lowered.clear()
-            found = self._lowered[key] = (jobs, lower(jobs, facts, self.sizes))
-        return found[1]
+            found = self._lowered[key] = (jobs, *lower_call(jobs, facts, self.sizes))
+        return found
 
     # ----------------------------------------------------------------------------- running a call
     def run(self, state: PassState) -> None:
@@ -204,6 +218,28 @@ class Executor:
         if state.profile and micro == state.num_microbatch - 1:
             state.timings.append((job, device, run.start_mark, device.timer()))
 
+    def _whole_call(self, run: JobRun, action: Action, state: PassState) -> None:
+        """Every microbatch as one replayed graph (wholecall.py); a call it cannot hold runs stage by stage."""
+        device = run.device
+        graphs = self._whole.get(device.index) or self._whole.setdefault(device.index, device.whole_call_graphs(self.tuning))
+        done = None
+        if state.input_requires_grad:
+            graphs.fallback = "inputs need gradients"
+        else:
+            inputs = [convert_inputs(map_tensors(Tensor.detach, device.receive(v, None, None)), self.memory_format) for v in state.first_inputs]
+            labels = [device.receive(y, None, None) for y in state.labels]
+            done = graphs.run(state.graph_modes, run.modules, inputs, labels, state.loss_fn)
+        if done is None:
+            for m in range(state.num_microbatch):
+                self._compute(run, Action(action.device, Op.FUSED, action.job, micro=m), state)
+            return
+        state.scalers.update(done.scalers)
+        for m, ((single, losses), out) in enumerate(zip(done.losses, done.outputs)):  # static memory: copied
+            kept = [t.clone() for t in losses]
+            state.losses[m] = kept[0] if single else kept
+            if state.want_outputs:
+                state.outputs[m] = compute.to_output(device, map_tensors(torch.clone, out), state)
+
     def _send(self, run: JobRun, action: Action, state: PassState) -> None:
         """SEND or REDUCE: what the early sends left of the stage's gradients."""
         self.sink.send(run.device, run.job, run.early.rest() if run.early else run.grads.pieces, state)
@@ -230,4 +266,5 @@ class Executor:
         """Free device memory and let go of the process group (close)."""
         self.store.drop()
         self._graphs.clear()
+        self._whole.clear()
         self.sink = GradSink(self.host.params)

@@ -21,8 +21,14 @@ from .prepare import Prepared
 def explain(call: Prepared, executor: Executor, planner: Planner, placement: Any, example_inputs: tuple, kwargs: dict) -> str:
     """``call``: the next ``forward_backward``, prepared; ``placement``: fit.py's, printed as it is."""
     cfg = call.cfg
-    lowered = executor.lower(call.jobs, executor.facts(cfg.num_microbatch, call.profile, call.offload))
+    facts = executor.facts(cfg.num_microbatch, call.profile, call.offload)
+    lowered = executor.lower(call.jobs, facts)
     lines = _header(executor, call, placement)
+    path = executor.call_path(call.jobs, facts)
+    lines.append(str(path))  # callpath.py: one graph for the whole call, or why stage by stage
+    fallback = executor.whole_call_fallback()
+    if path.whole and fallback:
+        lines.append(f"  the last call ran stage by stage: {fallback}")
     lines += ["stages:"] + [_stage(executor, planner, item) for item in lowered]
     micro = split_inputs(tuple(example_inputs), dict(kwargs), cfg.num_microbatch, cfg.split_input) if example_inputs or kwargs else []
     for k, (args, kw) in enumerate(micro):

@@ -50,6 +50,28 @@ def step_context(infos: dict) -> Iterator[None]:
         _local.step_infos = previous
 
 
+@contextlib.contextmanager
+def scaling_by_tensors(factors: dict) -> Iterator[None]:
+    """Within the block, ``GradScaler.scale`` multiplies by ``factors[scaler]``: a 0-d fp32 tensor on
+    the loss's device, made on first use holding the scale. A recorded CUDA graph then reads the
+    scale from memory at each replay instead of the number it was recorded with (wholecall.py)."""
+    previous = getattr(_local, "factors", None)
+    _local.factors = factors
+    try:
+        yield
+    finally:
+        _local.factors = previous
+
+
+def _times_factor(factors: dict, scaler: "GradScaler", scale: float, t: Tensor) -> Tensor:
+    factor = factors.get(scaler)
+    if factor is None:
+        factor = factors[scaler] = torch.full((), scale, dtype=torch.float32, device=t.device)
+    if t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
+        return (t.float() * factor).to(t.dtype)  # as ``t * scale`` computes: in fp32, rounded once
+    return t * factor
+
+
 def register_step_queue(engine: Any) -> None:
     _step_queues.add(engine)
 
@@ -129,6 +151,9 @@ class GradScaler:
         registry = getattr(_local, "registry", None)
         if registry is not None:
             registry[self] = scale
+        factors = getattr(_local, "factors", None)
+        if factors is not None:
+            return map_tensors(lambda t: _times_factor(factors, self, scale, t), outputs)
         return map_tensors(lambda t: t * scale, outputs)
 
     def _observe(self, found_inf: bool) -> None:

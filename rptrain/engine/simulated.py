@@ -31,6 +31,7 @@ from .batching import map_tensors
 from .device import STREAMS, Device
 from .graphs import StageGraphs
 from .tuning import Tuning
+from .wholecall import Recorded, Replayed, WholeCallGraphs, fill_scales, run_call
 
 
 class OrderingError(RuntimeError):
@@ -138,6 +139,9 @@ class SimulatedDevice(Device):
     def graphs(self, tuning: Tuning) -> StageGraphs:
         return _EagerGraphs(self.torch_device, tuning)
 
+    def whole_call_graphs(self, tuning: Tuning) -> WholeCallGraphs:
+        return _EagerWholeCall(self.torch_device, tuning)
+
     def memory_cap(self) -> Optional[int]:
         return self.memory
 
@@ -163,3 +167,31 @@ class _EagerGraphs(StageGraphs):
             rec.extend(torch.empty_like(t) for t in tensors)
         it = iter(static.detach().copy_(t) for static, t in zip(rec, tensors))  # a fresh autograd history, the same memory
         return pytree.tree_unflatten([next(it) if isinstance(v, Tensor) else v for v in leaves], spec)
+
+
+class _EagerWholeCall(WholeCallGraphs):
+    """WholeCallGraphs' decisions (keys, the recording limit, fallbacks) with each replay run eagerly,
+    the scales read from their tensors as a replay reads them; like a real replay it returns the
+    losses and outputs in the same memory every time."""
+
+    def _capture(self, layers: list, inputs: list, labels: list, loss_fn: Callable) -> Recorded:
+        run_call(layers, inputs, labels, loss_fn, {}, {}, self._forward(layers))  # the warm-up a recording runs (its effects are put back)
+        return Recorded(None, [], [], [], [], {}, keep=loss_fn)
+
+    def _replay(self, rec: Recorded, modules: Any, inputs: list, labels: list, loss_fn: Callable) -> Replayed:
+        fill_scales(rec)
+        registry: dict = {}
+        losses, outputs = run_call(modules, inputs, labels, loss_fn, rec.factors, registry, self._forward(list(modules)))
+        if not rec.losses:
+            rec.filled.update(registry)  # the scale tensors were made holding these
+            rec.losses = [(single, [t.clone() for t in items]) for single, items in losses]
+            rec.outputs = [map_tensors(torch.clone, out) for out in outputs]
+        else:
+            for (_, static), (_, items) in zip(rec.losses, losses):
+                for s, t in zip(static, items):
+                    s.copy_(t)
+            for static, out in zip(rec.outputs, outputs):
+                for s, t in zip(pytree.tree_leaves(static), pytree.tree_leaves(out)):
+                    if isinstance(s, Tensor):
+                        s.copy_(t)
+        return Replayed(rec.losses, rec.outputs, registry)

@@ -43,6 +43,15 @@ class Tuning:
     # H200: the call took 0.85 s eager, 1.05 s replayed; ResNet-34's 21 M: 1.5 ms of downloads
     # against a step that launches cost most of).
     max_graph_params: int = 100_000_000
+    # Replay a whole training call (every microbatch's forward, loss and backward) as one CUDA graph
+    # where callpath.py allows it: the host then launches one graph a call instead of two graphs, the
+    # loss's kernels and the autograd engine's work per microbatch. False: stage by stage, as before.
+    whole_call_graphs: bool = True
+    # torch.compile (inductor) the stage's layers inside the whole call's recording (CLI engine.compile):
+    # fused elementwise kernels, paid for by compiling at the first recording of each call shape. Off
+    # until measured faster including that compile over a 20-epoch run (issue 33; on the H200 plain
+    # PyTorch's graphed ResNet-34 step went from 3.29 to 2.61 ms compiled).
+    compile_stages: bool = False
     # Of physical memory: frozen weights past this stay pageable. Pinned pages cannot be swapped or
     # reclaimed, and more would starve the rest of the process; pageable memory uploads through the
     # driver's staging buffer, about half as fast.

@@ -390,6 +390,7 @@ class EngineConfig:
     """RoundPipe's remaining constructor arguments, and cuDNN's algorithm search."""
 
     cuda_graphs: bool = True
+    compile: bool = False  # torch.compile the stage inside the whole-call graph (Tuning.compile_stages: engine/wholecall.py)
     threads: Optional[int] = None  # PyTorch's intra-op threads; None: the cores free to the process (train/threads.py)
     optimizer_threads: Optional[int] = None  # None: the engine's default
     channels_last: Optional[bool] = None  # None: on for convolution models on CUDA (train/memory_format.py)

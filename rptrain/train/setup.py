@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from torch.optim.lr_scheduler import LRScheduler
 
-from rptrain import GradScaler, OptimizerCtx, RoundPipe
+from rptrain import GradScaler, OptimizerCtx, RoundPipe, Tuning
 from rptrain.engine import check_model_fits
 
 from .chat_export import template_line
@@ -80,6 +80,7 @@ def build_engine(cfg: DictConfig, model: torch.nn.Sequential, d: Dist) -> RoundP
                          optimizer_threads=cfg.engine.optimizer_threads,
                          max_host_memory=cfg.engine.max_host_memory, max_gpu_memory=cfg.engine.max_gpu_memory,
                          gpu_state=cfg.engine.gpu_state, memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices),
+                         tuning=Tuning(compile_stages=cfg.engine.compile),
                          keep_user_weights=False)  # the run reads weights through state_dict(): no host copy of a resident model
 
 

@@ -7,8 +7,8 @@ tuple (ids, targets) or (ids, targets, segment_ids) for packed data, and the las
 token cross entropy; dividing by the batch's count of trained tokens (targets != IGNORE_INDEX) gives
 the mean per token, so masked prompt and padding positions count neither in the loss nor in tokens/s.
 Nothing here reads a number back from the GPU during training: a step's loss and correct count
-stay tensors (the count is taken on the device, inside the loss function, so the logits never
-leave it) and meters.Meter reads them at log steps. Evaluation reads once per pass.
+stay tensors (the count is taken from logits returned where the labels are, so they never leave
+the GPU) and meters.Meter reads them at log steps. Evaluation reads once per pass.
 Several ranks: the loop passes `total`, the count summed over the ranks, and the loss is
 sum x world / total: the engine's average of the ranks' gradients is then exactly the gradient
 of the mean over the global batch, even when ranks hold different token counts.
@@ -99,14 +99,16 @@ class ImageTask(Task):
         n = len(labels)
         divisor, to_mean = self.divisor(n, total)
         scale = scaler.get_scale()  # update() may change it before the loss is read
-        corrects: list[Tensor] = []  # one per microbatch, counted where the logits are
 
+        # No side effects: the engine may replay the whole call as one recorded CUDA graph, which
+        # never calls loss_fn again (engine/wholecall.py); the count is taken from the returned logits,
+        # which stay where the labels are.
         def loss_fn(out: Tensor, y: Tensor) -> Tensor:
-            corrects.append((out.argmax(1) == y).sum())
             return scaler.scale(F.cross_entropy(out.float(), y, reduction="sum") / divisor)
 
-        loss = engine.forward_backward(input_args=self.inputs(batch), label=labels, loss_fn=loss_fn, run_config=self.run_config(n))
-        return StepResult(loss.detach(), to_mean / scale, n, corrects, n)
+        loss, logits = engine.forward_backward(input_args=self.inputs(batch), label=labels, loss_fn=loss_fn, return_outputs=True,
+                                               run_config=self.run_config(n, labels.device))
+        return StepResult(loss.detach(), to_mean / scale, n, [(logits.argmax(1) == labels).sum()], n)
 
     def evaluate(self, engine: RoundPipe, batches: Iterable[tuple]) -> dict[str, float]:
         loss_sums, corrects, total = [], [], 0
