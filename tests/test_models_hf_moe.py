@@ -23,9 +23,14 @@ CASES = {
     "qwen3_moe_sparse": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=16, norm_topk_prob=False,
                                                                         num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, sliding_window=5)),
-    # sinks, sliding layer 0 and full layer 1, YaRN (its defaults), biased router and experts, clamped SwiGLU (limit low enough to bite)
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, sliding_window=5, swiglu_limit=0.5)),
+    # sinks, sliding layer 0 and full layer 1, biased router and experts, clamped SwiGLU. YaRN as published: 4096 positions
+    # stretched 32x to 131072 (a max_position_embeddings below the original makes transformers warn of an inconsistent
+    # factor). The clamp at the published limit (7.0; transformers 5.17 hard-codes it, 5.25 reads swiglu_limit, as we
+    # do), made to bite by larger expert weights (EXPERT_SCALE).
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, sliding_window=5, max_position_embeddings=131072,
+                                                                swiglu_limit=7.0)),
 }
+EXPERT_SCALE = {"gpt_oss": 40.0}  # gate/up pre-activations of std ~9: a good share beyond the limit of 7
 
 
 def save_moe(name: str, folder) -> torch.nn.Module:
@@ -34,8 +39,8 @@ def save_moe(name: str, folder) -> torch.nn.Module:
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
+        for n, p in model.named_parameters():
+            p.normal_(0, 0.2 * (EXPERT_SCALE.get(name, 1.0) if n.endswith("experts.gate_up_proj") else 1.0))
     model.save_pretrained(folder, max_shard_size="30KB")
     return model
 
@@ -208,3 +213,21 @@ def test_mxfp4_experts_are_dequantized_at_load(tmp_path):
     back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     assert all(torch.equal(p, params[n]) for n, p in back.named_parameters())
+
+
+def test_gpt_oss_case_is_consistent_and_its_clamp_bites(saved, tmp_path):
+    """The tiny GPT-OSS config means what the published one does (YaRN factor = max positions / original), and
+    its clamped SwiGLU changes the logits: the equality above covers the clamp, not only the smooth part."""
+    import json
+    import shutil
+
+    folder, theirs = saved("gpt_oss")
+    raw = json.loads((folder / "config.json").read_text())
+    rope = raw["rope_parameters"]
+    assert raw["max_position_embeddings"] / rope["original_max_position_embeddings"] == rope["factor"] == 32
+    assert raw["swiglu_limit"] == 7.0
+    unclamped = shutil.copytree(folder, tmp_path / "unclamped")
+    (unclamped / "config.json").write_text(json.dumps({**raw, "swiglu_limit": 1e9}))
+    ids, _ = batch()
+    with torch.no_grad():
+        assert rel(build_model("hf", path=str(unclamped))((ids, None)), theirs(ids).logits) > 1e-2
