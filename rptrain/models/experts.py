@@ -90,7 +90,7 @@ class Experts(nn.Module):
         offsets = counts.cumsum(0, dtype=torch.int32)
         w_gate_up = self.gate_up_proj if self.interleaved else self.gate_up_proj.transpose(1, 2)
         w_down = self.down_proj if self.interleaved else self.down_proj.transpose(1, 2)
-        rows = x[token]
+        rows = x.index_select(0, token)  # its backward adds into x (index_add_), where x[token]'s sorts for index_put_
 
         def project(inputs: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
             # A token's k choices are distinct experts: no expert gets more rows than there are tokens.
