@@ -114,6 +114,31 @@ def test_through_the_engine_with_replayed_routing(saved, monkeypatch, name):
         assert rel(g, e) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_several_microbatches_equal_transformers_per_microbatch(saved, name):
+    """With several microbatches the load-balancing term is transformers' over each microbatch (one transformers
+    forward per microbatch, as gradient accumulation runs it), weighted by the microbatch's target tokens. The
+    whole-batch term is not separable: every microbatch's gradient needs the routing counts of all of them, and
+    the fused last stage runs a microbatch's backward before the later ones have routed (docs/moe.md)."""
+    folder, theirs = saved(name)
+    ids, targets = batch(B=4)
+    theirs.zero_grad()
+    whole = theirs(ids, output_router_logits=True).aux_loss.item()
+    weighted = 0.0
+    for rows in (slice(0, 2), slice(2, 4)):
+        out = theirs(ids[rows], output_router_logits=True)
+        valid = (targets[rows] != -100).sum()
+        ce = F.cross_entropy(out.logits.flatten(0, 1), targets[rows].flatten(), reduction="sum")
+        (ce + theirs.config.router_aux_loss_coef * out.aux_loss * valid).backward()
+        weighted += out.aux_loss.item() * valid.item() / (targets != -100).sum().item()
+    assert abs(weighted - whole) > 1e-4 * whole  # the two definitions do differ on this batch
+    model = build_model("hf", path=str(folder))
+    grads = engine_gradients(model, (ids, targets), RoundPipeRunConfig(num_microbatch=2, execute_plan=PLAN))
+    hf_params, L = dict(theirs.named_parameters()), len(model) - 2
+    for (our_name, _), g in zip(model.named_parameters(), grads):
+        assert rel(g, hf_params[hf_name(our_name, L)].grad) < 1e-5, our_name
+
+
 def test_recompute_replays_the_forward_routing():
     """The experts chosen in the forward come back in the recompute even where the logits would now choose others."""
     from rptrain.engine.recompute import layer_call
