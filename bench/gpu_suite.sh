@@ -218,7 +218,7 @@ moe_lora=(python3 bench/lora.py --seq 4096 --batch 4 --steps 3 --warmup 2)
 if [[ $what == moe ]]; then  # the MoE tests on CUDA, expert compute against its GEMMs, GPT-OSS-20B full fine-tuning, Qwen3-30B-A3B LoRA vs PEFT (about 9 minutes)
   run 80 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_hf_moe.py tests/test_models_moe_kernels.py \
     tests/test_models_lora_moe.py tests/test_engine_plan.py
-  run 40 python3 bench/moe_experts.py
+  run 40 python3 bench/moe_experts.py --profile
   run 160 "${moe_llm[@]}" --model gpt_oss_20b --impl rptrain
   # each in its own process with its own limit (an out-of-memory or a timeout is a result); PEFT last: it may run out of memory
   run 260 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain peft --timeout 125

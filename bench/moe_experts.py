@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from common import emit, parser, time_steps
+from common import emit, parser, sync, time_steps
 from llm import tiny_overrides
 from rptrain.models.experts import _grouped_mm_runs, grouped_mm
 from rptrain.models.hf_presets import MOE_PRESETS, qwen3_config
@@ -52,6 +52,21 @@ def gemm_only(moe: SparseMoe, x: torch.Tensor):
     return step, rows.size(0)
 
 
+def kernel_times(step, device: str, steps: int = 3, top: int = 12) -> list:
+    """The layer step's costliest kernels (or CPU ops): [name, milliseconds per step, calls per step], where
+    the time above the grouped GEMMs goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for i in range(steps):
+            step(i)
+        sync(device)
+    attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)[:top]
+    return [[e.key[:80], round(getattr(e, attr) / 1e3 / steps, 3), e.count // steps] for e in events]
+
+
 def measure(args, name: str) -> dict:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     moe, D = layer(name, args.tiny, args.device, dtype)
@@ -65,6 +80,8 @@ def measure(args, name: str) -> dict:
         out.backward(grad)
 
     layer_s = time_steps(layer_step, args.steps, args.warmup, args.device)
+    if args.profile:
+        emit(bench="moe_experts_kernels", model=name, top=kernel_times(layer_step, args.device))
     gemm_step, rows = gemm_only(moe, x)
     gemm_s = time_steps(gemm_step, args.steps, args.warmup, args.device)
     e = moe.experts
@@ -80,6 +97,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4 * 4096, help="tokens through the layer per step (4 x 4096: the goals' batch)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="also the layer step's costliest kernels (a profiler run)")
     args = p.parse_args()
     if args.tiny or args.device == "cpu":
         args.tiny, args.tokens, args.steps, args.warmup = True, 64, 2, 1
