@@ -258,3 +258,24 @@ def test_gpt_oss_case_is_consistent_and_its_clamp_bites(saved, tmp_path):
     ids, _ = batch()
     with torch.no_grad():
         assert rel(build_model("hf", path=str(unclamped))((ids, None)), theirs(ids).logits) > 1e-2
+
+
+@pytest.mark.parametrize("window, packed", [(None, False), (3, False), (None, True)])
+def test_sink_attention_equals_the_written_out_softmax(window, packed):
+    """GPT-OSS's sinks through SDPA (one more key) against the explicit softmax with the sink column, grouped
+    query heads, fp32: output and the gradients of q, k, v and the sinks to rel 1e-5."""
+    from rptrain.models.attention import attention_mask, explicit_attention, sink_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 9, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+    sinks = torch.randn(4, generator=g, requires_grad=True)
+    segments = torch.tensor([[0] * 4 + [1] * 5, [0] * 9]) if packed else None
+    mask = attention_mask(9, "cpu", segments, window)
+    results = []
+    for fn in (lambda: sink_attention(q, k, v, sinks, 0.3, None if window is None and not packed else mask),
+               lambda: explicit_attention(q, k, v, mask, 0.3, None, sinks)):
+        out = fn()
+        grads = torch.autograd.grad((out * torch.arange(8.0)).sum(), (q, k, v, sinks))
+        results.append((out, *grads))
+    for ours, theirs in zip(*results):
+        assert rel(ours, theirs) < 1e-5
