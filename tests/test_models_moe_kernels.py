@@ -109,3 +109,32 @@ def test_moe_layer_records_as_a_cuda_graph(name, dtype):
     tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     for a, b in zip(replayed, eager):
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_balance_records_average_since_the_last_take():
+    from rptrain.models.moe import record_balance, take_balance
+
+    take_balance()
+    assert take_balance() is None
+    for value in (1.0, 2.0, 6.0):
+        record_balance(torch.tensor(value))
+    assert take_balance() == 3.0 and take_balance() is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_balance_records_count_cuda_graph_replays():
+    """A forward replayed as a CUDA graph records its load-balancing loss at every replay (the engine graphs small
+    fused stages, MoE ones included, since their routing reads nothing from the device)."""
+    from rptrain.models.moe import record_balance, take_balance
+
+    aux = torch.ones((), device="cuda")
+    record_balance(aux)  # eager first, as the engine's warm-up runs are
+    take_balance()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        record_balance(aux * 2)
+    for value in (1.0, 4.0):
+        aux.fill_(value)
+        graph.replay()
+    assert take_balance() == 5.0  # (2 + 8) / 2
