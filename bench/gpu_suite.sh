@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|lowmem|lowmem-big|moe|moe-more|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|lowmem|lowmem-big|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+root=$PWD
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out=${OUT:-$PWD/gpu-logs}
 mkdir -p "$out"
@@ -39,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == moe || $what == moe-more ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -60,6 +61,26 @@ cli_resnet() {  # cli_resnet SECONDS ARGS...: issue 22's one invocation, its rec
   run "$1" python3 bench/cli_resnet.py --no-compile --quick "${@:2}"
   grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
 }
+# issue 30: mixtures of experts at the published shapes, random init; seq 4096 x batch 4 (the goals' size)
+# modes moe and moe-more (run from the repository root; no carried wheels needed: transformers and peft are installed)
+moe_llm=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --master-dtype bf16 --state-dtype int8)
+moe_lora=(python3 bench/lora.py --seq 4096 --batch 4 --steps 3 --warmup 2)
+[[ $what == moe || $what == moe-more ]] && cd "$root"
+if [[ $what == moe ]]; then  # the MoE tests on CUDA, expert compute against its GEMMs, GPT-OSS-20B full fine-tuning, Qwen3-30B-A3B LoRA vs PEFT (about 9 minutes)
+  run 80 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_hf_moe.py tests/test_models_moe_kernels.py \
+    tests/test_models_lora_moe.py tests/test_engine_plan.py
+  run 40 python3 bench/moe_experts.py --profile
+  run 160 "${moe_llm[@]}" --model gpt_oss_20b --impl rptrain
+  # each in its own process with its own limit (an out-of-memory or a timeout is a result); PEFT last: it may run out of memory
+  run 260 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain peft --timeout 125
+  grep '^{"bench": "\(lora\|llm\|moe_experts\)"' "$out/suite.log" > "$out/moe.jsonl"
+fi
+if [[ $what == moe-more ]]; then  # issue 30's other runs: Qwen3-30B-A3B full fine-tuning (trains?), GPT-OSS-20B LoRA, fused GPT-OSS (about 9 minutes)
+  run 220 "${moe_llm[@]}" --model qwen3_30b_a3b --impl rptrain --steps 2 --warmup 1
+  run 130 "${moe_lora[@]}" --model gpt_oss_20b --impl rptrain --timeout 120
+  run 180 "${moe_llm[@]}" --model gpt_oss_20b --impl rptrain --fused
+  grep '^{"bench": "\(lora\|llm\)"' "$out/suite.log" > "$out/moe-more.jsonl"
+fi
 if [[ $what == core ]]; then  # what is least measured first
   run 100 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py tests/test_optim.py tests/test_dist.py tests/test_data_augment.py tests/test_data_loader.py
   # issue 4 goal 2: is the whole CLI run, with GPU augmentation, input-bound?
@@ -211,24 +232,6 @@ fi
 if [[ $what == lowmem-big ]]; then  # issue 29: the largest shape with the low-memory state; the 8 B plain peer (checkpointing) beside the preset
   run 300 "${lowmem[@]}" --model qwen3_32b --impl rptrain --master-dtype bf16 --state-dtype int8
   run 240 "${lowmem[@]}" --model llama_8b --impl rptrain plain --master-dtype bf16 --state-dtype int8
-fi
-# issue 30: mixtures of experts at the published shapes, random init; seq 4096 x batch 4 (the goals' size)
-moe_llm=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --master-dtype bf16 --state-dtype int8)
-moe_lora=(python3 bench/lora.py --seq 4096 --batch 4 --steps 3 --warmup 2)
-if [[ $what == moe ]]; then  # the MoE tests on CUDA, expert compute against its GEMMs, GPT-OSS-20B full fine-tuning, Qwen3-30B-A3B LoRA vs PEFT (about 9 minutes)
-  run 80 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_hf_moe.py tests/test_models_moe_kernels.py \
-    tests/test_models_lora_moe.py tests/test_engine_plan.py
-  run 40 python3 bench/moe_experts.py --profile
-  run 160 "${moe_llm[@]}" --model gpt_oss_20b --impl rptrain
-  # each in its own process with its own limit (an out-of-memory or a timeout is a result); PEFT last: it may run out of memory
-  run 260 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain peft --timeout 125
-  grep '^{"bench": "\(lora\|llm\|moe_experts\)"' "$out/suite.log" > "$out/moe.jsonl"
-fi
-if [[ $what == moe-more ]]; then  # issue 30's other runs: Qwen3-30B-A3B full fine-tuning (trains?), GPT-OSS-20B LoRA, fused GPT-OSS (about 9 minutes)
-  run 220 "${moe_llm[@]}" --model qwen3_30b_a3b --impl rptrain --steps 2 --warmup 1
-  run 130 "${moe_lora[@]}" --model gpt_oss_20b --impl rptrain --timeout 120
-  run 180 "${moe_llm[@]}" --model gpt_oss_20b --impl rptrain --fused
-  grep '^{"bench": "\(lora\|llm\)"' "$out/suite.log" > "$out/moe-more.jsonl"
 fi
 if [[ $what == llm || $what == all ]]; then
   {
