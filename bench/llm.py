@@ -123,8 +123,6 @@ def host_model(args, name: str, dtype: torch.dtype) -> nn.Module:
 
 
 def run_rptrain(args, cfg, name):
-    model = host_model(args, name, torch.bfloat16)
-    note(f"{name} built")
     # Only options away from their defaults are passed: gpu_suite.sh engine-ab runs this script against an
     # engine from before they existed.
     options = dict(cuda_graphs=args.cuda_graphs, max_gpu_memory=args.max_gpu_memory)
@@ -136,6 +134,9 @@ def run_rptrain(args, cfg, name):
     if args.gpu_reserve is not None:
         from rptrain import Tuning
         options["tuning"] = Tuning(gpu_state_reserve=args.gpu_reserve)
+    fits_first(args, name, options)
+    model = host_model(args, name, torch.bfloat16)
+    note(f"{name} built")
     engine = RoundPipe(model, **options)
     note(str(engine.placement))
     on_gpu = getattr(engine.placement, "params_on", lambda _: 0)("gpu")  # trainable parameters whose state and step are on the GPU
@@ -155,6 +156,17 @@ def run_rptrain(args, cfg, name):
     engine.close()
     stages = dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
     return timing, recomputed / max(layers - 2, 1), {**stages, **split, "gpu_state_params": on_gpu, "is_async": args.is_async}
+
+
+def fits_first(args, name: str, options: dict) -> None:
+    """The engine's fit check on a meta-device copy: a model that cannot fit is a result in seconds, before a
+    build of tens of GB (GPT-OSS-20B) is made and copied to the host. Engines before check_model_fits skip it."""
+    import rptrain.engine
+
+    check = getattr(rptrain.engine, "check_model_fits", None)
+    if check is not None:
+        keys = ("optim_dtype", "optimizer", "gpu_state", "max_gpu_memory", "tuning")
+        check(build_model(name, device="meta", dtype=torch.bfloat16, **args.overrides), **{k: options[k] for k in keys if k in options})
 
 
 def low_memory_state(args) -> dict:
