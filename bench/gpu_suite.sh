@@ -4,6 +4,7 @@
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+root=$PWD
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out=${OUT:-$PWD/gpu-logs}
 mkdir -p "$out"
@@ -60,6 +61,31 @@ cli_resnet() {  # cli_resnet SECONDS ARGS...: issue 22's one invocation, its rec
   run "$1" python3 bench/cli_resnet.py --no-compile --quick "${@:2}"
   grep '^{"bench": "cli_resnet"' "$out/suite.log" > "$out/cli_resnet.jsonl"
 }
+# issue 30: mixtures of experts at the published shapes, random init; seq 4096 x batch 4 (the goals' size)
+# modes moe and moe-more (run from the repository root; no carried wheels needed: transformers and peft are installed)
+moe_llm=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --master-dtype bf16 --state-dtype int8)
+moe_lora=(python3 bench/lora.py --seq 4096 --batch 4 --steps 3 --warmup 2)
+[[ $what == moe || $what == moe-more ]] && cd "$root"
+if [[ $what == moe ]]; then  # the MoE tests on CUDA, expert compute against its GEMMs, GPT-OSS-20B full fine-tuning, Qwen3-30B-A3B LoRA vs PEFT (about 9 minutes)
+  run 80 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_hf_moe.py tests/test_models_moe_kernels.py \
+    tests/test_models_lora_moe.py tests/test_engine_plan.py
+  run 40 python3 bench/moe_experts.py --profile
+  # the engine's fit check on a meta copy first: with 128 GiB of host memory expect "does not fit" in seconds (CPU
+  # estimate: 236 GiB of host state needed, 113 available), and the time goes to the LoRA runs below
+  run 160 "${moe_llm[@]}" --model gpt_oss_20b --impl rptrain
+  # each in its own process with its own limit (an out-of-memory or a timeout is a result); PEFT last: it may run out of memory
+  run 260 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain peft --timeout 125
+  run 130 "${moe_lora[@]}" --model gpt_oss_20b --impl rptrain --timeout 120
+  grep '^{"bench": "\(lora\|llm\|moe_experts\)"' "$out/suite.log" > "$out/moe.jsonl"
+fi
+if [[ $what == moe-more ]]; then  # issue 30's other measurements (about 9 minutes): expert compute at 8 x 4096, PEFT without
+  # checkpointing (out of memory is a result), GPT-OSS-20B LoRA against PEFT, Qwen3-30B-A3B full fine-tuning (the fit check)
+  run 60 python3 bench/moe_experts.py --tokens 32768 --profile
+  run 150 "${moe_lora[@]}" --model qwen3_30b_a3b --impl peft --no-checkpoint --timeout 140
+  run 250 "${moe_lora[@]}" --model gpt_oss_20b --impl rptrain peft --timeout 120
+  run 60 "${moe_llm[@]}" --model qwen3_30b_a3b --impl rptrain --steps 2 --warmup 1
+  grep '^{"bench": "\(lora\|llm\|moe_experts\)"' "$out/suite.log" > "$out/moe-more.jsonl"
+fi
 if [[ $what == core ]]; then  # what is least measured first
   run 100 python3 -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py tests/test_optim.py tests/test_dist.py tests/test_data_augment.py tests/test_data_loader.py
   # issue 4 goal 2: is the whole CLI run, with GPU augmentation, input-bound?

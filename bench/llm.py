@@ -35,7 +35,8 @@ import deepspeed_zero
 from common import emit, parser
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.engine import DoesNotFit, trace
-from rptrain.models import QWEN3_PRESETS, LlamaConfig, build_model, count_tokens, flops_per_token, llama_config, qwen3_config
+from rptrain.models import LlamaConfig, build_model, count_tokens, flops_per_token, llama_config, qwen3_config
+from rptrain.models.hf_presets import MOE_PRESETS, PRESETS
 from rptrain.models.llama import decoder_config
 from rptrain.optim import AdamW
 from rptrain.optim.state import state_memory_of
@@ -73,6 +74,19 @@ TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                   head_dim=32, vocab_size=512)
 
 
+# --tiny / CPU: the MoE presets keep their routing and expert layout at toy size (dimensions multiples of 16 bytes,
+# so the grouped GEMM runs as it does on the GPU).
+TINY_MOE = {
+    "qwen3_30b_a3b": dict(TINY_QWEN3, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+    "gpt_oss_20b": dict(TINY_QWEN3, intermediate_size=32, head_dim=16, num_experts=8, num_experts_per_tok=2),
+}
+
+
+def tiny_overrides(name: str) -> dict:
+    """The CI-size config.json overrides of a preset with a config.json (none for the Llama ones)."""
+    return TINY_MOE.get(name, TINY_QWEN3 if name in PRESETS else {})
+
+
 # Qwen3-14B / Qwen3-32B config.json shapes, as overrides of the qwen3_8b preset (same vocabulary, head_dim 128).
 BIG = {
     "qwen3_14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8),
@@ -87,7 +101,7 @@ def preset(name: str) -> tuple[str, dict]:
 
 def model_config(name: str, **overrides):
     """A preset's config (LlamaConfig or DecoderConfig): vocab_size, max_seq_len and what flops_per_token reads."""
-    return qwen3_config(name, **overrides) if name in QWEN3_PRESETS else llama_config(name, **overrides)
+    return qwen3_config(name, **overrides) if name in PRESETS else llama_config(name, **overrides)
 
 
 def forward_flops(cfg, seq: int) -> float:
@@ -109,8 +123,6 @@ def host_model(args, name: str, dtype: torch.dtype) -> nn.Module:
 
 
 def run_rptrain(args, cfg, name):
-    model = host_model(args, name, torch.bfloat16)
-    note(f"{name} built")
     # Only options away from their defaults are passed: gpu_suite.sh engine-ab runs this script against an
     # engine from before they existed.
     options = dict(cuda_graphs=args.cuda_graphs, max_gpu_memory=args.max_gpu_memory)
@@ -122,6 +134,9 @@ def run_rptrain(args, cfg, name):
     if args.gpu_reserve is not None:
         from rptrain import Tuning
         options["tuning"] = Tuning(gpu_state_reserve=args.gpu_reserve)
+    fits_first(args, name, options)
+    model = host_model(args, name, torch.bfloat16)
+    note(f"{name} built")
     engine = RoundPipe(model, **options)
     note(str(engine.placement))
     on_gpu = getattr(engine.placement, "params_on", lambda _: 0)("gpu")  # trainable parameters whose state and step are on the GPU
@@ -141,6 +156,17 @@ def run_rptrain(args, cfg, name):
     engine.close()
     stages = dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
     return timing, recomputed / max(layers - 2, 1), {**stages, **split, "gpu_state_params": on_gpu, "is_async": args.is_async}
+
+
+def fits_first(args, name: str, options: dict) -> None:
+    """The engine's fit check on a meta-device copy: a model that cannot fit is a result in seconds, before a
+    build of tens of GB (GPT-OSS-20B) is made and copied to the host. Engines before check_model_fits skip it."""
+    import rptrain.engine
+
+    check = getattr(rptrain.engine, "check_model_fits", None)
+    if check is not None:
+        keys = ("optim_dtype", "optimizer", "gpu_state", "max_gpu_memory", "tuning")
+        check(build_model(name, device="meta", dtype=torch.bfloat16, **args.overrides), **{k: options[k] for k in keys if k in options})
 
 
 def low_memory_state(args) -> dict:
@@ -368,7 +394,8 @@ IMPLS = ["rptrain", "plain", "fsdp2", "roundpipe", "deepspeed", *deepspeed_zero.
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__)
-    p.add_argument("--model", nargs="+", default=["llama_1b", "llama_3b"], help="llama_* and qwen3_* presets, e.g. qwen3_8b")
+    p.add_argument("--model", nargs="+", default=["llama_1b", "llama_3b"],
+                   help=f"llama_* and qwen3_* presets, e.g. qwen3_8b, and the MoE ones ({', '.join(MOE_PRESETS)}: rptrain only)")
     p.add_argument("--impl", nargs="+", default=["rptrain", "plain", "fsdp2"], choices=IMPLS,
                    help="roundpipe: the original library (its wheel must be installed); deepspeed: both DeepSpeed settings "
                         "(deepspeed_zero2: ZeRO-Offload, deepspeed_zero3: ZeRO-3 partial offload; DeepSpeed must be installed)")
@@ -406,7 +433,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.impl = list(dict.fromkeys(s for i in args.impl for s in (deepspeed_zero.SETTINGS if i == "deepspeed" else [i])))
     args.overrides = {}
     if args.tiny or args.device == "cpu":
-        args.model = list(dict.fromkeys(name if name in QWEN3_PRESETS or name in BIG else "llama_tiny" for name in args.model))
+        args.model = list(dict.fromkeys(name if name in PRESETS or name in BIG else "llama_tiny" for name in args.model))
         # plain, fsdp2 and roundpipe need CUDA; DeepSpeed runs on its CPU accelerator
         args.impl = [i for i in args.impl if i == "rptrain" or i in deepspeed_zero.SETTINGS] or ["rptrain"]
         args.seq, args.batch, args.steps, args.warmup = 32, 2, 2, 1
@@ -440,7 +467,7 @@ def measure(args, name: str, impl: str) -> dict:
                **{s: functools.partial(run_deepspeed, setting=s) for s in deepspeed_zero.SETTINGS}}
     # Rotary tables are built up to max_seq_len: longer benchmark sequences raise it.
     base, big = preset(name)  # the big Qwen3 shapes are qwen3_8b with other sizes
-    shrink = TINY_QWEN3 if (args.tiny or args.device == "cpu") and base in QWEN3_PRESETS else {}
+    shrink = tiny_overrides(base) if args.tiny or args.device == "cpu" else {}
     args.overrides = {**big, **shrink, **({"max_seq_len": args.seq} if args.seq > model_config(base).max_seq_len else {}),
                       **({"fused": True} if args.fused else {})}
     cfg = model_config(base, **args.overrides)

@@ -1,10 +1,12 @@
 """LoRA fine-tuning throughput and memory: rptrain vs transformers + PEFT vs the original RoundPipe.
 
-rptrain:   the preset's Sequential in bf16 with LoRA adapters (rptrain.models.lora) on q/k/v/o/gate/up/down;
+rptrain:   the preset's Sequential in bf16 with LoRA adapters (rptrain.models.lora) on q/k/v/o/gate/up/down
+           (MoE presets qwen3_30b_a3b, gpt_oss_20b: q/k/v/o and every expert's gate_up and down);
            the frozen base is stored once on the host in bf16, the adapters get an fp32 master + AdamW on
            the CPU (async step), the planner's stages.
-peft:      transformers' LlamaForCausalLM / Qwen3ForCausalLM of the same shape, bf16 on the GPU,
-           peft.get_peft_model with the same rank/alpha/targets, fused AdamW on the GPU over the adapters,
+peft:      transformers' model of the same config.json (Llama, Qwen3, Qwen3-MoE with its default grouped-GEMM
+           experts), random init, bf16 on the GPU, peft.get_peft_model with the same rank/alpha/targets
+           (target_parameters for the experts), fused AdamW on the GPU over the adapters,
            gradient checkpointing per layer (--no-checkpoint: none; an out-of-memory error is a result).
 roundpipe: the original library (roundpipe 0.1.1) wrapping the same Sequential with the same adapters:
            it makes optimizer copies only of parameters that require grad (optim_named_parameters).
@@ -30,11 +32,11 @@ import torch
 from torch import nn
 
 from common import emit, parser
-from llm import BIG, TINY_QWEN3, host_model, model_config, note, pipeline_step, preset, release_host_memory, timed, tokens
+from llm import BIG, host_model, model_config, note, pipeline_step, preset, release_host_memory, timed, tiny_overrides, tokens
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
-from rptrain.models import QWEN3_PRESETS, build_model, parameter_count
-from rptrain.models.hf_presets import llama_hf_config
-from rptrain.models.lora import DEFAULT_TARGETS, apply_lora, target_modules
+from rptrain.models import build_model, parameter_count
+from rptrain.models.hf_presets import MOE_PRESETS, PRESETS, llama_hf_config, preset_json
+from rptrain.models.lora import DEFAULT_TARGETS, apply_lora, lora_config
 from rptrain.optim import AdamW
 
 def memory(args) -> dict:
@@ -50,7 +52,8 @@ def lean_model(args, name: str) -> nn.Module:
     (fast random init), the adapters and buffers moved to the host. Fill the frozen weights with
     `fill_frozen` once the engine holds them."""
     with torch.no_grad():
-        model = apply_lora(build_model(args.preset, device=args.device, dtype=torch.bfloat16, **args.overrides), args.rank, args.alpha)
+        model = apply_lora(build_model(args.preset, device=args.device, dtype=torch.bfloat16, **args.overrides), args.rank, args.alpha,
+                           targets=args.targets)
         for module in model.modules():
             for p in module.parameters(recurse=False):
                 p.data = p.data.cpu() if p.requires_grad else torch.empty(p.shape, dtype=p.dtype)
@@ -85,28 +88,40 @@ def run_rptrain(args, name: str) -> dict:
     plan = engine.plan
     stages = dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
     # Closed after the record is printed: giving tens of GB of pinned memory back takes a while.
-    return dict(timing=timing, cleanup=engine.close, **report, **stages)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return dict(timing=timing, cleanup=engine.close, trainable_params=trained, **report, **stages)
 
 
-def hf_model(args, name: str):
+def hf_model(args):
+    """transformers' model of the preset's config.json (Qwen3, Qwen3-MoE, GPT-OSS) or of a Llama preset, random
+    init, built in bf16 on the run's device (a 30 B model in fp32 would not fit the GPU on the way)."""
     import transformers
 
-    if name in QWEN3_PRESETS or name in BIG:
-        raw = {**QWEN3_PRESETS[args.preset], **args.overrides}
-        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**raw))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_hf_config(args.cfg)))
+    if args.preset in PRESETS:
+        config = transformers.AutoConfig.for_model(**preset_json(args.preset, **args.overrides))
+    else:
+        config = transformers.LlamaConfig(**llama_hf_config(args.cfg))
+    with torch.device(args.device):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def peft_targets(args) -> dict:
+    """PEFT's target_modules / target_parameters for the same adapters rptrain makes (read off a meta-device copy)."""
+    adapted = lora_config(apply_lora(build_model(args.preset, device="meta", **args.overrides), args.rank, args.alpha, targets=args.targets))
+    return dict(target_modules=adapted["target_modules"] or None, target_parameters=adapted["target_parameters"] or None)
 
 
 def run_peft(args, name: str) -> dict:
     import peft
 
-    with torch.device(args.device):
-        model = hf_model(args, name).to(torch.bfloat16)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=sorted(target_modules(DEFAULT_TARGETS))))
+    model = hf_model(args)
+    note(f"{name} built by transformers")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, **peft_targets(args)))
     if args.checkpoint:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=args.device == "cuda")
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the same count as rptrain's: the same adapters
     x, y = (t.to(args.device) for t in tokens(args, args.cfg.vocab_size))
     n = y.numel()
 
@@ -119,15 +134,16 @@ def run_peft(args, name: str) -> dict:
         return loss.detach()
 
     timing = timed(step, args)
+    experts = getattr(model.config, "_experts_implementation", None)  # transformers' kernel for MoE experts
     del model, opt
-    return dict(timing=timing, checkpoint=args.checkpoint)
+    return dict(timing=timing, checkpoint=args.checkpoint, trainable_params=trained, **({"experts_implementation": experts} if experts else {}))
 
 
 def run_roundpipe(args, name: str) -> dict:
     """The original library on the same LoRA Sequential; AdamW as its Adam with decoupled weight decay."""
     import roundpipe
 
-    model = apply_lora(host_model(args, args.preset, torch.bfloat16), args.rank, args.alpha)
+    model = apply_lora(host_model(args, args.preset, torch.bfloat16), args.rank, args.alpha, targets=args.targets)
     note(f"{name} built with adapters")
     engine = roundpipe.RoundPipe(model, optim_dtype=torch.float32)
     with roundpipe.OptimizerCtx():
@@ -141,6 +157,7 @@ def run_roundpipe(args, name: str) -> dict:
 
 
 RUNNERS = {"rptrain": run_rptrain, "peft": run_peft, "roundpipe": run_roundpipe}
+MOE_TARGETS = ["q", "k", "v", "o", "experts_gate_up", "experts_down"]
 
 
 def measure(args, name: str, impl: str) -> dict:
@@ -148,9 +165,12 @@ def measure(args, name: str, impl: str) -> dict:
     record, and return it."""
     args.preset, args.overrides = preset(name)
     if args.tiny or args.device == "cpu":
-        args.preset, args.overrides = (args.preset, dict(TINY_QWEN3)) if args.preset in QWEN3_PRESETS else ("llama_tiny", {"vocab_size": 512})
+        args.preset, args.overrides = (args.preset, tiny_overrides(args.preset)) if args.preset in PRESETS else ("llama_tiny", {"vocab_size": 512})
     args.cfg = model_config(args.preset, **args.overrides)
-    head = dict(bench="lora", model=name, impl=impl, params=parameter_count(args.cfg), rank=args.rank, batch=args.batch, seq=args.seq)
+    # MoE presets: adapters on attention and on every expert (their MLPs are all experts); else the dense projections.
+    args.targets = args.target_names or (MOE_TARGETS if args.preset in MOE_PRESETS else list(DEFAULT_TARGETS))
+    head = dict(bench="lora", model=name, impl=impl, params=parameter_count(args.cfg), rank=args.rank, batch=args.batch, seq=args.seq,
+                targets=args.targets)
     if impl == "peft":
         head["checkpoint"] = args.checkpoint
     if args.device == "cuda":
@@ -193,7 +213,10 @@ def measure_in_child(name: str, impl: str, timeout: float) -> dict:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--model", nargs="+", default=["llama_8b"], help=f"llama_* and qwen3_* presets, or {', '.join(BIG)}")
+    p.add_argument("--model", nargs="+", default=["llama_8b"], help=f"llama_* and qwen3_* presets, {', '.join(MOE_PRESETS)}, or {', '.join(BIG)}")
+    p.add_argument("--targets", dest="target_names", nargs="+", default=None,
+                   help=f"LoRA targets (rptrain's short names; PEFT gets the same modules); default: {' '.join(DEFAULT_TARGETS)}, "
+                        f"for MoE presets {' '.join(MOE_TARGETS)}")
     p.add_argument("--impl", nargs="+", default=["rptrain", "peft"], choices=list(RUNNERS))
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)

@@ -26,7 +26,7 @@ def run_tiny(script: str, *flags: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("script", ["limits.py", "resnet.py", "optimizer.py", "llm.py", "data.py", "lora.py", "graph_frozen.py", "host_step.py",
-                                    "main_job.py", "optim_lowp.py", "optim_quality.py"])
+                                    "main_job.py", "optim_lowp.py", "optim_quality.py", "moe_experts.py"])
 def test_bench_runs_tiny_and_prints_json_lines(script):
     run_tiny(script)
 
@@ -52,6 +52,23 @@ def test_llm_runs_qwen3_shapes():
     records = run_tiny("llm.py", "--model", "qwen3_8b")
     (run,) = [r for r in records if r.get("impl") == "rptrain"]
     assert run["model"] == "qwen3_8b" and run["tokens_per_s"] > 0 and run["mfu"] >= 0 and "error" not in run
+
+
+def test_llm_runs_moe_presets_with_the_low_memory_state():
+    """Issue 30's full fine-tuning runs: both MoE presets (shrunk, routing and experts kept) with bf16 master and int8 moments."""
+    records = run_tiny("llm.py", "--model", "qwen3_30b_a3b", "gpt_oss_20b", "--master-dtype", "bf16", "--state-dtype", "int8")
+    runs = {r["model"]: r for r in records if r.get("impl") == "rptrain"}
+    assert set(runs) == {"qwen3_30b_a3b", "gpt_oss_20b"}
+    assert all(r["tokens_per_s"] > 0 and r["state_dtype"] == "int8" and "error" not in r for r in runs.values()), runs
+
+
+def test_lora_moe_against_peft():
+    """Issue 30's LoRA peer: transformers + PEFT of the same Qwen3-MoE config.json trains exactly as many adapter
+    parameters as rptrain (attention and every expert); one process here (each its own on a GPU)."""
+    records = run_tiny("lora.py", "--model", "qwen3_30b_a3b", "--impl", "rptrain", "peft")
+    runs = {r["impl"]: r for r in records if "impl" in r}
+    assert runs["rptrain"]["trainable_params"] == runs["peft"]["trainable_params"] > 0, runs
+    assert "experts_gate_up" in runs["peft"]["targets"] and any(r.get("what") == "rptrain_over_peft" for r in records)
 
 
 def test_cli_resnet_ratios():
@@ -114,7 +131,7 @@ def test_lora_lean_build_fills_the_engines_frozen_storage(monkeypatch):
     import lora
     from rptrain import RoundPipe
 
-    args = SimpleNamespace(device="cpu", rank=4, alpha=8.0, preset="llama_tiny", overrides={"vocab_size": 512})
+    args = SimpleNamespace(device="cpu", rank=4, alpha=8.0, preset="llama_tiny", overrides={"vocab_size": 512}, targets=list(lora.DEFAULT_TARGETS))
     model = lora.lean_model(args, "llama_tiny")
     assert all(p.device.type == "cpu" for p in model.parameters())
     engine = RoundPipe(model)

@@ -150,3 +150,18 @@ def test_autograd_calls_on_two_streamed_devices_match():
     engine.synchronize()
     assert_state_close(engine.state_dict(), ref.state())
     engine.close()
+
+
+@pytest.mark.parametrize("rate", [1.0, 1e15, None])
+def test_a_streamed_engine_plans_with_its_transfer_rate(rate):
+    """Streamed weights: the measured plan balances bytes at Tuning.transfer_rate as well as compute (1 byte/s: the
+    uploads decide it; None: compute alone). Resident weights move nothing per stage: compute alone."""
+    from rptrain.engine.plan import plan_stages
+
+    engine, ref = train_both(convnet(), image_batches(2), 2, devices=sims(1, SMALL), tuning=Tuning(transfer_rate=rate), gpu_state=False)
+    planner = engine._planner
+    assert not engine._executor.resident and planner.costs is not None and planner.transfer_rate == rate
+    assert engine.plan == plan_stages(planner.costs, 1, planner.memory_cap or None, rate)
+    assert_state_close(engine.state_dict(), ref.state())
+    resident, _ = train_both(convnet(), image_batches(1), 2, devices=sims(1), tuning=Tuning(transfer_rate=rate))
+    assert resident._executor.resident and resident._planner.transfer_rate is None

@@ -23,9 +23,14 @@ CASES = {
     "qwen3_moe_sparse": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=16, norm_topk_prob=False,
                                                                         num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, sliding_window=5)),
-    # sinks, sliding layer 0 and full layer 1, YaRN (its defaults), biased router and experts, clamped SwiGLU (limit low enough to bite)
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, sliding_window=5, swiglu_limit=0.5)),
+    # sinks, sliding layer 0 and full layer 1, biased router and experts, clamped SwiGLU. YaRN as published: 4096 positions
+    # stretched 32x to 131072 (a max_position_embeddings below the original makes transformers warn of an inconsistent
+    # factor). The clamp at the published limit (7.0; transformers 5.17 hard-codes it, 5.25 reads swiglu_limit, as we
+    # do), made to bite by larger expert weights (EXPERT_SCALE).
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, sliding_window=5, max_position_embeddings=131072,
+                                                                swiglu_limit=7.0)),
 }
+EXPERT_SCALE = {"gpt_oss": 40.0}  # gate/up pre-activations of std ~9: a good share beyond the limit of 7
 
 
 def save_moe(name: str, folder) -> torch.nn.Module:
@@ -34,8 +39,8 @@ def save_moe(name: str, folder) -> torch.nn.Module:
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
+        for n, p in model.named_parameters():
+            p.normal_(0, 0.2 * (EXPERT_SCALE.get(name, 1.0) if n.endswith("experts.gate_up_proj") else 1.0))
     model.save_pretrained(folder, max_shard_size="30KB")
     return model
 
@@ -81,6 +86,8 @@ def test_matches_transformers(saved, name):
 PLAN = ExecutePlan.from_cuts(4, [1, 2], [2])  # backward stages differ from the forward ones: layers are recomputed
 
 
+# On CUDA the fused stage records as a CUDA graph: a MoE block that cannot (a device read) must not fall back silently.
+@pytest.mark.filterwarnings("error:.*CUDA graph capture failed")
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 def test_through_the_engine_with_replayed_routing(saved, monkeypatch, name):
     folder, _ = saved(name)
@@ -105,6 +112,31 @@ def test_through_the_engine_with_replayed_routing(saved, monkeypatch, name):
     assert calls["n"] > 0  # routing was replayed in recomputed forwards
     for g, e in zip(grads, expected):
         assert rel(g, e) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_several_microbatches_equal_transformers_per_microbatch(saved, name):
+    """With several microbatches the load-balancing term is transformers' over each microbatch (one transformers
+    forward per microbatch, as gradient accumulation runs it), weighted by the microbatch's target tokens. The
+    whole-batch term is not separable: every microbatch's gradient needs the routing counts of all of them, and
+    the fused last stage runs a microbatch's backward before the later ones have routed (docs/moe.md)."""
+    folder, theirs = saved(name)
+    ids, targets = batch(B=4)
+    theirs.zero_grad()
+    whole = theirs(ids, output_router_logits=True).aux_loss.item()
+    weighted = 0.0
+    for rows in (slice(0, 2), slice(2, 4)):
+        out = theirs(ids[rows], output_router_logits=True)
+        valid = (targets[rows] != -100).sum()
+        ce = F.cross_entropy(out.logits.flatten(0, 1), targets[rows].flatten(), reduction="sum")
+        (ce + theirs.config.router_aux_loss_coef * out.aux_loss * valid).backward()
+        weighted += out.aux_loss.item() * valid.item() / (targets != -100).sum().item()
+    assert abs(weighted - whole) > 1e-4 * whole  # the two definitions do differ on this batch
+    model = build_model("hf", path=str(folder))
+    grads = engine_gradients(model, (ids, targets), RoundPipeRunConfig(num_microbatch=2, execute_plan=PLAN))
+    hf_params, L = dict(theirs.named_parameters()), len(model) - 2
+    for (our_name, _), g in zip(model.named_parameters(), grads):
+        assert rel(g, hf_params[hf_name(our_name, L)].grad) < 1e-5, our_name
 
 
 def test_recompute_replays_the_forward_routing():
@@ -208,3 +240,42 @@ def test_mxfp4_experts_are_dequantized_at_load(tmp_path):
     back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     assert all(torch.equal(p, params[n]) for n, p in back.named_parameters())
+
+
+def test_gpt_oss_case_is_consistent_and_its_clamp_bites(saved, tmp_path):
+    """The tiny GPT-OSS config means what the published one does (YaRN factor = max positions / original), and
+    its clamped SwiGLU changes the logits: the equality above covers the clamp, not only the smooth part."""
+    import json
+    import shutil
+
+    folder, theirs = saved("gpt_oss")
+    raw = json.loads((folder / "config.json").read_text())
+    rope = raw["rope_parameters"]
+    assert raw["max_position_embeddings"] / rope["original_max_position_embeddings"] == rope["factor"] == 32
+    assert raw["swiglu_limit"] == 7.0
+    unclamped = shutil.copytree(folder, tmp_path / "unclamped")
+    (unclamped / "config.json").write_text(json.dumps({**raw, "swiglu_limit": 1e9}))
+    ids, _ = batch()
+    with torch.no_grad():
+        assert rel(build_model("hf", path=str(unclamped))((ids, None)), theirs(ids).logits) > 1e-2
+
+
+@pytest.mark.parametrize("window, packed", [(None, False), (3, False), (None, True)])
+def test_sink_attention_equals_the_written_out_softmax(window, packed):
+    """GPT-OSS's sinks through SDPA (one more key) against the explicit softmax with the sink column, grouped
+    query heads, fp32: output and the gradients of q, k, v and the sinks to rel 1e-5."""
+    from rptrain.models.attention import attention_mask, explicit_attention, sink_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 9, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+    sinks = torch.randn(4, generator=g, requires_grad=True)
+    segments = torch.tensor([[0] * 4 + [1] * 5, [0] * 9]) if packed else None
+    mask = attention_mask(9, "cpu", segments, window)
+    results = []
+    for fn in (lambda: sink_attention(q, k, v, sinks, 0.3, None if window is None and not packed else mask),
+               lambda: explicit_attention(q, k, v, mask, 0.3, None, sinks)):
+        out = fn()
+        grads = torch.autograd.grad((out * torch.arange(8.0)).sum(), (q, k, v, sinks))
+        results.append((out, *grads))
+    for ours, theirs in zip(*results):
+        assert rel(ours, theirs) < 1e-5

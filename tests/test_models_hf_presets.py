@@ -76,6 +76,20 @@ def test_moe_presets_have_the_published_shapes(make, name):
     assert abs(sum(p.numel() for p in ours.parameters()) / expected - 1) < 0.02
 
 
+def test_moe_parameter_and_flop_counts():
+    """parameter_count counts every expert (exactly the built model for Qwen3-MoE, which has no biases);
+    flops_per_token the router and the top_k experts a token runs: with every expert active, all matmul weights."""
+    from rptrain.models import flops_per_token, parameter_count, qwen3_config
+
+    cfg = qwen3_config("qwen3_30b_a3b")
+    assert parameter_count(cfg) == sum(p.numel() for p in build_model("qwen3_30b_a3b", device="meta").parameters())
+    everything = qwen3_config("qwen3_30b_a3b", num_experts_per_tok=128)
+    D, L = everything.hidden_size, everything.n_layers
+    matmul = parameter_count(everything) - everything.vocab_size * D - L * (2 * D + 2 * everything.head_dim) - D  # less embedding, norms
+    assert flops_per_token(everything, 0) == 6 * matmul
+    assert flops_per_token(cfg, 0) < flops_per_token(everything, 0) / 8  # 8 of 128 experts, plus attention and the head
+
+
 MOE_TINY = ["model.hidden_size=32", "model.intermediate_size=48", "model.num_hidden_layers=3", "model.num_attention_heads=4",
             "model.num_key_value_heads=2", "model.head_dim=8", "model.num_experts=4", "model.num_experts_per_tok=2", "model.max_seq_len=64"]
 

@@ -19,9 +19,13 @@ from .tuning import Tuning
 
 
 class Planner:
-    def __init__(self, num_layers: int, host: HostState, devices: Sequence[Device], tuning: Tuning, reducer: Any):
+    def __init__(self, num_layers: int, host: HostState, devices: Sequence[Device], tuning: Tuning, reducer: Any,
+                 streams_weights: bool = True):
+        """``streams_weights``: stages upload their weights (a GPU not keeping the model resident), so measured
+        plans balance bytes at ``tuning.transfer_rate`` as well as compute."""
         self.num_layers, self.host, self.devices, self.tuning, self.reducer = num_layers, host, devices, tuning, reducer
         self.cuda = devices[0].is_cuda
+        self.transfer_rate = tuning.transfer_rate if streams_weights and self.cuda else None
         self.plan: Optional[ExecutePlan] = None  # the planner's choice (None until planned)
         self.costs: Optional[list[LayerCost]] = None  # measured by the first call on a GPU
         self.activation_bytes: Optional[dict[int, int]] = None  # measured: one microbatch's output per layer
@@ -48,7 +52,8 @@ class Planner:
     def auto(self, min_stages: Optional[int], memory_cap: Optional[int]) -> ExecutePlan:
         """``ExecutePlan.auto``: the measured costs when a call has measured them, else the sizes."""
         cap = memory_cap or self._cap()
-        return plan_stages(self.costs or self.static_costs(), max(1, min_stages or len(self.devices)), cap)
+        rate = self.transfer_rate if self.costs else None  # static costs are sizes, not seconds
+        return plan_stages(self.costs or self.static_costs(), max(1, min_stages or len(self.devices)), cap, rate)
 
     def _cap(self) -> Optional[int]:
         """Bytes a device may use for a stage: its cap less the GPU share's optimizer state (gpushare.py)."""
@@ -98,7 +103,7 @@ class Planner:
         cap = self._cap()
         timer.report(costs)  # rptrain.timer.ModelTimer.VERBOSE: the original library's per-layer printout
         self.costs = costs
-        self.plan = same_on_all_ranks(self.reducer, plan_stages(costs, len(self.devices), cap))
+        self.plan = same_on_all_ranks(self.reducer, plan_stages(costs, len(self.devices), cap, self.transfer_rate))
         self.activation_bytes, self.memory_cap = dict(state.activation_bytes), cap or 0
 
 

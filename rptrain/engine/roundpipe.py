@@ -125,7 +125,7 @@ class RoundPipe(ForwardsAttributes):
                                   cuda_graphs=cuda_graphs, reducer=self._reducer, memory_format=memory_format)
         if self._reducer is not None:
             self._reducer.check_same(self._host.master_sample(), self._devices[0].torch_device)
-        self._planner = Planner(len(self._layers), self._host, self._devices, self._tuning, self._reducer)
+        self._planner = Planner(len(self._layers), self._host, self._devices, self._tuning, self._reducer, not resident)
         self._prepare = Preparer(self._run_config, len(self._layers), len(self._devices), self._cuda, self._planner)
         self._versions = Versions(self._host, self._executor, self._optimizer_thread(optimizer_threads), OptimizerCtx)
         self._closed = False

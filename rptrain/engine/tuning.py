@@ -69,11 +69,20 @@ class Tuning:
     # work makes every small op pay a thread wake-up (3x slower on 2 cores): there the step runs
     # inline when submitted unless this is True. The staleness rules are the same either way.
     cpu_optimizer_thread: bool = False
+    # Bytes per second one way between pinned host memory and a GPU. Where weights stream per stage, the
+    # planner balances stages by their weights' upload and gradients' download as well as by the measured
+    # compute (plan_stages): an MoE layer holds many times a dense layer's bytes for its FLOPs. Pinned H2D
+    # and D2H both 55.4 GB/s on the H200 (bench/limits.py, 2 GiB copies, 2026-12-02). None: compute alone.
+    transfer_rate: Optional[float] = 55.4e9
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == "Optional[bool]" and value is None:
+            if f.type.startswith("Optional[") and value is None:
+                continue
+            if f.name == "transfer_rate":  # a rate, not a share
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                    raise ValueError(f"Tuning.{f.name} must be a positive number of bytes per second (or None), got {value!r}")
                 continue
             if f.type in ("bool", "Optional[bool]"):
                 if not isinstance(value, bool):

@@ -143,6 +143,37 @@ def explicit_attention(q, k, v, allowed: torch.Tensor, scale=None, softcap=None,
     return probs[..., :-1].to(q.dtype) @ v
 
 
+def sink_attention(q, k, v, sinks: torch.Tensor, scale=None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention whose softmax also holds a per-head logit that reads nothing (GPT-OSS's sinks), through SDPA's
+    fused kernels instead of a written-out T x T softmax: the sink is one more key, in front, with value zero,
+    that every query scores at exactly sinks[h] (q gets the feature sinks[h] / scale, the sink key a 1 there,
+    the real keys a 0). A dummy query in front keeps is_causal's diagonal on the real tokens; features are
+    padded to a multiple of 8, the fused kernels' granularity. mask: attention_mask's, or None for causal."""
+    B, H, T, hd = q.shape
+    scale = hd ** -0.5 if scale is None else scale
+    width = (hd + 8) // 8 * 8  # hd + the sink feature, rounded up
+    extra = (sinks.to(q.dtype) / scale).view(1, H, 1, 1).expand(B, H, T, 1)
+    q = F.pad(torch.cat([q, extra], dim=-1), (0, width - hd - 1, 1, 0))
+    sink_key = torch.zeros(k.size(0), k.size(1), 1, width, device=k.device, dtype=k.dtype)
+    sink_key[..., hd] = 1
+    k = torch.cat([sink_key, F.pad(k, (0, width - hd))], dim=2)
+    v = F.pad(v, (0, width - hd, 1, 0))
+    if mask is not None:
+        mask = F.pad(mask, (1, 0, 1, 0), value=True)  # every query reads the sink; the dummy's output is dropped
+    return _sdpa(q, k, v, scale, mask)[:, :, 1:, :hd]
+
+
+def _sdpa(q, k, v, scale, mask: torch.Tensor | None) -> torch.Tensor:
+    kw = dict(scale=scale, is_causal=mask is None, attn_mask=mask)
+    # enable_gqa saves copying the kv heads, but on CUDA only the flash and cuDNN kernels take it,
+    # and they need half precision and no mask; otherwise SDPA would fall back to the math kernel,
+    # which builds the whole T x T score matrix (seen on torch 2.11).
+    if q.size(1) != k.size(1) and _SDPA_HAS_GQA and mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+    k, v = _repeat_kv(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
 def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -157,20 +188,15 @@ def causal_attention(
     """q: (B, H, T, hd); k, v: (B, H_kv, T, hd) with H a multiple of H_kv. scale None: 1/sqrt(hd).
     flex: FlexAttention on CUDA for masked attention (packed rows, windows) with heads of at least
     FLEX_MIN_HEAD_DIM; SDPA elsewhere. sinks (H,): GPT-OSS's per-head logit that joins each softmax
-    and is then dropped, computed explicitly (neither SDPA nor this FlexAttention path takes it)."""
+    and is then dropped (sink_attention: SDPA with one more key; explicitly when soft-capped too)."""
     T = q.size(2)
     if window is not None and window >= T:
         window = None  # a window longer than the sequence masks nothing
     if flex and sinks is None and q.is_cuda and q.size(-1) >= FLEX_MIN_HEAD_DIM and (window is not None or segments is not None):
         return flex_attention(q, k, v, scale, softcap, window, segments)
-    if softcap is not None or sinks is not None:
+    if softcap is not None:
         return explicit_attention(q, k, v, attention_mask(T, q.device, segments, window), scale, softcap, sinks)
     mask = None if window is None and segments is None else attention_mask(T, q.device, segments, window)
-    kw = dict(scale=scale, is_causal=mask is None, attn_mask=mask)
-    # enable_gqa saves copying the kv heads, but on CUDA only the flash and cuDNN kernels take it,
-    # and they need half precision and no mask; otherwise SDPA would fall back to the math kernel,
-    # which builds the whole T x T score matrix (seen on torch 2.11).
-    if q.size(1) != k.size(1) and _SDPA_HAS_GQA and mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
-    k, v = _repeat_kv(q, k, v)
-    return F.scaled_dot_product_attention(q, k, v, **kw)
+    if sinks is not None:
+        return sink_attention(q, k, v, sinks, scale, mask)
+    return _sdpa(q, k, v, scale, mask)

@@ -241,7 +241,8 @@ class LMHeadLoss(nn.Module):
         record_balance(aux)
         if self.moe.aux_in_loss:
             # transformers adds coef * aux to the mean loss; this sum is divided by the batch's token count
-            # later, so the term is scaled by this microbatch's tokens (one microbatch: exactly transformers').
+            # later, so the term is scaled by this microbatch's tokens (one microbatch: exactly transformers';
+            # several: transformers' per microbatch; docs/moe.md says why the whole batch's is out of reach).
             loss = loss + self.moe.aux_coef * aux * (targets != IGNORE_INDEX).sum()
         return loss
 

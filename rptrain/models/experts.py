@@ -34,14 +34,25 @@ def _grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
     return all(n * x.element_size() % 16 == 0 for n in (x.size(-1), w.size(-1), w.size(-2)))
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+def _shapes_must_be_static(x: torch.Tensor) -> bool:
+    """Whether nothing may be read back from the device: a CUDA graph is recording (a read fails there), or
+    the meta device (nothing to read)."""
+    return x.device.type == "meta" or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, group: torch.Tensor, max_rows: int) -> torch.Tensor:
     """x (rows, K) sorted by group, w (E, K, N), offsets (E,) int32 cumulative row counts, group (rows,) each
-    row's group -> (rows, N): row r times w[group[r]]."""
+    row's group, max_rows a bound on any group's rows -> (rows, N): row r times w[group[r]]."""
     if _grouped_mm_runs(x, w):
         return torch._grouped_mm(x, w, offs=offsets)
-    starts = offsets.long() - torch.bincount(group, minlength=w.size(0))
+    starts = torch.cat([offsets.new_zeros(1), offsets[:-1]]).long()
     slot = torch.arange(x.size(0), device=x.device) - starts[group]
-    capacity = int(slot.max()) + 1 if x.size(0) else 1  # one host sync: the fallback's price
+    # Padded to the largest group: reading its size is one host sync, the fallback's price. A CUDA graph cannot
+    # read it while recording, so there the groups are padded to the bound, which every replay's routing meets.
+    if _shapes_must_be_static(x):
+        capacity = max(max_rows, 1)
+    else:
+        capacity = int(slot.max()) + 1 if x.size(0) else 1
     padded = x.new_zeros(w.size(0), capacity, x.size(-1)).index_put((group, slot), x)
     return torch.bmm(padded, w)[group, slot]
 
@@ -79,13 +90,15 @@ class Experts(nn.Module):
         offsets = counts.cumsum(0, dtype=torch.int32)
         w_gate_up = self.gate_up_proj if self.interleaved else self.gate_up_proj.transpose(1, 2)
         w_down = self.down_proj if self.interleaved else self.down_proj.transpose(1, 2)
-        rows = x[token]
+        rows = x.index_select(0, token)  # its backward adds into x (index_add_), where x[token]'s sorts for index_put_
 
         def project(inputs: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
-            out = grouped_mm(inputs, weight, offsets, group)
+            # A token's k choices are distinct experts: no expert gets more rows than there are tokens.
+            mm = lambda rows_in, w: grouped_mm(rows_in, w, offsets, group, max_rows=x.size(0))  # noqa: E731
+            out = mm(inputs, weight)
             if lora and name in lora:
                 a, b, scaling = lora[name]
-                out = out + grouped_mm(grouped_mm(inputs, a, offsets, group), b, offsets, group) * scaling
+                out = out + mm(mm(inputs, a), b) * scaling
             return out
 
         h = project(rows, w_gate_up, "gate_up_proj")
@@ -94,5 +107,8 @@ class Experts(nn.Module):
         y = project(self._gated(h), w_down, "down_proj")
         if hasattr(self, "down_proj_bias"):
             y = y + self.down_proj_bias[group]
-        y = y * weights.flatten()[order, None].to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token, y)
+        # Back to token order, then each token's k outputs weighted and summed by one batched GEMV: one pass
+        # over the rows (no separate scaling pass), fp32 accumulation rounded once, and no atomic adds.
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+        per_token = y.index_select(0, inverse).view(x.size(0), self.top_k, y.size(-1))
+        return torch.bmm(weights.to(y.dtype).unsqueeze(1), per_token).squeeze(1)

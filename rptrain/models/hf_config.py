@@ -206,6 +206,7 @@ def _moe(f: _Fields, n_layers: int) -> MoeConfig | None:
         n_experts=n_experts, top_k=int(f.get("num_experts_per_tok")), layers=layers,
         expert_size=int(f.need(size_field) if size_field == "intermediate_size" else f.get(size_field)),
         routing=record.routing, norm_topk=norm, router_name=record.router, bias=record.bias, activation=record.activation,
+        # As transformers 5.25 reads them; 5.17 hard-coded 1.702 and 7.0 (the published values) whatever the config said.
         swiglu_alpha=float(f.get("swiglu_alpha", 1.702)), swiglu_limit=float(f.get("swiglu_limit", 7.0)),
         interleaved=record.interleaved, aux_coef=float(f.get("router_aux_loss_coef", 0.001)),
         aux_in_loss=bool(f.get("output_router_logits", False)))

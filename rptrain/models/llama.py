@@ -66,12 +66,22 @@ for _name in LLAMA_PRESETS:
     _register(_name)
 
 
-def _layer_params(cfg: DecoderConfig) -> tuple[int, int]:
-    """(matmul weights, norm weights) of one decoder block (biases, which no preset has, left out)."""
+def _attention_params(cfg: DecoderConfig) -> int:
     D, q_out, kv_out = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    attn = D * q_out + 2 * D * kv_out + q_out * D
-    mlp = 3 * D * cfg.intermediate_size
-    return attn + mlp, 2 * D + 2 * cfg.head_dim * cfg.qk_norm
+    return D * q_out + 2 * D * kv_out + q_out * D
+
+
+def _mlp_params(cfg: DecoderConfig, layer: int, active: bool) -> int:
+    """One layer's MLP matmul weights: dense, or a MoE's router plus every expert (active: the top_k a token uses)."""
+    D = cfg.hidden_size
+    if not cfg.routes(layer):
+        return 3 * D * cfg.intermediate_size
+    moe = cfg.moe
+    return D * moe.n_experts + (moe.top_k if active else moe.n_experts) * 3 * D * moe.expert_size
+
+
+def _norm_params(cfg: DecoderConfig) -> int:
+    return 2 * cfg.hidden_size + 2 * cfg.head_dim * cfg.qk_norm
 
 
 def _decoder(cfg: LlamaConfig | DecoderConfig) -> DecoderConfig:
@@ -79,12 +89,12 @@ def _decoder(cfg: LlamaConfig | DecoderConfig) -> DecoderConfig:
 
 
 def parameter_count(cfg: LlamaConfig | DecoderConfig) -> int:
-    """Distinct parameters (a tied embedding/head matrix counts once)."""
+    """Distinct parameters (a tied embedding/head matrix counts once; biases, sinks and sandwich norms left out)."""
     cfg = _decoder(cfg)
-    matmul, norms = _layer_params(cfg)
     table = cfg.vocab_size * cfg.hidden_size
     embeddings = table if cfg.tie_embeddings else 2 * table
-    return embeddings + cfg.n_layers * (matmul + norms) + cfg.hidden_size
+    layers = sum(_attention_params(cfg) + _mlp_params(cfg, i, active=False) + _norm_params(cfg) for i in range(cfg.n_layers))
+    return embeddings + layers + cfg.hidden_size
 
 
 def flops_per_token(cfg: LlamaConfig | DecoderConfig, seq_len: int) -> int:
@@ -94,12 +104,12 @@ def flops_per_token(cfg: LlamaConfig | DecoderConfig, seq_len: int) -> int:
 
     N counts the weights that take part in a matmul: every projection plus the LM
     head (the embedding lookup costs no FLOPs and norms are negligible), so tied
-    and untied models cost the same. Each weight costs 2 FLOPs per token forward
+    and untied models cost the same; a MoE layer counts its router and the top_k experts a token
+    runs (the active parameters). Each weight costs 2 FLOPs per token forward
     and 4 backward. The second term is QK^T and attention@V (2 * 2 * T * d_attn
     forward per layer, x3 with backward), counted over the full T x T square as
     PaLM does, i.e. without halving for the causal mask.
     """
     cfg = _decoder(cfg)
-    matmul, _ = _layer_params(cfg)
-    n = cfg.n_layers * matmul + cfg.vocab_size * cfg.hidden_size
+    n = sum(_attention_params(cfg) + _mlp_params(cfg, i, active=True) for i in range(cfg.n_layers)) + cfg.vocab_size * cfg.hidden_size
     return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len

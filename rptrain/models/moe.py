@@ -32,20 +32,31 @@ class SparseMoe(nn.Module):
         return out.view_as(x), stats + balance_stats(logits, experts)
 
 
-# The load-balancing loss of every forward with targets, for the trainer's metrics (it is in the loss
-# only with output_router_logits). Kept as detached tensors so recording never waits for the device.
-_BALANCE: list[torch.Tensor] = []
+# The load-balancing loss of every forward with targets, for the trainer's metrics (it is in the loss only with
+# output_router_logits): a running (sum, count) per device, added to by the forward itself, so a forward that
+# the engine replays as a CUDA graph adds too (a Python record would run only while the graph records), and
+# recording never waits for the device. A stage's warm-up runs before it is recorded add as well: the first step
+# of each recorded input shape weighs its first microbatch a little more.
+_SUMS: dict[torch.device, torch.Tensor] = {}
 _LOCK = threading.Lock()
 
 
 def record_balance(aux: torch.Tensor) -> None:
     with _LOCK:
-        _BALANCE.append(aux.detach())
-        del _BALANCE[:-4096]  # nobody reading: keep the memory bounded
+        sums = _SUMS.get(aux.device)
+        if sums is None:  # made by the first (eager) forward on the device, outside any graph's memory
+            sums = _SUMS[aux.device] = torch.zeros(2, device=aux.device)
+    sums[0].add_(aux.detach().float())
+    sums[1].add_(1)
 
 
 def take_balance() -> float | None:
-    """The mean load-balancing loss of the microbatches since the last call (None: no MoE forward)."""
+    """The mean load-balancing loss of the forwards since the last call (None: no MoE forward)."""
     with _LOCK:
-        values, _BALANCE[:] = list(_BALANCE), []
-    return float(torch.stack([v.float().cpu() for v in values]).mean()) if values else None
+        every = list(_SUMS.values())
+    if not every:
+        return None
+    total = torch.stack([s.cpu() for s in every]).sum(0)
+    for s in every:
+        s.zero_()
+    return float(total[0] / total[1]) if total[1] else None

@@ -1,0 +1,109 @@
+"""Expert compute of one MoE layer: our layer's forward + backward against the same grouped-GEMM work alone.
+
+moe:    rptrain.models.moe.SparseMoe at a preset's shape (router in fp32, top-k, sort by expert, the two grouped
+        GEMMs, the gated activation, the weighted scatter back to the tokens), forward and backward, every
+        parameter trainable (full fine-tuning).
+gemm:   only the grouped GEMMs of that layer (gate_up and down, forward and the backward's four), with the
+        group sizes of the layer's own routing of the same tokens, on rows already sorted, through the same
+        kernel (rptrain.models.experts.grouped_mm) and the same weight layouts.
+The issue's goal: moe / gemm <= 1.3 (the routing, sorting and scatter cost at most 30% over the matmuls).
+Reported per preset: milliseconds of each, the ratio, and the GEMMs' TFLOP/s (2 FLOPs per multiply-add, x3 with the
+backward). Tokens are random and the router random-init: the groups are about balanced (a trained router's are not).
+"""
+from __future__ import annotations
+
+import torch
+
+from common import emit, parser, sync, time_steps
+from llm import tiny_overrides
+from rptrain.models.experts import _grouped_mm_runs, grouped_mm
+from rptrain.models.hf_presets import MOE_PRESETS, qwen3_config
+from rptrain.models.moe import SparseMoe
+
+def layer(name: str, tiny: bool, device: str, dtype: torch.dtype) -> tuple[SparseMoe, int]:
+    cfg = qwen3_config(name, **(tiny_overrides(name) if tiny else {}))  # CI size: llm.py's, the layer's structure kept
+    torch.manual_seed(0)
+    moe = SparseMoe(cfg.moe, cfg.hidden_size, device=device, dtype=dtype)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.02)
+    return moe, cfg.hidden_size
+
+
+def gemm_only(moe: SparseMoe, x: torch.Tensor):
+    """A step running only the layer's grouped GEMMs (forward and backward) on its routing of ``x``."""
+    experts = moe.experts
+    with torch.no_grad():
+        _, _, chosen = getattr(moe, moe.router_name)(x)
+    choice = chosen.flatten()
+    group = choice.sort().values
+    offsets = torch.bincount(choice, minlength=experts.n_experts).cumsum(0, dtype=torch.int32)
+    w_gate_up = experts.gate_up_proj if experts.interleaved else experts.gate_up_proj.transpose(1, 2)
+    w_down = experts.down_proj if experts.interleaved else experts.down_proj.transpose(1, 2)
+    rows = x.detach()[choice.argsort(stable=True) // experts.top_k].requires_grad_()
+    gated = torch.randn(rows.size(0), w_down.size(1), device=x.device, dtype=x.dtype, requires_grad=True)
+    grads = torch.randn(rows.size(0), w_gate_up.size(2), device=x.device, dtype=x.dtype), torch.randn_like(rows)
+
+    def step(_: int) -> None:
+        h = grouped_mm(rows, w_gate_up, offsets, group, max_rows=x.size(0))
+        y = grouped_mm(gated, w_down, offsets, group, max_rows=x.size(0))
+        torch.autograd.backward([h, y], list(grads))
+
+    return step, rows.size(0)
+
+
+def kernel_times(step, device: str, steps: int = 3, top: int = 12) -> list:
+    """The layer step's costliest kernels (or CPU ops): [name, milliseconds per step, calls per step], where
+    the time above the grouped GEMMs goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for i in range(steps):
+            step(i)
+        sync(device)
+    attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)[:top]
+    return [[e.key[:80], round(getattr(e, attr) / 1e3 / steps, 3), e.count // steps] for e in events]
+
+
+def measure(args, name: str) -> dict:
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    moe, D = layer(name, args.tiny, args.device, dtype)
+    g = torch.Generator(device=args.device).manual_seed(1)
+    x = torch.randn(args.tokens, D, device=args.device, dtype=dtype, generator=g).requires_grad_()
+    stats = torch.zeros(2, moe.experts.n_experts, device=args.device)
+    grad = torch.randn(1, args.tokens, D, device=args.device, dtype=dtype, generator=g)
+
+    def layer_step(_: int) -> None:
+        out, _ = moe(x[None], stats)
+        out.backward(grad)
+
+    layer_s = time_steps(layer_step, args.steps, args.warmup, args.device)
+    if args.profile:
+        emit(bench="moe_experts_kernels", model=name, top=kernel_times(layer_step, args.device))
+    gemm_step, rows = gemm_only(moe, x)
+    gemm_s = time_steps(gemm_step, args.steps, args.warmup, args.device)
+    e = moe.experts
+    macs = rows * (e.gate_up_proj[0].numel() + e.down_proj[0].numel())  # each row through both of its expert's matrices
+    return dict(bench="moe_experts", model=name, tokens=args.tokens, rows=rows, dtype=str(dtype).split(".")[1],
+                grouped_kernel=_grouped_mm_runs(x, e.down_proj), moe_ms=round(layer_s * 1e3, 3), gemm_ms=round(gemm_s * 1e3, 3),
+                ratio=round(layer_s / gemm_s, 3), gemm_tflops=round(6 * macs / gemm_s / 1e12, 1))
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--model", nargs="+", default=list(MOE_PRESETS), choices=list(MOE_PRESETS))
+    p.add_argument("--tokens", type=int, default=4 * 4096, help="tokens through the layer per step (4 x 4096: the goals' batch)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="also the layer step's costliest kernels (a profiler run)")
+    args = p.parse_args()
+    if args.tiny or args.device == "cpu":
+        args.tiny, args.tokens, args.steps, args.warmup = True, 64, 2, 1
+    for name in args.model:
+        emit(**measure(args, name))
+
+
+if __name__ == "__main__":
+    main()
