@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from test_cli_helpers import RECIPE_ENV, ROOT, TEST_ENV, TINY, explain, read_jsonl, rptrain, rptrain_here, train_losses, without_groups
 
+from rptrain.train import checkpoint_layout as ckpt_layout
+
 # 96 images of batch 16: 6 steps per epoch, so step 4 is in the middle of the first epoch.
 RESUME = [*TINY, "data.num_train=96", "trainer.checkpoint_interval=4"]
 
@@ -159,4 +161,6 @@ def test_two_runs_in_the_same_second_then_kill_9_and_resume_in_place(tmp_path):
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["resumed_from"].startswith(str(killed / "checkpoints" / "step-"))
     assert sorted(train_losses(read_jsonl(killed / "metrics.jsonl"))) == list(range(1, 41))
-    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["last.pt", "step-00000038.pt", "step-00000040.pt"]
+    assert sorted(p.name for p in (killed / "checkpoints").glob("*.pt")) == ["last.pt", "step-00000038.pt", "step-00000040.pt"]
+    shards = {p.name for p in (killed / "checkpoints").glob("*.shard")}  # only the two kept checkpoints' shards
+    assert shards == {s.name for step in (38, 40) for s in ckpt_layout.shard_files(killed / "checkpoints" / f"step-{step:08d}.pt")}
