@@ -37,7 +37,6 @@ from .errors import CheckpointError, OutputError, one_line
 FORMAT = "rptrain-checkpoint-v1"  # the marker inside the state, whatever the file layout
 LAST = "last.pt"
 _STEP = re.compile(r"step-(\d+)\.pt")
-TEMP_GLOB = ".*.tmp"  # what a manifest being written is called; a killed write leaves one behind
 
 # Files being written right now: a second signal that stops the process at once removes them.
 in_flight: set[Path] = set()
