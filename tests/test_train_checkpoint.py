@@ -326,3 +326,21 @@ def test_shards_no_manifest_names_are_removed_and_nothing_else(tmp_path):
     assert listing(directory) == ["last.pt", "notes.shard", "step-00000002-*-00000.shard", "step-00000002.pt",
                                   "step-00000004-*-00000.shard", "step-00000004.pt", "step-4-backup.shard"]
     assert torch.equal(ckpt.load_checkpoint(directory / "last.pt")["w"], torch.full((10,), 3.0))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_tensors_are_written_from_the_gpu_by_parallel_writers(tmp_path, monkeypatch):
+    """A GPU share's tensors (bf16, int8, one larger than a copy chunk) are written by several shard writers
+    at once, a chunk at a time, and load back bit for bit on the host."""
+    monkeypatch.setattr(layout, "SHARD_BYTES", 2**20)
+    monkeypatch.setattr(layout, "CHUNK_BYTES", 2**18)
+    state = {"model": {f"w{i}": torch.randn(2**18, device="cuda").to(torch.bfloat16) for i in range(6)},
+             "opt": {"q": torch.randint(-128, 128, (3 * 2**20,), dtype=torch.int8, device="cuda"), "host": torch.randn(1000)}}
+    path = tmp_path / "gpu.pt"
+    ckpt.save_checkpoint(path, state)
+    assert len(layout.shard_files(path)) >= 4
+    loaded = ckpt.load_checkpoint(path)
+    for k, v in state["model"].items():
+        assert torch.equal(loaded["model"][k], v.cpu())
+    assert torch.equal(loaded["opt"]["q"], state["opt"]["q"].cpu()) and torch.equal(loaded["opt"]["host"], state["opt"]["host"])
