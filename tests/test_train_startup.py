@@ -208,3 +208,31 @@ def test_layers_initialised_on_the_gpu_go_straight_into_the_engine(gpu_state):
     assert all(p.device.type == "cpu" for p in meta.parameters())
     streamed.close()
     plain.close()
+
+
+@pytest.mark.parametrize("case", ["llama3", "qwen2"])  # qwen2: a tied head; llama3: several shards
+def test_a_hugging_face_folder_is_read_a_layer_at_a_time_as_the_engine_takes_it_in(case, tmp_path):
+    """model=hf streamed: the engine's weights are the folder's, bit for bit as the model loaded whole, the
+    tied head stays tied, and no layer but the one being read holds weights of its own."""
+    from test_models_hf import save_case
+
+    from rptrain.train.model import build_model as build_from_config
+    from rptrain.train.model import build_model_streamed
+
+    save_case(case, tmp_path / "folder")
+    cfg = _cfg("hf", **{"model.path": str(tmp_path / "folder"), "data.seq_len": 12})
+    meta, maker = build_model_streamed(cfg, torch.float32, vocab_size=61)
+    assert maker is not None and all(p.is_meta for p in meta.parameters())
+    own = []
+
+    def counting(i):
+        own.append(sum(any(not p.is_meta and p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in layer.parameters())
+                       for layer in meta))
+        maker(i)
+
+    streamed = RoundPipe(meta, materialise=counting)
+    whole = RoundPipe(build_from_config(cfg, torch.float32, vocab_size=61))
+    a, b = streamed.state_dict(), whole.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert max(own) == 0
+    assert (meta[-1].lm_head.weight is meta[0].embed_tokens.weight) == (case == "qwen2")

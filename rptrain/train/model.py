@@ -7,13 +7,14 @@ model.vocab_size, the data's vocabulary size.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from rptrain.models import HFModelError, load_weights
+from rptrain.models.hf_model import layer_loader
 from rptrain.models import build_model as build_registered
 
 from .errors import ConfigError, one_line
@@ -57,11 +58,16 @@ def _build(cfg: DictConfig, dtype: torch.dtype, device: Any, vocab_size: Optiona
     if model_cfg.pop("_target_", BUILDER) != BUILDER:
         raise ConfigError(f"model._target_={cfg.model.get('_target_')!r}: models are built by {BUILDER}; leave model._target_ out")
     layered = device is None and not model_cfg.get("path")  # model=hf loads itself a tensor at a time
+    streamed = stream and device is None and weights is None and not (lora or {}).get("rank")
     maker = None
     try:
-        model = build_registered(**model_cfg, dtype=dtype, device="meta" if layered else device)
-        if layered and stream and weights is None and not (lora or {}).get("rank") and layer_by_layer(model):
+        model = build_registered(**model_cfg, dtype=dtype, device="meta" if layered or streamed else device)
+        if streamed and model_cfg.get("path") and layer_by_layer(model, init=False):  # model=hf: read a layer at a time
+            maker = Materialiser(model, init=False, fill=layer_loader(model, model_cfg["path"]))
+        elif streamed and layered and layer_by_layer(model):
             maker = Materialiser(model)
+        elif streamed:  # a model the Materialiser cannot take: built as before
+            model = build_registered(**model_cfg, dtype=dtype, device=device)
         elif layered:  # meta tensors draw no random numbers: a model materialise() cannot take is built as before
             model = (materialise(model, init=weights is None) if layer_by_layer(model)
                      else build_registered(**model_cfg, dtype=dtype, device=device))
@@ -91,10 +97,11 @@ def init_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def layer_by_layer(model: nn.Sequential) -> bool:
-    """Whether materialise() can make ``model`` real: every layer initialises itself (``reset_parameters``)
-    and holds no buffers (to_empty would leave them undefined)."""
-    return all(hasattr(layer, "reset_parameters") and next(layer.buffers(), None) is None for layer in model)
+def layer_by_layer(model: nn.Sequential, init: bool = True) -> bool:
+    """Whether materialise() can make ``model`` real: every layer initialises itself (``reset_parameters``;
+    not needed where a file fills every tensor, ``init=False``) and holds no buffers (to_empty would leave
+    them undefined)."""
+    return all((hasattr(layer, "reset_parameters") or not init) and next(layer.buffers(), None) is None for layer in model)
 
 
 class Materialiser:
@@ -107,8 +114,10 @@ class Materialiser:
     earlier layer's: a meta stand-in takes its place while the layer is made real.
     Only for models that pass layer_by_layer()."""
 
-    def __init__(self, model: nn.Sequential, device: Optional[torch.device] = None, init: bool = True) -> None:
-        self.model, self.init = model, init
+    def __init__(self, model: nn.Sequential, device: Optional[torch.device] = None, init: bool = True,
+                 fill: Optional[Callable[[int], None]] = None) -> None:
+        """``fill(i)``: writes layer ``i``'s tensors once it is allocated (model=hf reads them from its folder)."""
+        self.model, self.init, self.fill = model, init, fill
         self.device = (device or init_device()) if init else torch.device("cpu")
         self.tied = [_tied_to_earlier(model, layer) for layer in model]  # found while every layer is on meta
 
@@ -122,6 +131,8 @@ class Materialiser:
                 layer.reset_parameters()
         for name, shared in self.tied[index]:  # one Parameter in both places again, the earlier layer's (which initialised it)
             _set(layer, name, shared())
+        if self.fill is not None:
+            self.fill(index)
 
 
 def materialise(model: nn.Sequential, device: Optional[torch.device] = None, init: bool = True) -> nn.Sequential:
