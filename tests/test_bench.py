@@ -26,7 +26,8 @@ def run_tiny(script: str, *flags: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("script", ["limits.py", "resnet.py", "optimizer.py", "llm.py", "data.py", "lora.py", "graph_frozen.py", "host_step.py",
-                                    "main_job.py", "optim_lowp.py", "optim_quality.py", "moe_experts.py"])
+                                    "main_job.py", "optim_lowp.py", "optim_quality.py", "moe_experts.py", "checkpoint_io.py",
+                                    "resident_copies.py"])
 def test_bench_runs_tiny_and_prints_json_lines(script):
     run_tiny(script)
 

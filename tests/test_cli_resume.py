@@ -9,7 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from test_cli_helpers import RECIPE_ENV, ROOT, TEST_ENV, TINY, explain, read_jsonl, rptrain, rptrain_here, train_losses, without_groups
+
+from rptrain.train import checkpoint_layout as ckpt_layout
 
 # 96 images of batch 16: 6 steps per epoch, so step 4 is in the middle of the first epoch.
 RESUME = [*TINY, "data.num_train=96", "trainer.checkpoint_interval=4"]
@@ -159,4 +162,28 @@ def test_two_runs_in_the_same_second_then_kill_9_and_resume_in_place(tmp_path):
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["resumed_from"].startswith(str(killed / "checkpoints" / "step-"))
     assert sorted(train_losses(read_jsonl(killed / "metrics.jsonl"))) == list(range(1, 41))
-    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["last.pt", "step-00000038.pt", "step-00000040.pt"]
+    assert sorted(p.name for p in (killed / "checkpoints").glob("*.pt")) == ["last.pt", "step-00000038.pt", "step-00000040.pt"]
+    shards = {p.name for p in (killed / "checkpoints").glob("*.shard")}  # only the two kept checkpoints' shards
+    assert shards == {s.name for step in (38, 40) for s in ckpt_layout.shard_files(killed / "checkpoints" / f"step-{step:08d}.pt")}
+
+
+def test_resume_from_a_checkpoint_of_many_shards_is_exact(tmp_path, monkeypatch, capsys):
+    """Shards of 64 KiB (dozens per checkpoint), in this process: stopped at step 4 and resumed to step 6
+    gives bit for bit the weights and optimizer state of the straight run to step 6."""
+    from test_cli_faults import run_main
+
+    from rptrain.train.checkpoint import load_checkpoint
+
+    monkeypatch.setattr(ckpt_layout, "SHARD_BYTES", 64 * 2**10)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    straight, short, resumed = tmp_path / "straight", tmp_path / "short", tmp_path / "resumed"
+    for args in ([f"hydra.run.dir={straight}", "trainer.max_steps=6"], [f"hydra.run.dir={short}", "trainer.max_steps=4"],
+                 [f"hydra.run.dir={resumed}", "trainer.max_steps=6", f"trainer.resume={short}"]):
+        code, out, err = run_main([*RESUME, *args], capsys)
+        assert code == 0, err
+    assert len(ckpt_layout.shard_files(short / "checkpoints" / "step-00000004.pt")) > 20
+    a, b = (load_checkpoint(run / "checkpoints" / "last.pt") for run in (straight, resumed))
+    assert a["progress"]["step"] == b["progress"]["step"] == 6
+    assert a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])

@@ -30,7 +30,7 @@ def test_predicted_size_matches_the_written_checkpoint(tmp_path):
     opt.step()
     after = disk_check.disk_needs(tmp_path / "checkpoints", master, opt, keep=2)
     ckpt.save_rotating(tmp_path / "checkpoints", {"model": master, "optimizer": opt.state_dict()}, 1, keep=2)
-    written = (tmp_path / "checkpoints" / "step-00000001.pt").stat().st_size
+    written = ckpt.checkpoint_nbytes(tmp_path / "checkpoints" / "step-00000001.pt")  # the manifest and its shards
     assert not before.assumed and before.checkpoint - 2**20 <= written <= before.checkpoint
     assert abs(after.checkpoint - before.checkpoint) < 1024  # the step counts
 
@@ -58,3 +58,15 @@ def test_a_run_whose_checkpoint_cannot_fit_stops_before_its_first_step(tmp_path,
     assert code == 2 and len(lines) == 1, err
     assert "not even one checkpoint fits" in lines[0] and "4.00 KiB free" in lines[0] and "trainer.keep_checkpoints=2" in lines[0]
     assert status(run)["state"] == "failed" and not (run / "checkpoints").exists()
+
+
+def test_older_checkpoints_count_with_their_shards(tmp_path, monkeypatch):
+    """What rotation can free is the older checkpoints' manifests and every shard they name."""
+    monkeypatch.setattr(ckpt.layout, "SHARD_BYTES", 4096)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(10))], lr=0.1)
+    for step in (1, 2):
+        ckpt.save_rotating(tmp_path / "checkpoints", {f"w{i}": torch.randn(1000) for i in range(5)}, step, keep=2)
+    older = tmp_path / "checkpoints" / "step-00000001.pt"
+    assert len(ckpt.layout.shard_files(older)) == 5
+    needs = disk_check.disk_needs(tmp_path / "checkpoints", {"w": torch.zeros(10)}, opt, keep=2)
+    assert needs.older == ckpt.checkpoint_nbytes(older) > 5000 * 4

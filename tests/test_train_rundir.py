@@ -11,6 +11,7 @@ import sys
 import pytest
 from test_train_resume import make_run
 
+from rptrain.train import checkpoint as ckpt
 from rptrain.train import rundir
 from rptrain.train.errors import OutputError
 from rptrain.train.resume import resolve_resume
@@ -80,12 +81,13 @@ def test_take_over_cleans_up_after_a_killed_run(tmp_path):
     run = make_run(tmp_path, "run", ["a=1"])
     write_status(run, "running")
     stale = [run / "checkpoints" / ".step-00000008.pt.4242.deadbeef.tmp", run / ".status.json.tmp-4242", run / ".metrics.csv.tmp"]
+    stale.append(run / "checkpoints" / "step-00000008-0123abcd-00000.shard")  # written before the write was killed
     for p in stale:
         p.write_bytes(b"half")
     notes = rundir.take_over(run)
-    assert not any(p.exists() for p in stale) and (run / "checkpoints" / "step-00000004.pt").is_file()
+    assert not any(p.exists() for p in stale) and ckpt.load_checkpoint(run / "checkpoints" / "step-00000004.pt")
     assert read_status(run)["state"] == "killed" and "process ended" in read_status(run)["reason"]
-    assert len(notes) == 2 and "3 temporary file(s)" in notes[0] and "marked killed" in notes[1]
+    assert len(notes) == 3 and "3 temporary file(s)" in notes[0] and "1 shard file(s)" in notes[1] and "marked killed" in notes[2]
     write_status(run, "completed")
     assert rundir.take_over(run) == [] and read_status(run)["state"] == "completed"
 

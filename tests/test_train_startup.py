@@ -123,3 +123,116 @@ def test_layers_initialised_on_the_gpu_land_on_the_host_reproducibly():
     torch.manual_seed(3)
     whole = build_model("llama_tiny", vocab_size=512, tie_embeddings=True, device="cuda").to("cpu")
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), whole.state_dict().values()))
+
+
+def test_the_engine_makes_a_meta_model_real_as_it_takes_it_in():
+    """build_model_streamed + RoundPipe(materialise=...): the engine's weights are those of the model
+    built whole (same seed, bit for bit), a tied head stays tied, and it trains like the model built whole."""
+    from rptrain.train.model import build_model as build_from_config
+    from rptrain.train.model import build_model_streamed
+
+    cfg = _cfg("llama_tiny", **{"model.tie_embeddings": "true"})
+    torch.manual_seed(7)
+    meta, maker = build_model_streamed(cfg, torch.float32, vocab_size=512)
+    assert maker is not None and all(p.is_meta for p in meta.parameters())
+    streamed = RoundPipe(meta, materialise=maker)
+    torch.manual_seed(7)
+    plain = RoundPipe(build_from_config(cfg, torch.float32, vocab_size=512))
+    a, b = streamed.state_dict(), plain.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert meta[-1].lm_head.weight is meta[0].embed_tokens.weight and not meta[0].embed_tokens.weight.is_meta
+    ids = torch.randint(0, 512, (2, 16))
+    for engine in (streamed, plain):
+        opt = torch.optim.SGD(list(engine.optim_parameters()), lr=0.1)
+        engine.forward_backward(input_args=((ids, ids),))
+        engine.step(opt.step, is_async=False)
+        engine.synchronize()
+    a, b = streamed.state_dict(), plain.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="on the meta device"):
+        RoundPipe(build_from_config(cfg, torch.float32, vocab_size=512), materialise=maker)
+
+
+STARTUP_PEAK = """
+import resource, sys, torch
+from rptrain import RoundPipe
+from rptrain.models import build_model
+from rptrain.train.model import Materialiser, materialise
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+torch.manual_seed(0)
+model = build_model("llama_tiny", vocab_size=4096, dim=384, n_layers=12, n_heads=6, n_kv_heads=2, dtype=torch.float32, device="meta")
+layer = max(sum(p.numel() * 4 for p in layer.parameters()) for layer in model)
+maker = Materialiser(model, torch.device("cpu"))
+own = []  # at each layer made real: how many layers hold weights in memory of their own (not the engine's)
+def counting(i):
+    own.append(sum(any(not p.is_meta and p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in l.parameters())
+                   for l in model))
+    maker(i)
+before = resident()
+engine = RoundPipe(model, materialise=counting)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, resident() - before, layer, max(own))
+"""
+
+
+def test_host_memory_peaks_at_the_engine_state_plus_one_layer():
+    """A 24 M-parameter fp32 Llama made real as the engine takes it in: when each layer is made real, no
+    earlier layer holds weights of its own (each went into the engine's storage), and the process's peak
+    is its memory after start-up plus at most two layers (measured: about one)."""
+    out = subprocess.run([sys.executable, "-c", STARTUP_PEAK], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True).stdout
+    peak, after, layer, own = (int(x) for x in out.split())
+    assert own == 0, own
+    assert peak <= after + 2 * layer, (peak, after, layer)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("gpu_state", [True, False])
+def test_layers_initialised_on_the_gpu_go_straight_into_the_engine(gpu_state):
+    """On a GPU machine each layer is drawn on the GPU and copied from there into the engine's state (the
+    GPU share's master stays on the GPU): the weights of the model built whole on the GPU, bit for bit,
+    and the user's module holds no GPU tensor afterwards."""
+    from rptrain.train.model import build_model as build_from_config
+    from rptrain.train.model import build_model_streamed
+
+    cfg = _cfg("llama_tiny", **{"model.tie_embeddings": "true"})
+    torch.manual_seed(3)
+    meta, maker = build_model_streamed(cfg, torch.bfloat16, vocab_size=512)
+    assert maker is not None and maker.device.type == "cuda"
+    streamed = RoundPipe(meta, torch.bfloat16, gpu_state=gpu_state, keep_user_weights=False, materialise=maker)
+    torch.manual_seed(3)
+    plain = RoundPipe(build_from_config(cfg, torch.bfloat16, vocab_size=512), torch.bfloat16, gpu_state=gpu_state, keep_user_weights=False)
+    a, b = streamed.state_dict(), plain.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
+    assert all(p.device.type == "cpu" for p in meta.parameters())
+    streamed.close()
+    plain.close()
+
+
+@pytest.mark.parametrize("case", ["llama3", "qwen2"])  # qwen2: a tied head; llama3: several shards
+def test_a_hugging_face_folder_is_read_a_layer_at_a_time_as_the_engine_takes_it_in(case, tmp_path):
+    """model=hf streamed: the engine's weights are the folder's, bit for bit as the model loaded whole, the
+    tied head stays tied, and no layer but the one being read holds weights of its own."""
+    from test_models_hf import save_case
+
+    from rptrain.train.model import build_model as build_from_config
+    from rptrain.train.model import build_model_streamed
+
+    save_case(case, tmp_path / "folder")
+    cfg = _cfg("hf", **{"model.path": str(tmp_path / "folder"), "data.seq_len": 12})
+    meta, maker = build_model_streamed(cfg, torch.float32, vocab_size=61)
+    assert maker is not None and all(p.is_meta for p in meta.parameters())
+    own = []
+
+    def counting(i):
+        own.append(sum(any(not p.is_meta and p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in layer.parameters())
+                       for layer in meta))
+        maker(i)
+
+    streamed = RoundPipe(meta, materialise=counting)
+    whole = RoundPipe(build_from_config(cfg, torch.float32, vocab_size=61))
+    a, b = streamed.state_dict(), whole.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert max(own) == 0
+    assert (meta[-1].lm_head.weight is meta[0].embed_tokens.weight) == (case == "qwen2")

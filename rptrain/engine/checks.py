@@ -13,7 +13,7 @@ from .tuning import Tuning
 
 
 def check_args(model: Any, optim_dtype: Any, model_run_config: Any, cuda_graphs: Any, pin_model: Any, tuning: Any,
-                optimizer_threads: Any) -> None:
+                optimizer_threads: Any, materialise: Any = None) -> None:
     if pin_model not in ("alloc", "register", "off"):
         raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
     if tuning is not None and not isinstance(tuning, Tuning):
@@ -30,9 +30,13 @@ def check_args(model: Any, optim_dtype: Any, model_run_config: Any, cuda_graphs:
         raise TypeError(f"model_run_config must be a RoundPipeRunConfig, got {type(model_run_config).__name__}")
     if optimizer_threads is not None and (not isinstance(optimizer_threads, int) or optimizer_threads < 1):
         raise ValueError(f"optimizer_threads must be a positive int, got {optimizer_threads!r}")
+    if materialise is not None and not callable(materialise):
+        raise TypeError(f"materialise must be a function of a layer's index, got {type(materialise).__name__}")
+    home = "meta" if materialise is not None else "cpu"
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if t.device.type != "cpu":
-            raise ValueError(f"RoundPipe takes a model on the CPU; {name!r} is on {t.device}")
+        if t.device.type != home:
+            where = "on the meta device (materialise makes it real)" if materialise is not None else "on the CPU"
+            raise ValueError(f"RoundPipe takes a model {where}; {name!r} is on {t.device}")
 
 
 def check_inputs(input_args: Any, input_kwargs: Optional[dict]) -> tuple[tuple, dict]:

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from . import pinned
 from .gpushare import GpuShare
+from .host_fill import fill
 from .layout import FlatLayout, Range, Slot, _align, shaped
 
 
@@ -118,12 +119,13 @@ class GradBuffer:
 class HostState:
     def __init__(self, layers: Sequence[nn.Module], optim_dtype: torch.dtype, pin_memory: bool, pin_master: bool = False,
                  pin_frozen_share: float = 0.5, channels_last: bool = False, gpu_layers: int = 0, gpu_device: Any = None,
-                 compute_copies: bool = True, optimizer_bytes: Optional[float] = None, keep_user_weights: bool = True):
+                 compute_copies: bool = True, optimizer_bytes: Optional[float] = None, keep_user_weights: bool = True,
+                 materialise: Optional[Callable[[int], None]] = None):
         """``gpu_layers``: how many leading layers keep master and gradients on ``gpu_device`` (gpushare.py);
         ``compute_copies``: False where resident GPUs cast every version themselves (no host compute copies);
         ``optimizer_bytes``: the optimizer's state per parameter (None: Adam's two moments in ``optim_dtype``);
-        ``keep_user_weights``: False lets the user's tensors go where the host keeps no compute copy (see
-        ``release_user_weights``)."""
+        ``keep_user_weights``: False lets the user's tensors go where the host keeps no compute copy (host_fill.py); ``materialise``: layers built on the meta device, made real one at a
+        time by ``materialise(index)`` as they are copied in (host_fill.py)."""
         for layer in layers:
             for name, p in layer.named_parameters():
                 if not p.is_floating_point():
@@ -136,9 +138,7 @@ class HostState:
         self.params = FlatLayout.of_parameters(layers, trainable=True, channels_last=channels_last)
         self.frozen_layout = FlatLayout.of_parameters(layers, trainable=False, channels_last=channels_last)
         self.buffer_layout = FlatLayout.of_buffers(layers)
-        originals = [p for p in self._unique_tensors(layers, "parameters") if p.requires_grad]
-        self.frozen_params = [p for p in self._unique_tensors(layers, "parameters") if not p.requires_grad]
-        self.frozen = self._store_frozen(pin_memory, pin_frozen_share)
+        self.frozen = self._frozen_flats(pin_memory, pin_frozen_share)
 
         # The GPU share (gpushare.py) has its master and gradients on the GPU and its compute copy in
         # the resident store: the host allocates none of them.
@@ -151,49 +151,26 @@ class HostState:
         # Pinned when GPUs cast their resident copy from it (refresh.py): DMA reads it directly.
         self.master = pinned.zeros(self.host.total, optim_dtype, pin_master)
         self.master_params = [nn.Parameter(self._master_view(slot), requires_grad=slot.requires_grad) for slot in self.params.slots]
-        with torch.no_grad():
-            for slot, p, m in zip(self.params.slots, originals, self.master_params):
-                m.copy_(p.detach())
-                if self.compute is not None and not self.on_gpu(slot):
-                    self.host.view(self.compute[0], slot).copy_(p.detach())
+        self.buffers = {k: pinned.zeros(n, self.buffer_layout.dtypes[k], pin_memory) for k, n in self.buffer_layout.sizes.items()}
+        self.keeps_user_weights = keep_user_weights
+        # Layer by layer: each layer's own tensors go once copied (host_fill.py); the user's modules then
+        # look at our storage (or placeholders).
+        self.user_params, self.frozen_params = fill(self, layers, materialise)
         if self.gpu is not None:
             self.gpu.wait_queued()  # the uploads into its master are done before other streams read it
-
-        self.buffers = {k: pinned.zeros(n, self.buffer_layout.dtypes[k], pin_memory) for k, n in self.buffer_layout.sizes.items()}
-        with torch.no_grad():
-            for slot, b in zip(self.buffer_layout.slots, self._unique_tensors(layers, "buffers")):
-                self.buffer_layout.view(self.buffers, slot).copy_(b.detach())
-            # The user's modules now look at our storage: their old tensors can be freed.
-            for slot, b in zip(self.buffer_layout.slots, self._unique_tensors(layers, "buffers")):
-                b.data = self.buffer_layout.view(self.buffers, slot)
-        self.user_params = originals
-        self.keeps_user_weights = keep_user_weights
-        if not keep_user_weights:
-            self.release_user_weights()
         self.show_version(0)
         self.grad_dtype = grad_dtype(optim_dtype)
         self.grads: list[GradBuffer] = [GradBuffer(self.host, pin_memory, self.gpu, self.grad_dtype)]
 
-    def _store_frozen(self, pin_memory: bool, pin_share: float) -> dict[str, Tensor]:
-        """One flat copy of the frozen parameters; each original is let go as soon as it is copied,
-        so host memory peaks at the frozen size plus one tensor (``torch.empty`` commits pages only
-        when they are written). Pinned when a GPU reads it and it takes at most ``pin_share`` of the
-        machine's memory (tuning.py says why)."""
+    def _frozen_flats(self, pin_memory: bool, pin_share: float) -> dict[str, Tensor]:
+        """The flats of the frozen parameters, stored once (host_fill.py writes them a parameter at a time:
+        ``torch.empty`` commits pages only when written, so memory peaks at the frozen size plus one
+        tensor). Pinned when a GPU reads them and they take at most ``pin_share`` of the machine's
+        memory (tuning.py says why)."""
         layout = self.frozen_layout
         nbytes = sum(n * layout.dtypes[k].itemsize for k, n in layout.sizes.items())
         pin = pin_memory if pin_memory and pins_frozen(nbytes, pin_share) else False  # True or "register" (pinned.py)
-        flats = {k: pinned.empty(n, layout.dtypes[k], pin) for k, n in layout.sizes.items()}
-        ends = dict.fromkeys(flats, 0)
-        with torch.no_grad():
-            for slot, p in zip(layout.slots, self.frozen_params):
-                flats[slot.key][ends[slot.key] : slot.offset].zero_()  # alignment padding
-                view = layout.view(flats, slot)
-                view.copy_(p.detach())
-                p.data = view
-                ends[slot.key] = slot.offset + slot.numel
-            for key, flat in flats.items():
-                flat[ends[key] :].zero_()
-        return flats
+        return {k: pinned.empty(n, layout.dtypes[k], pin) for k, n in layout.sizes.items()}
 
     def nbytes(self) -> dict[str, int]:
         """Host bytes held per kind of state."""
@@ -220,17 +197,6 @@ class HostState:
         """id(user parameter) -> its master parameter."""
         return {id(p): m for p, m in zip(self.user_params, self.master_params)}
 
-    @staticmethod
-    def _unique_tensors(layers: Sequence[nn.Module], kind: str) -> list[Tensor]:
-        seen, out = set(), []
-        for layer in layers:
-            named = layer.named_parameters(remove_duplicate=False) if kind == "parameters" else layer.named_buffers(remove_duplicate=False)
-            for _, t in named:
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    out.append(t)
-        return out
-
     def show_version(self, version: int) -> None:
         """Point the user's model parameters at the host's compute copy ``version``. Parameters the
         host keeps no compute copy of (resident GPUs, the GPU share) keep host tensors of their own,
@@ -245,16 +211,6 @@ class HostState:
             if view is not None:
                 p.data = view
         self._showing = key
-
-    def release_user_weights(self) -> None:
-        """Where the host keeps no compute copy (resident GPUs, the GPU share), the user's parameters get
-        placeholders of their shape instead of their weights: a whole model's copy in the compute dtype
-        (2 bytes a bf16 parameter, 16 GB at 8 B) that a caller reading the weights through
-        ``state_dict()`` never needs. ``torch.empty`` commits no pages until written, and nothing writes
-        them (``write_user_params`` skips them)."""
-        for slot, p in zip(self.params.slots, self.user_params):
-            if self.compute is None or self.on_gpu(slot):
-                p.data = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
 
     def write_user_params(self) -> None:
         """The user's parameters that show no host compute copy := the master, cast (they live where

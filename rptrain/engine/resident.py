@@ -101,18 +101,26 @@ class ResidentStore(StreamedStore):
             return found
 
     def _live(self, device: Device, version: int) -> StageTensors:
+        """The live copy, holding ``version``. Its upload slot goes once the live copy holds it (calls ask
+        for versions in order, and the live copy serves a version again): a GPU keeps the live copy and the
+        slot a step is staging, not a third copy of the version the calls read."""
+        resident = self.resident.get(device.index)
+        if resident is not None and resident.live is not None and resident.live_version == version:
+            return resident.live
         staged = self.copy(device, version)
         resident = self.resident[device.index]
         if resident.live is None:
             resident.live = StageTensors(self.host.params, [(r, torch.empty_like(t)) for r, t in staged.pieces])
-        if resident.live_version != version:
-            with device.stream("compute"):
-                device.wait("compute", staged.event)
-                device.check_ready("compute", (t for _, t in staged.pieces))
-                for (_, live), (_, t) in zip(resident.live.pieces, staged.pieces):
-                    live.copy_(t)
-                    device.keep_alive(t, "compute")
-            resident.live_version = version
+        with device.stream("compute"):
+            device.wait("compute", staged.event)
+            device.check_ready("compute", (t for _, t in staged.pieces))
+            for (_, live), (_, t) in zip(resident.live.pieces, staged.pieces):
+                live.copy_(t)
+                device.keep_alive(t, "compute")  # its memory is not reused before this copy has read it
+        resident.live_version = version
+        with self._lock:
+            if resident.staged.get(version) is staged:
+                del resident.staged[version]
         return resident.live
 
     def prefetch_version(self, version: int) -> None:

@@ -80,7 +80,8 @@ class RoundPipe(ForwardsAttributes):
     False lets those go (a model's size in the compute dtype of host memory) and leaves placeholders:
     read the weights through ``state_dict()`` (the CLI does).
     ``optimizer``: the optimizer that will step the master (its class or import path, or its
-    ``OptimizerMemory``: rptrain/optim/state.py), so the fit check counts its state; None: rptrain.optim.Adam."""
+    ``OptimizerMemory``: rptrain/optim/state.py), so the fit check counts its state; None: rptrain.optim.Adam.
+    ``materialise``: a meta-device model's layer ``i`` is made real by ``materialise(i)`` as it is copied in (host_fill.py)."""
 
     def __init__(
         self,
@@ -98,12 +99,11 @@ class RoundPipe(ForwardsAttributes):
         tuning: Optional[Tuning] = None,
         max_host_memory: Size = None,
         max_gpu_memory: Size = None,
-        gpu_state: bool = True,
-        keep_user_weights: bool = True,
-        optimizer: Any = None,
+        gpu_state: bool = True, keep_user_weights: bool = True,
+        optimizer: Any = None, materialise: Optional[Callable[[int], None]] = None,
     ):
         super().__init__()
-        check_args(model, optim_dtype, model_run_config, cuda_graphs, pin_model, tuning, optimizer_threads)
+        check_args(model, optim_dtype, model_run_config, cuda_graphs, pin_model, tuning, optimizer_threads, materialise)
         self.name = name
         self._tuning = tuning or Tuning()
         self.model = model
@@ -120,7 +120,7 @@ class RoundPipe(ForwardsAttributes):
         self._host = HostState(self._layers, optim_dtype, pin_memory=pins, pin_master=resident and pins,
                                pin_frozen_share=self._tuning.pin_frozen_share, channels_last=memory_format is torch.channels_last,
                                gpu_layers=self.placement.gpu_layers, gpu_device=self._devices[0], compute_copies=copies,
-                               optimizer_bytes=memory.bytes_per_param, keep_user_weights=keep_user_weights)
+                               optimizer_bytes=memory.bytes_per_param, keep_user_weights=keep_user_weights, materialise=materialise)
         self._executor = Executor(self._layers, self._host, self._devices, self._tuning, resident=resident,
                                   cuda_graphs=cuda_graphs, reducer=self._reducer, memory_format=memory_format)
         if self._reducer is not None:

@@ -2,7 +2,8 @@
 
 The model is built on the meta device from config.json alone (hf_config), then its storage is
 allocated once and every tensor of the checkpoint is read from the memory-mapped shards and
-converted into place one at a time: loading never holds a second copy of the weights.
+converted into place one at a time: loading never holds a second copy of the weights. The trainer
+reads it a layer at a time instead (layer_loader), as the engine takes each layer in.
 Tensor names map through hf_names; a tied head reuses the embedding (transformers ties the same way).
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -129,9 +130,12 @@ def _plan(model: nn.Sequential, files: dict[str, Path], path: Path, record: Fami
     return plan
 
 
-def load_hf_weights(model: nn.Sequential, files: dict[str, Path], plan: Plan) -> None:
-    """Copy each tensor from its memory-mapped shard into the allocated model, converting its dtype."""
+def load_hf_weights(model: nn.Sequential, files: dict[str, Path], plan: Plan, layer: int | None = None) -> None:
+    """Copy each tensor from its memory-mapped shard into the allocated model, converting its dtype;
+    ``layer``: only that layer's tensors (the rest of the model may still be on the meta device)."""
     params = dict(model.named_parameters())
+    if layer is not None:
+        plan = {name: place for name, place in plan.items() if place[0].split(".", 1)[0] == str(layer)}
     by_file = _by_file(plan, _mxfp4_files(plan, files))
     with torch.no_grad():
         for file, names in by_file.items():
@@ -144,6 +148,15 @@ def load_hf_weights(model: nn.Sequential, files: dict[str, Path], plan: Plan) ->
                         params[ours][index].copy_(dequantize(f.get_tensor(name + MXFP4_BLOCKS), scales, torch.float32))
                     else:
                         params[ours][index].copy_(f.get_tensor(name))
+
+
+def layer_loader(model: nn.Sequential, path: str) -> Callable[[int], None]:
+    """For ``model`` (build_hf's on the meta device, its layers made real one at a time elsewhere): fills
+    layer ``i``'s tensors from the memory-mapped shards, so the folder is read a layer at a time."""
+    folder = Path(path).expanduser()
+    files = weight_files(folder)
+    plan = _plan(model, files, folder, family(read_config_json(folder)["model_type"]))
+    return lambda i: load_hf_weights(model, files, plan, layer=i)
 
 
 @register_model("hf")

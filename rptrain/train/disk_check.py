@@ -1,13 +1,13 @@
 """Will the checkpoints fit on disk? Checked before the first step, so a run does not train for hours
 and then fail (or lose its state) on a full disk.
 
-A checkpoint's size is the sum of its tensors (checkpoint.py writes each in its own dtype): the
+A checkpoint's size is the sum of its tensors (checkpoint.py writes each in its own dtype, in shards): the
 master weights, frozen weights and buffers, and the optimizer's state. The optimizer makes its state
 at its first step, so before that the state is predicted per parameter: ``optimizer.state_nbytes(p)``
 when the optimizer says (the optimizer-state description), else Adam's moments (two, three with
 amsgrad) or SGD's momentum buffer in the parameter's dtype, else two such tensors (assumed, and said).
 
-Rotation (``trainer.keep_checkpoints``) keeps the newest K files and writes the next beside them, so
+Rotation (``trainer.keep_checkpoints``) keeps the newest K checkpoints (manifest and shards) and writes the next beside them, so
 K + 1 may exist at once; when the disk is short, older ones go first (checkpoint.make_room) but the
 newest always stays until the next is written. So the run is refused when the next checkpoint (and the
 final Hugging Face export) cannot fit even after every older checkpoint is deleted, and told when fewer
@@ -24,7 +24,7 @@ import torch
 
 from rptrain.engine.placement import fmt_bytes
 
-from .checkpoint import LAST, checkpoint_files
+from .checkpoint import LAST, checkpoint_files, checkpoint_nbytes
 from .errors import OutputError
 
 
@@ -58,7 +58,7 @@ class DiskNeeds:
     checkpoint: int  # bytes of one checkpoint
     export: int  # bytes of the final Hugging Face export (0: none)
     free: int  # free bytes of the file system holding the checkpoints
-    older: int  # bytes of this run's checkpoints already there, but the newest (rotation may delete them)
+    older: int  # bytes of this run's checkpoints already there (their shards too), but the newest (rotation may delete them)
     keep: int
     where: Path
     assumed: bool  # the optimizer's state is a guess
@@ -84,7 +84,7 @@ def disk_needs(checkpoint_dir: Path, model_state: dict[str, torch.Tensor], optim
     while not probe.exists():  # the run's checkpoints/ folder is made by its first checkpoint
         probe = probe.parent
     files = [f for f in checkpoint_files(where) if f.name != LAST] if where.is_dir() else []
-    older = sum(f.stat().st_size for f in files[1:])
+    older = sum(checkpoint_nbytes(f) for f in files[1:])  # manifests and their shards
     nbytes = _unique_nbytes(model_state.values()) + state + 2**20  # the rest of the state: metrics, RNG, config
     return DiskNeeds(nbytes, export_bytes, shutil.disk_usage(probe).free, older, keep, where, assumed)
 

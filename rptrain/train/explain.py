@@ -22,10 +22,10 @@ from .validate import check_inputs, num_microbatch, validate_config
 def explain_config(cfg: DictConfig) -> str:
     validate_config(cfg)
     check_inputs(cfg)  # a missing data set is one line, as before a run
-    dtype, data, model = build_data_and_model(cfg)
+    dtype, data, model, maker = build_data_and_model(cfg)
     num_layers = len(model)
-    engine = build_engine(cfg, model, Dist())
-    del model
+    engine = build_engine(cfg, model, Dist(), maker)
+    del model, maker
     try:
         batches = data.train.epoch(0, 0)
         try:

@@ -10,7 +10,7 @@ A run directory belongs to one run: the config Hydra stored in its .hydra/config
 config is refused there before anything is written (check_belongs), and so is a fresh start over
 this run's checkpoints (trainer.resume=auto continues it). Taking over a directory (resume in
 place) removes the temporary files of the run's own writes that were killed midway (by their exact
-names: nothing else in the directory is touched). A status.json that says `running` while no process
+names: nothing else in the directory is touched), and the checkpoint shards no manifest names. A status.json that says `running` while no process
 holds the directory's lock belongs to a run that was killed (kill -9, the kernel's OOM killer, a
 machine that went down): every run start marks those under its output_root `killed` (mark_killed),
 and its own directory's too (take_over).
@@ -205,6 +205,11 @@ def take_over(run_dir: Path) -> list[str]:
         p.unlink(missing_ok=True)
     if stale:
         said.append(f"removed {len(stale)} temporary file(s) left by an interrupted write: {', '.join(p.name for p in stale)}")
+    from .checkpoint import remove_unnamed_shards
+
+    shards = remove_unnamed_shards(run_dir / "checkpoints")
+    if shards:
+        said.append(f"removed {len(shards)} shard file(s) of an interrupted checkpoint write (no manifest names them)")
     if _mark_if_dead(run_dir, owned_here=True):
         said.append(f"{run_dir}: status.json said running but its process is gone: marked killed")
     return said

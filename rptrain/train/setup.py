@@ -33,7 +33,7 @@ from .lora import wants_adapter
 from .memory_format import choose_memory_format
 from .meters import RunProgress, rank_share
 from .metrics import MetricsLog
-from .model import build_model, fingerprint
+from .model import Materialiser, build_model, build_model_streamed, fingerprint
 from .optim import build_optimizer, master_dtype, optimizer_memory
 from .precision import build_scaler, torch_dtype
 from .report import Report
@@ -73,7 +73,9 @@ class Components:
             self.engine.close()
 
 
-def build_engine(cfg: DictConfig, model: torch.nn.Sequential, d: Dist) -> RoundPipe:
+def build_engine(cfg: DictConfig, model: torch.nn.Sequential, d: Dist, materialise: Optional[Materialiser] = None) -> RoundPipe:
+    """The engine around ``model``; with ``materialise`` the model is on the meta device and the engine makes
+    each layer real as it takes it in (no whole host copy of the model: engine/host_fill.py)."""
     with peer_errors("the comparison of the ranks' initial weights", d.world > 1):
         return RoundPipe(model, master_dtype(cfg.optim), build_run_config(cfg.run_config, len(model)), optimizer=optimizer_memory(cfg.optim),
                          devices=d.devices, process_group=d.group, cuda_graphs=cfg.engine.cuda_graphs,
@@ -81,14 +83,17 @@ def build_engine(cfg: DictConfig, model: torch.nn.Sequential, d: Dist) -> RoundP
                          max_host_memory=cfg.engine.max_host_memory, max_gpu_memory=cfg.engine.max_gpu_memory,
                          gpu_state=cfg.engine.gpu_state, memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices),
                          tuning=Tuning(compile_stages=cfg.engine.compile),
-                         keep_user_weights=False)  # the run reads weights through state_dict(): no host copy of a resident model
+                         keep_user_weights=False,  # the run reads weights through state_dict(): no host copy of a resident model
+                         materialise=materialise)
 
 
-def build_data_and_model(cfg: DictConfig, d: Optional[Dist] = None) -> tuple[torch.dtype, TrainData, torch.nn.Sequential]:
+def build_data_and_model(cfg: DictConfig, d: Optional[Dist] = None) -> tuple[torch.dtype, TrainData, torch.nn.Sequential, Optional[Materialiser]]:
     """The compute dtype, the data, and the model seeded by trainer.seed (built after the data,
     which fixes a language model's null vocab_size). With ``d``, the engine's fit check runs first
     on the model built on the meta device: a model that cannot fit is refused (DoesNotFit, one line)
-    before its weights are allocated and initialised."""
+    before its weights are allocated and initialised. The model is returned on the meta device with
+    its Materialiser where the engine can make it real layer by layer (build_model_streamed), else real
+    and None."""
     validate_config(cfg)
     dtype = torch_dtype(cfg.precision.compute_dtype)
     torch.manual_seed(cfg.trainer.seed)
@@ -99,13 +104,13 @@ def build_data_and_model(cfg: DictConfig, d: Optional[Dist] = None) -> tuple[tor
         check_model_fits(build_model(cfg, dtype, device="meta", vocab_size=data.vocab_size), master_dtype(cfg.optim), d.devices,
                          max_host_memory=e.max_host_memory, max_gpu_memory=e.max_gpu_memory, gpu_state=e.gpu_state,
                          optimizer=optimizer_memory(cfg.optim))
-    return dtype, data, build_model(cfg, dtype, vocab_size=data.vocab_size)
+    return dtype, data, *build_model_streamed(cfg, dtype, vocab_size=data.vocab_size)
 
 
 def build_components(cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, d: Dist,
                      on_record: Any = None) -> Components:
     threads = set_threads(cfg.engine.threads, cfg.engine.optimizer_threads, torch.cuda.is_available())
-    dtype, data, model = build_data_and_model(cfg, d)
+    dtype, data, model, maker = build_data_and_model(cfg, d)
     prints = fingerprint(cfg.model.name, model)
     resume = choose_resume(cfg, run_dir, overrides, d, console)
     state = load_checkpoint(resume, prints) if resume else None
@@ -119,8 +124,8 @@ def build_components(cfg: DictConfig, run_dir: Path, overrides: list[str], conso
     say(console, threads)
     if data.template is not None:
         loud(console, template_line(data.template, data.tokenizer))
-    engine = build_engine(cfg, model, d)
-    del model  # the engine owns the weights now
+    engine = build_engine(cfg, model, d, maker)
+    del model, maker  # the engine owns the weights now
     try:
         log.info("engine host memory: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in engine.memory_report().items()))
         return _train_parts(cfg, run_dir, overrides, console, d, on_record, engine, data, dtype, prints, resume, state)
