@@ -155,3 +155,21 @@ def test_the_failure_is_reported_by_the_same_call_whichever_finishes_first():
         results.append(float(loss))
         engine.close()
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("is_async, thread", MODES, ids=IDS)
+def test_engine_calls_from_inside_a_step_function_are_refused(is_async, thread):
+    """A nested step applied the bound gradients a second time; a nested call that waits for steps
+    would wait for itself. Each is the step's error, the weights are as before, training goes on."""
+    engine, opt = engine_and_opt(thread)
+    train(engine, opt, 1, is_async)
+    engine.synchronize()
+    before = engine.state_dict()
+    for nested in (lambda: engine.step(opt.step), lambda: engine.forward_backward((X,), label=Y, loss_fn=CE),
+                   engine.state_dict, engine.synchronize):
+        err = fail_at_wait(engine, nested, is_async)
+        assert "from inside a step function" in str(err)
+        after = engine.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    train(engine, opt, 1, is_async)
+    engine.close()

@@ -10,6 +10,10 @@ damage is detected instead, from the tensors' version counters (every in-place w
 the flat kernels' raw writes included: optim/kernels.py), and reported: the engine then refuses to
 train on, evaluate or hand out the mixed weights until ``load_state_dict`` puts whole ones back.
 
+Engine calls from inside a step function (another step, a forward, a state dict) are refused
+(``stepping``): a nested step would apply the bound gradients twice, and one waiting for steps would
+wait for itself.
+
 Optimizers are found as they begin to step: ``torch.optim``'s global step pre-hook, filtered to the
 step running on this thread, records their state's counters before their first write.
 """
@@ -26,6 +30,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 _watching = threading.local()  # .optimizers: (optimizer, its state's counters) of the step on this thread
 _hook_lock = threading.Lock()
 _hook: Optional[Any] = None
+
+
+def stepping() -> bool:
+    """Whether this thread is running a step function."""
+    return getattr(_watching, "optimizers", None) is not None
 
 
 def _counter(t: Any) -> Any:

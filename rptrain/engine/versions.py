@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 from .executor import Executor
 from .host import GradBuffer, HostState
 from .scaler import step_context
-from .step_guard import watch
+from .step_guard import stepping, watch
 from .trace import span
 from .worker import TaskThread, Ticket
 
@@ -135,6 +135,9 @@ class Versions:
     def check(self, loading: bool = False) -> None:
         """Before a call: the errors it has waited for, then a refusal while the weights are a mix
         (``loading``: load_state_dict, which makes them whole)."""
+        if stepping():
+            raise RuntimeError("an engine call from inside a step function (engine.step runs it): return from it first; "
+                               "a step function only steps optimizers, GradScalers and schedules")
         self.raise_errors()
         if self.damaged and not loading:
             raise RuntimeError(self.damaged)
