@@ -171,3 +171,14 @@ def test_llm_records_an_engine_that_does_not_fit(monkeypatch):
     assert record["error"].startswith("does not fit: the training state does not fit: host memory needed"), record
     assert "1.00 MiB available (a 1 MiB test budget)" in record["error"] and "tokens_per_s" not in record
     assert record["host_budget_gib"] == round(2**20 / 2**30, 2) and record["host_needed_gib"] >= 0
+
+
+def test_fault_campaign_tiny_finds_nothing():
+    """Issue 31's campaign at CI size (bench/faults.py --tiny): each kind's harness runs, and no trial executes
+    code, loses a run, hangs, prints a traceback or ends badly. The campaign itself: bench/README.md."""
+    records = run_tiny("faults.py")
+    [summary] = [r for r in records if r["bench"] == "faults_summary"]
+    kinds = {r["kind"]: r for r in records if r["bench"] == "faults"}
+    assert set(kinds) == {"signal", "disk", "checkpoint", "hf_folder", "data_file", "template", "engine_api"}, kinds
+    assert summary["trials"] >= 15 and all(summary[k] == 0 for k in ("code_executed", "runs_mixed_or_lost", "hangs", "tracebacks",
+                                                                     "bad_ends", "harness_errors")), records
