@@ -62,6 +62,8 @@ def signal_trial(index: int, work: Path, reference: Callable[[], tuple[dict, flo
         return o.Trial("signal", case, o.TRACEBACK, detail)
     if code == -signum and not run_dir.exists():  # before rptrain set its handlers: the default action, as for any program
         return o.Trial("signal", case, "stopped_before_start", detail)
+    if code == -signum and state.get("state") == "completed":  # after the run, as the interpreter exits
+        return o.Trial("signal", case, "completed", detail)
     expected_state = {0: "completed", CODES[signum]: "interrupted"}
     if code not in expected_state or (run_dir.exists() and state.get("state") != expected_state[code]) or \
             (code == 0 and where != "random"):

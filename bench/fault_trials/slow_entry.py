@@ -22,6 +22,6 @@ if where == "data":
 else:
     from rptrain.train import loop
     loop.Trainer._evaluate = slow(loop.Trainer._evaluate)
-from rptrain.cli.main import main  # noqa: E402
+from rptrain.cli.main import command  # noqa: E402
 
-main(sys.argv[3:])
+command(sys.argv[3:])

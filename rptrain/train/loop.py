@@ -151,7 +151,7 @@ class Trainer:
         if p.step > 0 and c.checkpoints.last_step != p.step:
             self._checkpoint()
         if p.step > 0:
-            c.report.write_files()
+            c.report.write_files(plot=False)
         return Interrupted(stop, p.step, str(c.checkpoints.path) if c.checkpoints.last_step >= 0 else "")
 
     def _epoch(self, epoch: int, batches: Iterator[tuple], bar: ProgressBar, stop: StopRequest) -> None:
@@ -211,7 +211,7 @@ class Trainer:
             with stop.deferred(then_stop=not stopping):  # a checkpoint write is finished, not cut short
                 self._checkpoint()
         if stopping:
-            c.report.write_files()
+            c.report.write_files(plot=False)
             raise Interrupted(stop, p.step, str(c.checkpoints.path))
 
     def _evaluate(self, epoch: int) -> None:
