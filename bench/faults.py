@@ -47,14 +47,14 @@ def process_trials(kind: str, count: int, work: Path, rng: random.Random, refere
     from fault_trials.rundirs import rundir_trial
     from fault_trials.signals import signal_trial
 
-    state, span = reference() if kind in ("kill9", "resumers") else (None, 0.0)
+    state = reference() if kind in ("kill9", "resumers") else None
     seeds = [rng.randrange(2**31) for _ in range(count)]
 
     def one(i: int) -> o.Trial:
         r = random.Random(seeds[i])
         try:
             if kind == "kill9":
-                return kill9(i, work, state, span, r)
+                return kill9(i, work, state, r)
             if kind == "signal":
                 return signal_trial(i, work, reference, r, SIGNAL_PLACES[i % len(SIGNAL_PLACES)])
             if kind == "disk":

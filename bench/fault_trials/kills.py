@@ -12,7 +12,7 @@ from rptrain.train.checkpoint import load_checkpoint
 from rptrain.train.errors import CheckpointError
 
 from . import outcome as o
-from .proc import start, finish, run, status, wait_for
+from .proc import at_random_moment, finish, run, start, status, wait_for
 from .reference import ARGS, STEPS, differences, final_state
 
 
@@ -43,23 +43,17 @@ def resumed_ok(kind: str, case: str, run_dir: Path, cwd: Path, reference: dict, 
     return o.Trial(kind, case, "resumed_identical", detail)
 
 
-def kill9(index: int, work: Path, reference: dict, span: float, rng: random.Random) -> o.Trial:
-    """``span``: seconds from the straight run's start (status.json) to its exit; the kill lands uniformly in it."""
+def kill9(index: int, work: Path, reference: dict, rng: random.Random) -> o.Trial:
     cwd = work / f"kill9-{index}"
     cwd.mkdir()
     run_dir = cwd / "run"
     extra = [f"hydra.run.dir={run_dir}"]
-    delay = rng.uniform(0, span)
     proc = start([*ARGS, *extra], cwd)
-    if rng.random() < 0.8:  # mostly in the run itself (steps, checkpoint writes and rotations, evaluation)
-        wait_for("run/status.json", cwd, proc)
-    else:
-        delay = rng.uniform(0, 5)  # else while the interpreter starts and the config is composed
-    time.sleep(delay)
+    moment = at_random_moment(proc, run_dir, STEPS, rng)
     finished = proc.poll() is not None
     proc.kill()
     finish(proc, 30)
-    detail = {"kill_after_s": round(delay, 2), "finished_first": finished, "state_left": status(run_dir).get("state"),
+    detail = {"moment": moment, "finished_first": finished, "state_left": status(run_dir).get("state"),
               "checkpoints_left": sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.pt")) if run_dir.exists() else []}
     bad = broken_checkpoints(run_dir) if run_dir.exists() else []
     if bad:

@@ -72,3 +72,18 @@ def steps_logged(run_dir: Path) -> int:
     except OSError:
         return 0
     return sum(1 for line in lines if '"kind": "train"' in line)
+
+
+def at_random_moment(proc: subprocess.Popen, run_dir: Path, steps: int, rng) -> str:
+    """Wait for a random moment of a run: while the program starts (1 in 5), else just after a random step
+    has been logged, plus up to a second (steps, checkpoint writes and rotations, evaluations, the end).
+    A moment measured by progress, not by the clock: on a loaded machine a run's pace varies several-fold."""
+    if rng.random() < 0.2:
+        time.sleep(rng.uniform(0, 5))
+        return "starting"
+    target = rng.randint(0, steps)
+    deadline = time.monotonic() + 300
+    while steps_logged(run_dir) < target and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0, 1.0))
+    return f"after step {target}"

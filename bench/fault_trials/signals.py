@@ -14,17 +14,17 @@ from typing import Callable
 
 from . import outcome as o
 from .kills import broken_checkpoints, resumed_ok
-from .proc import ENV, finish, start, status, wait_for
-from .reference import ARGS
+from .proc import ENV, at_random_moment, finish, start, status
+from .reference import ARGS, STEPS
 
 LIMIT_S = 10.0  # the issue's bound from the signal to the exit
 CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 SLOW_ENTRY = Path(__file__).with_name("slow_entry.py")
 
 
-def signal_trial(index: int, work: Path, reference: Callable[[], tuple[dict, float]], rng: random.Random, where: str) -> o.Trial:
-    """``where``: random (a moment in the straight run's time), data or eval (while that part waits);
-    ``reference``: the straight run's final state and time, made when first needed."""
+def signal_trial(index: int, work: Path, reference: Callable[[], dict], rng: random.Random, where: str) -> o.Trial:
+    """``where``: random (proc.at_random_moment), data or eval (while that part waits);
+    ``reference``: the straight run's final state, made when first needed."""
     signum = rng.choice([signal.SIGTERM, signal.SIGINT])
     cwd = work / f"signal-{index}"
     cwd.mkdir()
@@ -32,14 +32,8 @@ def signal_trial(index: int, work: Path, reference: Callable[[], tuple[dict, flo
     extra = [f"hydra.run.dir={run_dir}"]
     marker = cwd / "begun"
     if where == "random":
-        span = reference()[1]
         proc = start([*ARGS, *extra], cwd)
-        if rng.random() < 0.7:  # in the run (steps, checkpoints, evaluation) or, else, while the program starts
-            wait_for("run/status.json", cwd, proc)
-            delay = rng.uniform(0, span)
-        else:
-            delay = rng.uniform(0, 5)
-        time.sleep(delay)
+        delay = at_random_moment(proc, run_dir, STEPS, rng)
     else:
         proc = subprocess.Popen([sys.executable, str(SLOW_ENTRY), where, str(marker), *ARGS, *extra], cwd=cwd, env=ENV,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -52,7 +46,7 @@ def signal_trial(index: int, work: Path, reference: Callable[[], tuple[dict, flo
     code, out, err = finish(proc, LIMIT_S)
     took = time.monotonic() - sent
     state = status(run_dir)
-    detail = {"signal": signum.name, "after_s": round(delay, 2), "exit": code, "exit_s": round(took, 2), "state": state.get("state")}
+    detail = {"signal": signum.name, "moment": delay if isinstance(delay, str) else f"{delay:.2f} s after the start", "exit": code, "exit_s": round(took, 2), "state": state.get("state")}
     case = f"{where}_{signum.name}"
     if code is None:
         detail["stderr"] = err[-1200:]
@@ -75,4 +69,4 @@ def signal_trial(index: int, work: Path, reference: Callable[[], tuple[dict, flo
         return o.Trial("signal", case, o.LOST, detail)
     if code == 0 or not (run_dir / "checkpoints" / "last.pt").exists():
         return o.Trial("signal", case, "stopped" if code else "completed", detail)
-    return resumed_ok("signal", case, run_dir, cwd, reference()[0], extra, detail)
+    return resumed_ok("signal", case, run_dir, cwd, reference(), extra, detail)
