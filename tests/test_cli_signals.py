@@ -88,3 +88,23 @@ def test_ctrl_c_while_starting_is_one_line_and_130(tmp_path, after_s):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err and len(error_lines(err)) == 1, (proc.returncode, err)
+
+
+def test_ctrl_c_just_after_the_run_directory_is_made_leaves_no_running_status(tmp_path):
+    """A Ctrl-C between status.json's `running` and the job's signal handlers exited at once (the starting
+    program's quiet handler) and left `running` behind (issue 31's campaign): `running` is written under them now."""
+    code = ("import os, signal, time, sys\n"
+            "from rptrain.cli import job\n"
+            "real = job.config_tree\n"
+            "def tree(*a, **k):\n"
+            "    os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
+            "    return real(*a, **k)\n"
+            "job.config_tree = tree\n"
+            "from rptrain.cli.main import command\n"
+            "command(sys.argv[1:])\n")
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", code, *TINY, "trainer.max_steps=1", f"hydra.run.dir={run}"], cwd=tmp_path,
+                          env=TEST_ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr)
+    state = json.loads((run / "status.json").read_text())["state"] if (run / "status.json").exists() else None
+    assert state != "running", state

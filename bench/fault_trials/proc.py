@@ -11,7 +11,8 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 # One intra-op thread a run: the models are tiny and the machine is shared (as the tests do).
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0", "PYTHONPATH": str(ROOT)}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0",
+       "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
 # A ResNet-18 with 8..64 channels on 64 synthetic 32x32 images: 4 steps an epoch, about a second a step here.
 TINY = ["model=resnet18", "model.widths=[8,16,32,64]", "model.stem_channels=8", "data=synthetic", "data.num_train=64",
         "data.num_test=32", "data.num_classes=10", "trainer.batch_size=16", "trainer.log_interval=1", "precision=fp32"]
