@@ -12,8 +12,10 @@ from .proc import TINY, run
 
 STEPS = 8
 COMPARED = ("model", "optimizer", "scheduler", "scaler")
-# Checkpoints every 2 steps, two kept: kills land in writes, rotations and between them.
-ARGS = [*TINY, f"trainer.max_steps={STEPS}", "trainer.checkpoint_interval=2", "trainer.eval_interval=4"]
+# Checkpoints every 2 steps, two kept: kills land in writes, rotations and between them. Synchronous steps: a
+# signal's checkpoint at an odd step (the straight run has none) would otherwise change, by design, which
+# weights the next step's gradient sees (asynchronous steps: docs/engine.md), and no run could match.
+ARGS = [*TINY, f"trainer.max_steps={STEPS}", "trainer.checkpoint_interval=2", "trainer.eval_interval=4", "trainer.async_step=false"]
 
 
 def final_state(run_dir: Path) -> Optional[dict]:
