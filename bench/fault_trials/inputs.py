@@ -102,7 +102,11 @@ def hf_trial(index: int, work: Path, base: Path, markers: Path, rng: random.Rand
     folder = work / f"hf-{index}"
     shutil.copytree(base, folder)
     damage(folder, markers / f"pwned-hf-{index}")
-    code, out, err = call(rptrain_main, ["model=hf", f"model.path={folder}", *HF_DATA, f"hydra.run.dir={folder}-run"], work)
+    data = HF_DATA
+    if name.startswith("tokenizer"):  # synthetic tokens never read the tokenizer: a text corpus through it does
+        (work / "corpus.txt").write_text("The quick brown fox jumps over the lazy dog. " * 200)
+        data = ["data=text", f"data.path={work / 'corpus.txt'}", "data.seq_len=16", *HF_DATA[5:]]
+    code, out, err = call(rptrain_main, ["model=hf", f"model.path={folder}", *data, f"hydra.run.dir={folder}-run"], work)
     trial = judged("hf_folder", name, code, err, markers, must_refuse, {})
     shutil.rmtree(folder, ignore_errors=True)
     shutil.rmtree(f"{folder}-run", ignore_errors=True)
