@@ -17,6 +17,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -122,13 +123,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rptrain-faults-", dir=args.work) as tmp:
         work = Path(tmp)
         cached: dict = {}
+        lock = threading.Lock()
 
         def reference():
-            if not cached:
-                from fault_trials.reference import make_reference
+            with lock:  # trials run in threads: one reference run
+                if not cached:
+                    from fault_trials.reference import make_reference
 
-                (work / "ref").mkdir()
-                cached["ref"] = make_reference(work / "ref")
+                    (work / "ref").mkdir()
+                    cached["ref"] = make_reference(work / "ref")
             return cached["ref"]
 
         everything: list[o.Trial] = []

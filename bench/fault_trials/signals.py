@@ -54,7 +54,7 @@ def signal_trial(index: int, work: Path, reference: Callable[[], dict], rng: ran
     if "Traceback (most recent call last)" in err:
         detail["stderr"] = err[-800:]
         return o.Trial("signal", case, o.TRACEBACK, detail)
-    if code == -signum and not run_dir.exists():  # before rptrain set its handlers: the default action, as for any program
+    if code == -signum and not state:  # before the job set its handlers (no status yet): the default action, as for any program
         return o.Trial("signal", case, "stopped_before_start", detail)
     if code == -signum and state.get("state") == "completed":  # after the run, as the interpreter exits
         return o.Trial("signal", case, "completed", detail)
