@@ -209,3 +209,14 @@ def test_endrun_stops_at_the_first_step(tmp_path):
     """--until first_step (issue 29's start-up time): the process group is killed after the first step's line."""
     (run,) = run_tiny("endrun.py", "--model", "llama_8b", "--until", "first_step", "--out-dir", str(tmp_path))
     assert run["exit"] == -9 and run["status"] == "running" and run["time_to_first_step_s"] > 0, run
+
+
+def test_fault_campaign_tiny_finds_nothing():
+    """Issue 31's campaign at CI size (bench/faults.py --tiny): each kind's harness runs, and no trial executes
+    code, loses a run, hangs, prints a traceback or ends badly. The campaign itself: bench/README.md."""
+    records = run_tiny("faults.py")
+    [summary] = [r for r in records if r["bench"] == "faults_summary"]
+    kinds = {r["kind"]: r for r in records if r["bench"] == "faults"}
+    assert set(kinds) == {"signal", "disk", "checkpoint", "hf_folder", "data_file", "template", "engine_api"}, kinds
+    assert summary["trials"] >= 15 and all(summary[k] == 0 for k in ("code_executed", "runs_mixed_or_lost", "hangs", "tracebacks",
+                                                                     "bad_ends", "harness_errors")), records

@@ -187,3 +187,41 @@ def test_resume_from_a_checkpoint_of_many_shards_is_exact(tmp_path, monkeypatch,
     assert a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+# SIGTERM sent by the run to itself at a chosen point of step 3 (after its update, before it is counted).
+SIGNAL_IN_STEP = """
+import os, signal, sys
+from rptrain.train import report
+real = report.Report.add_step
+def add_step(self, p, *args, **kwargs):
+    if p.step == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(self, p, *args, **kwargs)
+report.Report.add_step = add_step
+from rptrain.cli.main import command
+command(sys.argv[1:])
+"""
+
+
+def test_a_signal_between_a_step_and_its_count_resumes_bit_identical(tmp_path):
+    """The stop took its checkpoint as step 2 with step 3's weights and data position (the step was taken but
+    not yet counted), so the resumed run trained a step twice (issue 31's campaign). Now the step is counted
+    inside the signal-deferring window: the stop comes after it, and the resumed run equals the straight one."""
+    import torch
+
+    from rptrain.train.checkpoint import load_checkpoint
+
+    # Synchronous steps: with asynchronous ones a checkpoint at step 3 (the straight run has none) changes which
+    # weights step 4's gradient sees, by design (test_resumed_run_reproduces_the_straight_run checkpoints both).
+    args = [*RESUME, "trainer.max_steps=6", "trainer.checkpoint_interval=100", "trainer.async_step=false"]
+    stopped = tmp_path / "stopped"
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_IN_STEP, *args, f"hydra.run.dir={stopped}"], cwd=tmp_path, env=TEST_ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 143 and "interrupted at step 3 (SIGTERM)" in proc.stderr, explain(proc)
+    resumed = rptrain_here([*args, "trainer.resume=auto", f"hydra.run.dir={stopped}"], cwd=tmp_path)
+    straight = rptrain_here([*args, f"hydra.run.dir={tmp_path / 'straight'}"], cwd=tmp_path)
+    assert resumed.returncode == 0 and straight.returncode == 0, explain(resumed) + explain(straight)
+    a, b = (load_checkpoint(d / "checkpoints" / "last.pt") for d in (stopped, tmp_path / "straight"))
+    assert a["progress"]["step"] == b["progress"]["step"] == 6
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"]), "the resumed run's weights differ"

@@ -27,6 +27,10 @@ BAD_TYPES = [
     (dict(head_dim=0), "head_dim=0 (llama): must be a positive integer"),
     (dict(pad_token_id=2.0), "pad_token_id=2.0 (llama): must be an integer"),
     (dict(architectures=["LlamaForSequenceClassification"]), "rptrain trains causal language models (*ForCausalLM) only"),
+    # built one by one: a crafted 10**9 held the run for minutes (issue 31's campaign)
+    (dict(num_hidden_layers=10**9), "num_hidden_layers=1000000000 (llama): must be a positive integer of at most 16,384"),
+    (dict(num_attention_heads=10**9), "num_attention_heads=1000000000 (llama): must be a positive integer of at most 16,384"),
+    (dict(model_type="mixtral", num_local_experts=10**9, num_experts_per_tok=2), "num_local_experts=1000000000 (mixtral): must be a positive"),
 ]
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -43,3 +44,27 @@ def test_immediate_stops_outside_deferred_windows_only():
         with stop_on_signals(immediate=True):  # anywhere else: at once
             os.kill(os.getpid(), signal.SIGINT)
             raise AssertionError("not reached")
+
+
+def test_a_stop_raised_inside_a_destructor_is_not_lost(capfd):
+    """A signal handled while a __del__ or a weakref callback runs (a garbage collection) raised StopNow there,
+    where Python prints "Exception ignored" with a traceback and goes on: the run finished as if no signal
+    came (issue 31's campaign). The signal is sent again and the stop comes at the next ordinary line."""
+    from rptrain.train.signals import StopNow
+
+    class SignalledWhileCollected:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100):  # the handler runs here, inside __del__
+                pass
+
+    ran_on = False
+    with pytest.raises(StopNow):
+        with stop_on_signals(immediate=True) as stop:
+            obj = SignalledWhileCollected()
+            del obj
+            time.sleep(5)  # the signal is sent again within milliseconds: the stop comes here
+            ran_on = True
+    assert not ran_on and stop.signum == signal.SIGINT
+    err = capfd.readouterr().err
+    assert "Exception ignored" not in err and "Traceback" not in err and err.count("SIGINT received") == 1, err

@@ -79,7 +79,6 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
                 pass
 
     notes = [*rundir.take_over(run_dir), *rundir.mark_killed(Path(cfg.output_root))] if main else []
-    status("running", pid=os.getpid(), host=socket.gethostname(), started=time.strftime("%Y-%m-%d %H:%M:%S"))
     console.print(config_tree(cfg, label=f"rptrain  {run_dir}"))
     for note in notes:
         say(console, note)
@@ -100,6 +99,8 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
     try:
         # One process stops within seconds wherever it is; ranks stop together after a step (signals.py).
         with stop_on_signals(announce=main, duplicate_s=duplicate_s, on_abort=stopped_now, immediate=dist.world_size() == 1) as stop:
+            # `running` only once a signal is ours to record: before, Ctrl-C exits at once (_startup.py) and left it `running`
+            status("running", pid=os.getpid(), host=socket.gethostname(), started=time.strftime("%Y-%m-%d %H:%M:%S"))
             group = dist.setup(cfg.dist)
             loggers = Loggers(cfg, run_dir) if main else loggers
             summary = Trainer(cfg, run_dir, overrides, console, hint, group, loggers.log).fit(stop)

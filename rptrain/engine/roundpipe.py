@@ -308,11 +308,11 @@ class RoundPipe(ForwardsAttributes):
         self._check_open()
         return explain(self._prepare.training(None), self._executor, self._planner, self.placement, example_inputs, kwargs)
 
-    def _check_open(self) -> None:
-        """Refuse calls after ``close()``; else raise what a step that this call waits on reported."""
+    def _check_open(self, loading: bool = False) -> None:
+        """Refuse calls after ``close()``; else raise what a step that this call waits on reported (versions.py)."""
         if self._closed:
             raise RuntimeError(f"RoundPipe{f' {self.name!r}' if self.name else ''} was closed: make a new one to train or evaluate again")
-        self._versions.raise_errors()
+        self._versions.check(loading)
         self._user.adopt_user_steps()
 
     # ----------------------------------------------------------------------------- state dicts
@@ -329,7 +329,7 @@ class RoundPipe(ForwardsAttributes):
         return {k: master.get(id(t), t).detach() for k, t in self.model.state_dict(keep_vars=True).items()}
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False) -> IncompatibleKeys:
-        self._check_open()
+        self._check_open(loading=True)
         self._versions.drain()
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict needs a dict, got {type(state_dict).__name__}")

@@ -13,6 +13,8 @@ that keeps a ``.grad``, leaves the buffer ``held`` until the next step lets it g
 A step's error is raised once the caller has waited for that step (a call using its version or a
 later one, ``synchronize()``, a synchronous step, ``close()``), never because the thread happened
 to finish first: which call reports it, and so which calls ran, does not depend on thread timing.
+A step that failed after writing part of the master or an optimizer's state (step_guard.py) is
+reported the same way; from then on every call but ``load_state_dict`` and ``close`` is refused.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any, Callable, Optional
 from .executor import Executor
 from .host import GradBuffer, HostState
 from .scaler import step_context
+from .step_guard import stepping, watch
 from .trace import span
 from .worker import TaskThread, Ticket
 
@@ -39,6 +42,8 @@ class Versions:
         self.window = 0  # which gradient buffer the open window accumulates into
         self.window_open = False
         self.window_scalers: dict = {}  # GradScaler -> (scale used, an inf/NaN seen) in this window
+        self.damage: dict[int, str] = {}  # version -> what its failed step had written (step_guard.py)
+        self.damaged: Optional[str] = None  # reported damage: calls are refused until whole weights are loaded
 
     def step(self, step_fn: Callable[[], Any], is_async: bool) -> None:
         """Submit ``step_fn`` with the window's gradients bound, and do the bookkeeping."""
@@ -53,6 +58,7 @@ class Versions:
         self.required = self.last_step = version
         self.use()
         self.host.write_user_params()
+        self.damaged = None  # reached past check() only by load_state_dict: the master is whole again
 
     def discard_window(self) -> None:
         """Forget the gradients accumulated since the last step (someone else has used them)."""
@@ -120,9 +126,21 @@ class Versions:
         for version, ticket in sorted(self.tickets.items()):
             if version <= self.waited:
                 del self.tickets[version]
+                self.damaged = self.damage.pop(version, None) or self.damaged
                 error, ticket.error = ticket.error, None  # reported once, also where engines share a ticket
                 if error is not None:
-                    raise RuntimeError(f"the optimizer step failed on the optimizer thread: {error!r}") from error
+                    damage = f"; {self.damaged}" if self.damaged else ""
+                    raise RuntimeError(f"the optimizer step failed on the optimizer thread: {error!r}{damage}") from error
+
+    def check(self, loading: bool = False) -> None:
+        """Before a call: the errors it has waited for, then a refusal while the weights are a mix
+        (``loading``: load_state_dict, which makes them whole)."""
+        if stepping():
+            raise RuntimeError("an engine call from inside a step function (engine.step runs it): return from it first; "
+                               "a step function only steps optimizers, GradScalers and schedules")
+        self.raise_errors()
+        if self.damaged and not loading:
+            raise RuntimeError(self.damaged)
 
     def drain(self) -> None:
         self.wait_all()
@@ -143,7 +161,7 @@ class Versions:
             try:
                 with span("bind_grads"):
                     self.bind_master_grads(buffer)
-                with step_context(scalers), self.optimizer_ctx(), span("step_fn"):
+                with step_context(scalers), self.optimizer_ctx(), span("step_fn"), watch(self.host.master_params, self.damage, version):
                     step_fn()
             finally:
                 if self.host.gpu is not None:  # the GPU share's kernels: done before its buffer is reused

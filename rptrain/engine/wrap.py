@@ -210,7 +210,7 @@ class WrappedModel(ForwardsAttributes):
 
     def _raise_errors(self) -> None:
         for _, engine in self._engines:
-            engine._versions.raise_errors()
+            engine._versions.check()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
         """Master weights and persistent buffers under the model's names."""

@@ -24,10 +24,14 @@ COMMON = {
     "rope_theta", "rope_scaling", "rope_parameters", "pad_token_id",
 }
 
+MAX_MODULES = 2**14
 # kind -> (the test, what the message says it must be). null is accepted for every field
 # (transformers reads it as "use the default"); a required field that is null is refused where it is read.
 KINDS = {
     "count": (lambda v: type(v) is int and v >= 1, "a positive integer"),
+    # Counts of things built one by one (layers, experts, heads): a crafted 10**9 held a run in a
+    # billion-entry list for minutes instead of being refused (issue 31's campaign). Real models have hundreds.
+    "modules": (lambda v: type(v) is int and 1 <= v <= MAX_MODULES, f"a positive integer of at most {MAX_MODULES:,}"),
     "index": (lambda v: type(v) is int, "an integer"),
     "size": (lambda v: type(v) is int and v >= 0, "a non-negative integer"),
     "number": (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
@@ -39,11 +43,10 @@ KINDS = {
     "token_ids": (lambda v: type(v) is int or (isinstance(v, list) and all(type(x) is int for x in v)), "a token id or a list of them"),
 }
 TYPES: dict[str, str] = {
-    **dict.fromkeys(["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings", "max_sequence_length",
+    **dict.fromkeys(["vocab_size", "hidden_size", "intermediate_size", "head_dim", "max_position_embeddings", "max_sequence_length",
                      "original_max_position_embeddings", "sliding_window", "sliding_window_size", "sliding_window_pattern",
-                     "_sliding_window_pattern", "num_experts", "num_local_experts", "num_experts_per_tok",
-                     "moe_intermediate_size", "decoder_sparse_step"], "count"),
+                     "_sliding_window_pattern", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"], "count"),
+    **dict.fromkeys(["num_hidden_layers", "num_attention_heads", "num_key_value_heads", "num_experts", "num_local_experts"], "modules"),
     **dict.fromkeys(["max_window_layers"], "size"),
     **dict.fromkeys(["pad_token_id"], "index"),
     **dict.fromkeys(["bos_token_id", "eos_token_id"], "token_ids"),

@@ -7,6 +7,7 @@ layout, which is the layout `apply_rotary` uses, so their tensors are copied as 
 original consolidated.*.pth files use interleaved pairs and are not supported.)
 """
 
+import functools
 from pathlib import Path
 
 import torch
@@ -45,9 +46,13 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
                 raise ImportError(
                     f"{file} is a safetensors file, which needs the optional package: pip install safetensors"
                 ) from None
-            state.update(load_file(file))
+            load = functools.partial(load_file, file)
         else:
-            state.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+            load = functools.partial(torch.load, file, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            state.update(load())
+        except Exception as err:  # noqa: BLE001 - a damaged or hostile file (UnpicklingError, SafetensorError, ...): name it
+            raise ValueError(f"{file} cannot be read as weights ({type(err).__name__}: {str(err)[:200]})") from err
     return state
 
 

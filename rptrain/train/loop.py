@@ -57,6 +57,7 @@ class Trainer:
         self.console, self.resume_hint = console, resume_hint
         self.dist = dist or Dist()
         self.c: Optional[Components] = None
+        self.unstepped: Optional[dict] = None  # the data's position before a batch whose step is not counted yet (_epoch)
 
     def fit(self, stop: StopRequest) -> dict:
         """Train to the end, or until `stop` is set (then checkpoint and raise Interrupted)."""
@@ -148,23 +149,31 @@ class Trainer:
     def _stopped_now(self, stop: StopRequest) -> Interrupted:
         """The checkpoint of the last finished step, unless it has one already (or there is none), then Interrupted."""
         c, p = self.c, self.c.progress
+        if self.unstepped is not None:
+            c.data.train.load_state_dict(self.unstepped)
+            self.unstepped = None
         if p.step > 0 and c.checkpoints.last_step != p.step:
             self._checkpoint()
         if p.step > 0:
-            c.report.write_files()
+            c.report.write_files(plot=False)
         return Interrupted(stop, p.step, str(c.checkpoints.path) if c.checkpoints.last_step >= 0 else "")
 
     def _epoch(self, epoch: int, batches: Iterator[tuple], bar: ProgressBar, stop: StopRequest) -> None:
         c, p, every = self.c, self.c.progress, self.every
         while p.step < c.total_steps:
             t0 = time.perf_counter()
+            # A StopNow between taking the batch and counting its step (before the window below) puts the
+            # data back (_stopped_now): else the checkpoint skipped that batch, or held the step's weights
+            # under the step before it, and the resumed run differed (issue 31's campaign).
+            self.unstepped = c.data.train.state_dict()
             batch = next(batches, None)
             if batch is None:
                 return
             t1 = time.perf_counter()
-            with stop.deferred():  # a signal now: this step ends, then a checkpoint
+            with stop.deferred():  # a signal now: this step ends and is counted, then a checkpoint
                 stopping, scale, result, skipped = self._step(batch, stop)
-            c.report.add_step(p, result, t1 - t0, time.perf_counter() - t1, skipped)
+                c.report.add_step(p, result, t1 - t0, time.perf_counter() - t1, skipped)
+                self.unstepped = None
             logged = p.step % every.log == 0 or p.step == c.total_steps
             bar.advance(c.report.bar_stats, logged)  # off a terminal, a heartbeat line reads them
             if logged:
@@ -211,7 +220,7 @@ class Trainer:
             with stop.deferred(then_stop=not stopping):  # a checkpoint write is finished, not cut short
                 self._checkpoint()
         if stopping:
-            c.report.write_files()
+            c.report.write_files(plot=False)
             raise Interrupted(stop, p.step, str(c.checkpoints.path))
 
     def _evaluate(self, epoch: int) -> None:

@@ -105,10 +105,13 @@ class Report:
             say(self.console, epoch_rate_line(epoch + 1, self.num_epochs, record))
         self.write_files()
 
-    def write_files(self) -> None:
+    def write_files(self, plot: bool = True) -> None:
+        """metrics.csv and curves.png. A run stopped by a signal passes ``plot=False``: drawing (importing
+        matplotlib) took 3 s of its grace period on the loaded dev machine; the resumed run draws the curves."""
         if self.dist.main:
             self.metrics.write_csv()
-            plot_curves(self.metrics.records, self.run_dir / "curves.png", self.task.metric)
+            if plot:
+                plot_curves(self.metrics.records, self.run_dir / "curves.png", self.task.metric)
 
     # ----------------------------------------------------------------------------- the end
     def summary(self, p: RunProgress, cfg: Any, overrides: list[str], params: int, checkpoint: Path, resume: Optional[Path]) -> dict:

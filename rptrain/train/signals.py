@@ -13,6 +13,11 @@ it (to write status.json) and exits with 128 + that signal right there, wherever
 was (in the optimizer step, in a checkpoint write: the previous checkpoint is untouched, since
 a checkpoint only replaces it by a rename once complete); without, KeyboardInterrupt is raised.
 
+A StopNow raised where Python cannot propagate it (a __del__, a weakref callback during a garbage
+collection) would be printed as "Exception ignored" with a traceback and lost: the run went on and
+finished as if no signal came (issue 31's campaign). sys.unraisablehook catches it and has the same
+signal sent again 10 ms later, which then stops the run at an ordinary line.
+
 Under torchrun the launcher forwards the signal to every rank, and SLURM may signal the ranks
 directly as well: there the same signal again within `duplicate_s` seconds is one request, not
 a second one.
@@ -22,9 +27,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -42,6 +48,7 @@ class StopRequest:
         self.signum: Optional[int] = None
         self.since = 0.0  # time.monotonic() of the first request
         self.immediate = immediate  # outside deferred() windows a signal raises StopNow at once
+        self.resent = False  # a StopNow was swallowed (a __del__, a weakref callback) and the signal sent again
         self._deferring = 0
 
     def set(self, signum: int) -> None:
@@ -115,20 +122,32 @@ def stop_on_signals(
                 # Not an exception: raised inside the optimizer step or a checkpoint write, it would
                 # surface as that code's failure (and a traceback) instead of a stop.
                 os._exit(128 + signum)
+        resent, request.resent = request.resent, False
         request.set(signum)
         now = request.stops_now
-        if announce:
+        if announce and not resent:
             then = "stopping now" if now else "finishing the current step"
             _say(f"\nrptrain: {signal.Signals(signum).name} received: {then}, then writing a checkpoint if there is one to write\n")
         if now:
             raise StopNow(request)
 
+    def unraisable(info: Any) -> None:
+        if isinstance(info.exc_value, StopNow) and info.exc_value.request is request and request.signum is not None:
+            signum, request.signum, request.resent = request.signum, None, True  # the first signal again, not a second
+            # From another thread, a moment later: its handler then runs on this thread after this hook returned.
+            threading.Timer(0.01, os.kill, (owner, signum)).start()
+            return
+        previous_hook(info)
+
     previous = {s: signal.signal(s, handler) for s in SIGNALS}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
     try:
         yield request
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        if sys.unraisablehook is unraisable:
+            sys.unraisablehook = previous_hook
 
 
 def _say(text: str) -> None:
