@@ -173,21 +173,29 @@ def test_llm_records_an_engine_that_does_not_fit(monkeypatch):
     assert record["host_budget_gib"] == round(2**20 / 2**30, 2) and record["host_needed_gib"] >= 0
 
 
-def test_endrun_samples_a_run_to_its_end(tmp_path):
+
+def bench_main(monkeypatch, capsys, script: str, *flags: str) -> list[dict]:
+    """A benchmark script's main() in this process (no interpreter start of its own), at CI size; its JSON lines."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    module = __import__(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--device", "cpu", "--tiny", *flags])
+    module.main()
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_endrun_samples_a_run_to_its_end(tmp_path, monkeypatch, capsys):
     """Issue 32's GPU mode at CI size (bash bench/gpu_suite.sh endrun): a random Llama folder written shard by
     shard, then `rptrain model=hf` to its end with its memory sampled per phase and its outputs sized."""
-    (folder,) = run_tiny("hf_folder.py", "--out", str(tmp_path / "llama"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(BENCH.parent), os.environ.get("PYTHONPATH", "")]))
+    (folder,) = bench_main(monkeypatch, capsys, "hf_folder", "--out", str(tmp_path / "llama"))
     assert folder["params"] == 139_584 and (tmp_path / "llama" / "model.safetensors.index.json").is_file()
-    (run,) = run_tiny("endrun.py", "--folder", str(tmp_path / "llama"), "--out-dir", str(tmp_path / "runs"))
+    (run,) = bench_main(monkeypatch, capsys, "endrun", "--folder", str(tmp_path / "llama"), "--out-dir", str(tmp_path / "runs"))
     assert run["exit"] == 0 and run["status"] == "completed" and not run["timed_out"], run
     assert 0 < run["time_to_first_step_s"] <= run["last_step_s"] < run["wall_s"]
     assert run["peak_rss_gib"] >= run["setup_peak_gib"]["vmrss"] > 0
     assert set(run["written_gib"]) == {"checkpoints", "hf"} and "export_left_out" not in run
     assert not (tmp_path / "runs" / "hf-adamw_lowmem-end").exists()  # deleted after: its disk is the next run's
-
-
-@pytest.mark.slow
-def test_endrun_stops_at_the_first_step(tmp_path):
-    """--until first_step (issue 29's start-up time): the process group is killed after the first step's line."""
-    (run,) = run_tiny("endrun.py", "--model", "llama_8b", "--until", "first_step", "--out-dir", str(tmp_path))
-    assert run["exit"] == -9 and run["status"] == "running" and run["time_to_first_step_s"] > 0, run
+    (killed,) = bench_main(monkeypatch, capsys, "endrun", "--model", "llama_8b", "--until", "first_step", "--out-dir", str(tmp_path))
+    assert killed["exit"] == -9 and killed["status"] == "running" and killed["time_to_first_step_s"] > 0, killed
