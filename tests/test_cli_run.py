@@ -99,6 +99,7 @@ def test_cifar_format_dataset_both_pipelines_in_one_sweep(tmp_path):
     assert "per-sample torchvision transforms" in proc.stdout and f"augmented on {augments_on}" in proc.stdout
 
 
+@pytest.mark.slow
 def test_sweep_recipe_runs_every_job_in_one_process_and_releases_engines(tmp_path):
     """recipes/sweep_num_microbatch.sh as plain bash: `rptrain -m run_config.num_microbatch=1,2,4`."""
     proc = subprocess.run(
