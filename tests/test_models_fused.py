@@ -71,6 +71,7 @@ def assert_fused_matches_eager(family: str, packed: bool, device: str) -> None:
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, packed", [("llama", False), ("qwen3", True)])
 def test_fused_decoder_matches_eager(family, packed):
     """Forward loss and every parameter's gradient; qwen3 with packed rows (per-row rotary positions)."""
