@@ -61,6 +61,7 @@ def test_run_writes_the_whole_output_layout(tmp_path):
     assert "Epoch 02/2" in (run / "rptrain.log").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("rptrain") is None, reason="the rptrain console script is not installed")
 def test_console_script_prints_the_resolved_config(tmp_path):
     proc = subprocess.run(["rptrain", "--cfg", "job", "model=resnet50", "optim=adamw"],

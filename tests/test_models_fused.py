@@ -86,6 +86,7 @@ def test_fused_decoder_matches_eager_on_cuda(family, packed):
     assert_fused_matches_eager(family, packed, "cuda")
 
 
+@pytest.mark.slow
 def test_fused_llama_trains_through_the_engine_like_eager_pytorch():
     """Three synchronous steps of the fused tiny Llama through RoundPipe (two microbatches: the engine's
     shells rebind the weights the compiled kernels receive, and it recomputes under no_grad and with grad).
