@@ -37,8 +37,6 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from rptrain.page_cache import SYNC_BYTES, drop_written
-
 from .errors import CheckpointError, OutputError, one_line
 
 FORMAT = "rptrain-checkpoint-v1"  # the marker inside the state, whatever the file layout
@@ -49,6 +47,7 @@ ALIGN = 64  # every tensor starts on this boundary, so the mapped file views as 
 CHUNK_BYTES = 64 * 2**20  # a GPU tensor is copied to the host this much at a time (and hashed in such pieces)
 OWN_BYTES = 2**20  # a loaded tensor smaller than this gets memory of its own: some readers
 # (torch.set_rng_state) take the storage's start, not a view's
+SYNC_BYTES = 2**30  # written pages are flushed and dropped from the page cache this often
 LAST = "last.pt"
 _STEP = re.compile(r"step-(\d+)\.pt")
 TEMP_GLOB = ".*.tmp"  # what a write in progress is called; a killed write leaves one behind
@@ -236,10 +235,12 @@ class _Writer:
 
     def _sync(self) -> None:
         try:
-            self.f.fileno()
+            fd = self.f.fileno()
         except (AttributeError, OSError, io.UnsupportedOperation):  # not a real file (tests wrap it)
             return
-        drop_written(self.f, self.pos)
+        self.f.flush()
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, self.pos, os.POSIX_FADV_DONTNEED)
         self._synced = self.pos
 
     def flush(self) -> None:
