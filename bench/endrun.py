@@ -7,8 +7,9 @@ memory sampled from outside, and one JSON line about it.
 The command is ``rptrain model=... data=synthetic_tokens`` at 4 x 4096 (bf16 compute) for ``--steps`` steps,
 then its end: the final evaluation, checkpoint and Hugging Face export. ``--until first_step`` kills the
 process group after the first step's line (nothing is saved). Every ``--interval`` seconds the sampler
-reads the process tree's resident memory (/proc/PID/status: RssAnon, RssFile, RssShmem) and the machine's
-MemAvailable; a peak is kept per phase:
+reads the process tree's resident memory (/proc/PID/status: RssAnon, RssFile, RssShmem), the machine's
+MemAvailable (its lowest) and its dirty and writeback pages (their peak: writes waiting in memory); a peak is
+kept per phase:
 
     setup       the command's start to the first step's line (time_to_first_step_s)
     train       to the last step's line
@@ -126,7 +127,7 @@ class Run:
 def sample(run: Run, until: str, timeout: float, interval: float, timeline: Path | None) -> tuple[dict, dict, bool]:
     """Sample until the child exits (or its first step, or the timeout); per-phase peaks, the lowest MemAvailable."""
     peaks = {p: dict.fromkeys(FIELDS, 0) for p in PHASES}
-    lowest_available, timed_out = meminfo()["MemAvailable"], False
+    lowest_available, most_dirty, timed_out = meminfo()["MemAvailable"], 0, False
     with open(timeline, "w") if timeline else open(os.devnull, "w") as out:
         while True:
             pid, status, usage = os.wait4(run.proc.pid, os.WNOHANG)  # not Popen.poll: wait4 also gives the peak RSS
@@ -134,7 +135,9 @@ def sample(run: Run, until: str, timeout: float, interval: float, timeline: Path
                 break
             phase, now = run.phase(), time.perf_counter() - run.start
             mem = resident(tree(run.proc.pid))
-            lowest_available = min(lowest_available, meminfo()["MemAvailable"])
+            machine = meminfo()
+            lowest_available = min(lowest_available, machine["MemAvailable"])
+            most_dirty = max(most_dirty, machine["Dirty"] + machine["Writeback"])  # written pages not yet on disk
             peaks[phase] = {k: max(peaks[phase][k], mem[k]) for k in FIELDS}
             out.write(json.dumps({"t": round(now, 2), "phase": phase, **{k: round(v / GIB, 3) for k, v in mem.items()}}) + "\n")
             stop = until == "first_step" and run.first_step is not None
@@ -146,7 +149,9 @@ def sample(run: Run, until: str, timeout: float, interval: float, timeline: Path
             time.sleep(interval)
     run.proc.returncode = os.waitstatus_to_exitcode(status)
     run.reader.join(timeout=10)
-    return peaks, {"lowest_mem_available_gib": round(lowest_available / GIB, 2), "peak_rss_gib": round(usage.ru_maxrss * 1024 / GIB, 2)}, timed_out
+    totals = {"lowest_mem_available_gib": round(lowest_available / GIB, 2), "peak_dirty_gib": round(most_dirty / GIB, 2),
+              "peak_rss_gib": round(usage.ru_maxrss * 1024 / GIB, 2)}
+    return peaks, totals, timed_out
 
 
 def command(args, run_dir: Path) -> tuple[list[str], dict]:

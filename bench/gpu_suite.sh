@@ -251,7 +251,9 @@ fi
 if [[ $what == endrun ]]; then  # issue 32: an 8 B full fine-tune from a HF folder to its end; issue 29: time to the first step (about 7 minutes)
   # A random Llama-3.1-8B-shaped folder (bf16, 14.96 GiB), then `rptrain model=hf` with the low-memory preset for 3 steps
   # at 4 x 4096, its evaluation, checkpoint (about 31 GiB) and export (15 GiB), its host memory sampled per phase
-  # (bench/endrun.py); then the preset's time to its first step. ENDRUN_TINY=1: the same at CI size (a CPU will do).
+  # (bench/endrun.py); then the preset's time to its first step. ENDRUN_TINY=1: the same at CI size (a CPU will do);
+  # ENDRUN_OPTIMS="adamw_lowmem adamw": fp32 state too (its 96 GB checkpoint needs a bigger disk); ENDRUN_FLAGS: more
+  # endrun.py flags for every run (e.g. "--batch 2"), or rptrain overrides (e.g. "trainer.hf_export=false").
   er=${ENDRUN_DIR:-/tmp/endrun} tiny=${ENDRUN_TINY:+--tiny}
   mkdir -p "$er"
   folder=$er/llama-3.1-8b
@@ -264,11 +266,11 @@ if [[ $what == endrun ]]; then  # issue 32: an 8 B full fine-tune from a HF fold
   run 150 python3 bench/hf_folder.py --out "$folder" $tiny
   for optim in ${ENDRUN_OPTIMS:-adamw_lowmem}; do
     run 330 python3 bench/endrun.py --model hf --folder "$folder" --optim "$optim" --out-dir "$er" --timeout 300 \
-      --timeline "$out/endrun-hf-$optim.jsonl" --log "$out/endrun-hf-$optim.log" $tiny
+      --timeline "$out/endrun-hf-$optim.jsonl" --log "$out/endrun-hf-$optim.log" $tiny ${ENDRUN_FLAGS:-}
   done
   rm -rf "$folder"  # before the next run: in /dev/shm it is host memory
   run 150 python3 bench/endrun.py --model llama_8b --optim adamw_lowmem --until first_step --out-dir "$er" --timeout 130 \
-    --timeline "$out/endrun-llama_8b.jsonl" --log "$out/endrun-llama_8b.log" $tiny
+    --timeline "$out/endrun-llama_8b.jsonl" --log "$out/endrun-llama_8b.log" $tiny ${ENDRUN_FLAGS:-}
   grep '^{"bench": "\(endrun\|hf_folder\)"' "$out/suite.log" > "$out/endrun.jsonl"
 fi
 if [[ $what == llm || $what == all ]]; then

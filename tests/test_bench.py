@@ -11,72 +11,124 @@ import pytest
 import torch
 
 BENCH = Path(__file__).parent.parent / "bench"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(BENCH.parent), os.environ.get("PYTHONPATH", "")])}
+SCRIPTS = ["limits.py", "resnet.py", "optimizer.py", "llm.py", "data.py", "lora.py", "graph_frozen.py", "host_step.py", "main_job.py",
+           "optim_lowp.py", "optim_quality.py", "moe_experts.py", "checkpoint_io.py", "resident_copies.py"]
+# Every CI-size invocation below, run one after another in one interpreter (runpy, as `python SCRIPT` runs it):
+# each starts as a script, while torch and rptrain are imported once instead of once per script.
+RUNS = {**{script: [script] for script in SCRIPTS}, "resnet_diagnostics": ["resnet.py", "--repeat", "2", "--no-step", "--cprofile",
+        "--optimizer-threads", "1", "2"], "llm_isolate": ["llm.py", "--isolate"], "llm_qwen3": ["llm.py", "--model", "qwen3_8b"],
+        "attention_dists": ["attention.py", "--dist", "uniform", "one"],
+        "cli_resnet": ["cli_resnet.py", "--no-compile"],
+        "llm_moe_lowmem": ["llm.py", "--model", "qwen3_30b_a3b", "gpt_oss_20b", "--master-dtype", "bf16", "--state-dtype", "int8"],
+        "lora_moe_peft": ["lora.py", "--model", "qwen3_30b_a3b", "--impl", "rptrain", "peft"]}
+RUN_ALL = """
+import json, runpy, sys, traceback
+for name, (script, *flags) in json.loads(sys.argv[1]).items():
+    print("@@@ start " + name, flush=True)
+    print("@@@ start " + name, file=sys.stderr, flush=True)
+    sys.argv = [script, "--device", "cpu", "--tiny", *flags]
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    print(f"@@@ exit {code}", flush=True)
+"""
 
 
-def run_tiny(script: str, *flags: str) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(BENCH.parent), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, script, "--device", "cpu", "--tiny", *flags], cwd=BENCH, capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = [line for line in out.stdout.splitlines() if line.strip()]
-    assert lines
-    records = [json.loads(line) for line in lines]
-    assert all(isinstance(r, dict) and "bench" in r for r in records)
+def _sections(text: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("@@@ start "):
+            lines = found.setdefault(line.removeprefix("@@@ start "), [])
+        elif found:
+            lines.append(line)
+    return found
+
+
+@pytest.fixture(scope="module")
+def tiny_runs() -> dict[str, tuple[int, list[str], str]]:
+    """name -> (exit code, stdout lines, stderr) of every RUNS invocation."""
+    out = subprocess.run([sys.executable, "-c", RUN_ALL, json.dumps(RUNS)], cwd=BENCH, capture_output=True, text=True, timeout=900, env=ENV)
+    stdout, stderr = _sections(out.stdout), _sections(out.stderr)
+    runs = {}
+    for name, lines in stdout.items():
+        code = int(lines[-1].removeprefix("@@@ exit ")) if lines and lines[-1].startswith("@@@ exit ") else None
+        runs[name] = (code, lines[:-1] if code is not None else lines, "\n".join(stderr.get(name, [])))
+    return runs
+
+
+def records_of(tiny_runs, name: str) -> list[dict]:
+    """The JSON records of one invocation, which must have ended with exit 0 and printed nothing else on stdout."""
+    assert name in tiny_runs, f"{name} did not start (an earlier invocation ended the interpreter)"
+    code, lines, stderr = tiny_runs[name]
+    assert code == 0, stderr[-3000:]
+    records = [json.loads(line) for line in lines if line.strip()]
+    assert records and all(isinstance(r, dict) and "bench" in r for r in records)
     return records
 
 
-@pytest.mark.parametrize("script", ["limits.py", "resnet.py", "optimizer.py", "llm.py", "data.py", "lora.py", "graph_frozen.py", "host_step.py",
-                                    "main_job.py", "optim_lowp.py", "optim_quality.py", "moe_experts.py", "checkpoint_io.py",
-                                    "resident_copies.py"])
-def test_bench_runs_tiny_and_prints_json_lines(script):
-    run_tiny(script)
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bench_runs_tiny_and_prints_json_lines(tiny_runs, script):
+    records_of(tiny_runs, script)
 
 
-def test_resnet_diagnostics():
+@pytest.mark.slow
+def test_resnet_diagnostics(tiny_runs):
     """Alternated rounds, the engine without its optimizer, the issuing thread's profile."""
-    records = run_tiny("resnet.py", "--repeat", "2", "--no-step", "--cprofile", "--optimizer-threads", "1", "2")
+    records = records_of(tiny_runs, "resnet_diagnostics")
     runs = [r for r in records if r["bench"] == "resnet34" and "impl" in r]
     assert [r["impl"] for r in runs] == ["plain", "rptrain", "rptrain"] * 2
     assert all(r["adam"] is False and r["rptrain_over_plain"] > 0 for r in runs if r["impl"] == "rptrain")
     assert any(r["bench"] == "resnet34_main_thread" and r["calls_per_step"] > 0 for r in records)
 
 
-def test_llm_in_child_processes():
+@pytest.mark.slow
+def test_llm_in_child_processes(tiny_runs):
     """--isolate measures each implementation in its own process and passes its record on."""
-    records = run_tiny("llm.py", "--isolate")
+    records = records_of(tiny_runs, "llm_isolate")
     (run,) = [r for r in records if r.get("impl") == "rptrain"]
     assert run["tokens_per_s"] > 0 and run["steady_tokens_per_s"] > 0 and "error" not in run
 
 
-def test_llm_runs_qwen3_shapes():
+@pytest.mark.slow
+def test_llm_runs_qwen3_shapes(tiny_runs):
     """--model qwen3_8b: the Qwen3 layer structure (q/k norms, head_dim apart from hidden_size), shrunk at CI size."""
-    records = run_tiny("llm.py", "--model", "qwen3_8b")
+    records = records_of(tiny_runs, "llm_qwen3")
     (run,) = [r for r in records if r.get("impl") == "rptrain"]
     assert run["model"] == "qwen3_8b" and run["tokens_per_s"] > 0 and run["mfu"] >= 0 and "error" not in run
 
 
-def test_llm_runs_moe_presets_with_the_low_memory_state():
+@pytest.mark.slow
+def test_llm_runs_moe_presets_with_the_low_memory_state(tiny_runs):
     """Issue 30's full fine-tuning runs: both MoE presets (shrunk, routing and experts kept) with bf16 master and int8 moments."""
-    records = run_tiny("llm.py", "--model", "qwen3_30b_a3b", "gpt_oss_20b", "--master-dtype", "bf16", "--state-dtype", "int8")
+    records = records_of(tiny_runs, "llm_moe_lowmem")
     runs = {r["model"]: r for r in records if r.get("impl") == "rptrain"}
     assert set(runs) == {"qwen3_30b_a3b", "gpt_oss_20b"}
     assert all(r["tokens_per_s"] > 0 and r["state_dtype"] == "int8" and "error" not in r for r in runs.values()), runs
 
 
-def test_lora_moe_against_peft():
+@pytest.mark.slow
+def test_lora_moe_against_peft(tiny_runs):
     """Issue 30's LoRA peer: transformers + PEFT of the same Qwen3-MoE config.json trains exactly as many adapter
     parameters as rptrain (attention and every expert); one process here (each its own on a GPU)."""
-    records = run_tiny("lora.py", "--model", "qwen3_30b_a3b", "--impl", "rptrain", "peft")
+    records = records_of(tiny_runs, "lora_moe_peft")
     runs = {r["impl"]: r for r in records if "impl" in r}
     assert runs["rptrain"]["trainable_params"] == runs["peft"]["trainable_params"] > 0, runs
     assert "experts_gate_up" in runs["peft"]["targets"] and any(r.get("what") == "rptrain_over_peft" for r in records)
 
 
-def test_cli_resnet_ratios():
+@pytest.mark.slow
+def test_cli_resnet_ratios(tiny_runs):
     """Issues 22 and 33 at CI size: the CLI's second epoch, the engine, plain PyTorch in its layouts and
     the whole-step-graphed plain loop (eager on the CPU; one resnet.py process each here, one per layout
     on CUDA), then the ratios."""
-    records = run_tiny("cli_resnet.py", "--no-compile")
+    records = records_of(tiny_runs, "cli_resnet")
     (cli,) = [r for r in records if r.get("impl") == "cli"]
     assert cli["epoch"] == 2 and cli["epoch_samples_per_s"] > 0 and cli["wall_step_ms"] >= cli["step_ms"] > 0, cli
     assert 0 < cli["eval_share_of_epoch"] < 1, cli
@@ -147,10 +199,11 @@ def test_lora_lean_build_fills_the_engines_frozen_storage(monkeypatch):
     assert abs(got - want) <= 1e-5 * abs(want) and abs(want - 6.2383) < 0.5, (got, want)
 
 
-def test_attention_paths_agree():
+@pytest.mark.slow
+def test_attention_paths_agree(tiny_runs):
     """Packed attention at CI size: every path that runs here gives sdpa_mask's output (fp32, rel 1e-5);
     causal over the whole row, the speed bound, does not where rows are packed."""
-    records = run_tiny("attention.py", "--dist", "uniform", "one")
+    records = records_of(tiny_runs, "attention_dists")
     runs = [r for r in records if r["bench"] == "attention"]
     assert {r["impl"] for r in runs} == {"sdpa_mask", "flex", "flex_prebuilt", "varlen", "causal"}
     assert all("error" not in r for r in records), [r for r in records if "error" in r]
@@ -191,30 +244,43 @@ def test_llm_records_an_engine_that_does_not_fit(monkeypatch):
     assert record["host_budget_gib"] == round(2**20 / 2**30, 2) and record["host_needed_gib"] >= 0
 
 
-def test_endrun_samples_a_run_to_its_end(tmp_path):
+
+def bench_main(monkeypatch, capsys, script: str, *flags: str) -> list[dict]:
+    """A benchmark script's main() in this process (no interpreter start of its own), at CI size; its JSON lines."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    module = __import__(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--device", "cpu", "--tiny", *flags])
+    module.main()
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_endrun_samples_a_run_to_its_end(tmp_path, monkeypatch, capsys):
     """Issue 32's GPU mode at CI size (bash bench/gpu_suite.sh endrun): a random Llama folder written shard by
     shard, then `rptrain model=hf` to its end with its memory sampled per phase and its outputs sized."""
-    (folder,) = run_tiny("hf_folder.py", "--out", str(tmp_path / "llama"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(BENCH.parent), os.environ.get("PYTHONPATH", "")]))
+    (folder,) = bench_main(monkeypatch, capsys, "hf_folder", "--out", str(tmp_path / "llama"))
     assert folder["params"] == 139_584 and (tmp_path / "llama" / "model.safetensors.index.json").is_file()
-    (run,) = run_tiny("endrun.py", "--folder", str(tmp_path / "llama"), "--out-dir", str(tmp_path / "runs"))
+    (run,) = bench_main(monkeypatch, capsys, "endrun", "--folder", str(tmp_path / "llama"), "--out-dir", str(tmp_path / "runs"))
     assert run["exit"] == 0 and run["status"] == "completed" and not run["timed_out"], run
     assert 0 < run["time_to_first_step_s"] <= run["last_step_s"] < run["wall_s"]
     assert run["peak_rss_gib"] >= run["setup_peak_gib"]["vmrss"] > 0
     assert set(run["written_gib"]) == {"checkpoints", "hf"} and "export_left_out" not in run
     assert not (tmp_path / "runs" / "hf-adamw_lowmem-end").exists()  # deleted after: its disk is the next run's
+    (killed,) = bench_main(monkeypatch, capsys, "endrun", "--model", "llama_8b", "--until", "first_step", "--out-dir", str(tmp_path))
+    assert killed["exit"] == -9 and killed["status"] == "running" and killed["time_to_first_step_s"] > 0, killed
 
 
 @pytest.mark.slow
-def test_endrun_stops_at_the_first_step(tmp_path):
-    """--until first_step (issue 29's start-up time): the process group is killed after the first step's line."""
-    (run,) = run_tiny("endrun.py", "--model", "llama_8b", "--until", "first_step", "--out-dir", str(tmp_path))
-    assert run["exit"] == -9 and run["status"] == "running" and run["time_to_first_step_s"] > 0, run
-
-
 def test_fault_campaign_tiny_finds_nothing():
-    """Issue 31's campaign at CI size (bench/faults.py --tiny): each kind's harness runs, and no trial executes
-    code, loses a run, hangs, prints a traceback or ends badly. The campaign itself: bench/README.md."""
-    records = run_tiny("faults.py")
+    """Issue 31's campaign at CI size (bench/faults.py --tiny), in its own interpreter (its trials send signals and
+    kill processes): each kind's harness runs, and no trial executes code, loses a run, hangs, prints a traceback
+    or ends badly. The campaign itself: bench/README.md."""
+    out = subprocess.run([sys.executable, "faults.py", "--device", "cpu", "--tiny"], cwd=BENCH, capture_output=True, text=True,
+                         timeout=600, env=ENV)
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
     [summary] = [r for r in records if r["bench"] == "faults_summary"]
     kinds = {r["kind"]: r for r in records if r["bench"] == "faults"}
     assert set(kinds) == {"signal", "disk", "checkpoint", "hf_folder", "data_file", "template", "engine_api"}, kinds

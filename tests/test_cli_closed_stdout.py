@@ -5,9 +5,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from test_cli_helpers import TEST_ENV, TINY, read_jsonl, train_losses
 
 
+@pytest.mark.slow
 def test_a_closed_stdout_does_not_stop_the_run(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "rptrain.cli.main", *TINY, "data.num_train=256", "trainer.max_steps=12",

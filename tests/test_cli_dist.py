@@ -75,6 +75,7 @@ def runs(tmp_path_factory):
     return tmp, sweep / "0", sweep / "1", two
 
 
+@pytest.mark.slow
 def test_two_ranks_train_like_one_process_on_the_global_batch(runs):
     tmp, one_k, _, two = runs
     assert two.returncode == 0, explain(two)
@@ -92,6 +93,7 @@ def test_two_ranks_train_like_one_process_on_the_global_batch(runs):
     assert summary["final"]["test_loss"] == pytest.approx(json.loads((one_k / "summary.json").read_text())["final"]["test_loss"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_a_two_rank_checkpoint_resumes_on_one_rank(runs):
     """Stopped at K on two ranks, resumed on one to N: the same run as one process straight to N."""
     tmp, _, one_n, two = runs
@@ -114,6 +116,7 @@ def faulty(mode: str, step: int) -> tuple[str, ...]:
     return (str(ROOT / "tests" / "faulty_rank.py"), mode, str(step))
 
 
+@pytest.mark.slow
 def test_a_dead_rank_ends_the_run_with_one_clear_line(tmp_path):
     start = time.monotonic()
     proc = torchrun([*LM, "trainer.max_steps=6", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120, target=faulty("die", 3))
@@ -125,6 +128,7 @@ def test_a_dead_rank_ends_the_run_with_one_clear_line(tmp_path):
     assert status["state"] == "failed" and "peer rank failed" in status["error"]
 
 
+@pytest.mark.slow
 def test_a_hung_rank_times_out_after_dist_timeout_s(tmp_path):
     """No launcher help: the hung rank stays alive, so only the process group's timeout can end the wait."""
     start = time.monotonic()
@@ -136,6 +140,7 @@ def test_a_hung_rank_times_out_after_dist_timeout_s(tmp_path):
     assert "timed out" in line.lower() or "timeout" in line.lower(), line
 
 
+@pytest.mark.slow
 def test_a_global_batch_that_does_not_split_over_the_ranks_is_one_line_and_exit_2(tmp_path):
     proc = torchrun([*LM, "trainer.batch_size=7", f"output_root={tmp_path / 'out'}"], tmp_path, timeout=120)
     assert proc.returncode != 0  # torchrun's own: 1 whenever a rank fails; the rank's is in its report
@@ -154,6 +159,7 @@ def _steps_logged(run_root: Path) -> int:
     return sum('"kind": "train"' in line for line in files[0].read_text().splitlines()) if files else 0
 
 
+@pytest.mark.slow
 def test_slurm_multinode_recipe_as_plain_bash_stops_on_sigterm_and_resumes_on_one_rank(tmp_path):
     """recipes/slurm_multinode.sh without SLURM: torchrun --standalone with 2 CPU processes. SIGTERM to
     the batch shell reaches every rank through torchrun; rank 0 checkpoints, the recipe exits 143; run

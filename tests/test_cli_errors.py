@@ -204,6 +204,7 @@ def test_dataset_problem_found_after_the_start_marks_the_run_failed(tmp_path):
     assert not (run / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_rejected_command_end_to_end(tmp_path):
     proc = rptrain(["trainer.batch_sise=8"], tmp_path)
     assert proc.returncode == 2 and error_lines(proc.stderr) == [

@@ -146,6 +146,7 @@ main(sys.argv[2:])
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["optimizer", "checkpoint"])
 def test_a_second_signal_stops_at_once(tmp_path, where):
     run = tmp_path / where

@@ -21,6 +21,7 @@ def write_corpus(path, lines: int = 400, seed: int = 0) -> float:
     return -sum(c / len(data) * math.log(c / len(data)) for c in counts.values())
 
 
+@pytest.mark.slow
 def test_tiny_llama_learns_a_text_below_its_unigram_entropy(tmp_path):
     corpus = tmp_path / "corpus.txt"
     entropy = write_corpus(corpus)

@@ -74,6 +74,7 @@ def test_merged_and_adapter_exports_give_the_lora_model_s_logits(runs):
         torch.testing.assert_close(seeded.eval()(ids), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fused_lora_run_trains_like_the_eager_one(runs, tmp_path):
     """model.fused=true through the CLI with LoRA: the adapters wrap the linears, the compiled kernels run
     the norms, rotary, SwiGLU and the loss between them; the 3-step losses are the eager run's (fp32,

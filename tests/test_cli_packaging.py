@@ -8,6 +8,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,6 +24,7 @@ def test_pyproject_lists_every_package():
     assert not extra, f"remove {sorted(extra)} from [tool.setuptools] packages in pyproject.toml"
 
 
+@pytest.mark.slow
 def test_wheel_contains_the_configs_and_runs_from_elsewhere(tmp_path):
     src = tmp_path / "src"
     keep = {"pyproject.toml", "README.md", "rptrain", "conf"}

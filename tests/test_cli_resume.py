@@ -70,6 +70,7 @@ def _run_dirs(root: Path) -> list[Path]:
     return sorted(p.parent for p in root.glob("outputs/*/*/.hydra"))
 
 
+@pytest.mark.slow
 def test_preemption_through_the_slurm_recipe_then_requeue_resumes(tmp_path):
     """recipes/slurm_resnet34_cifar100.sh as plain bash: SIGTERM to the batch shell (what SLURM's
     --signal=B:TERM does) reaches rptrain, which checkpoints and exits 143 with a resume hint;
@@ -115,6 +116,7 @@ def test_preemption_through_the_slurm_recipe_then_requeue_resumes(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before and _run_dirs(tmp_path) == [run]
 
 
+@pytest.mark.slow
 def test_sigint_stops_with_130_and_a_checkpoint(tmp_path):
     run = tmp_path / "run"
     proc = _start([*LONG, f"hydra.run.dir={run}"], tmp_path)
@@ -130,6 +132,7 @@ def test_sigint_stops_with_130_and_a_checkpoint(tmp_path):
     assert json.loads((run / "status.json").read_text())["signal"] == "SIGINT"
 
 
+@pytest.mark.slow
 def test_two_runs_in_the_same_second_then_kill_9_and_resume_in_place(tmp_path):
     """Two runs started together get a directory each (neither shares metrics or checkpoints). One is
     killed with SIGKILL mid-run: its status.json still says running and its lock is gone; the same

@@ -61,6 +61,7 @@ def test_run_writes_the_whole_output_layout(tmp_path):
     assert "Epoch 02/2" in (run / "rptrain.log").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("rptrain") is None, reason="the rptrain console script is not installed")
 def test_console_script_prints_the_resolved_config(tmp_path):
     proc = subprocess.run(["rptrain", "--cfg", "job", "model=resnet50", "optim=adamw"],
@@ -99,6 +100,7 @@ def test_cifar_format_dataset_both_pipelines_in_one_sweep(tmp_path):
     assert "per-sample torchvision transforms" in proc.stdout and f"augmented on {augments_on}" in proc.stdout
 
 
+@pytest.mark.slow
 def test_sweep_recipe_runs_every_job_in_one_process_and_releases_engines(tmp_path):
     """recipes/sweep_num_microbatch.sh as plain bash: `rptrain -m run_config.num_microbatch=1,2,4`."""
     proc = subprocess.run(

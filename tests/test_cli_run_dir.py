@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from test_cli_helpers import TINY, error_lines, explain, rptrain_here
 
 
@@ -51,6 +53,7 @@ def test_a_sweep_job_directory_of_another_sweep_is_refused(tmp_path):
     assert _snapshot(sweep) == before
 
 
+@pytest.mark.slow
 def test_a_run_killed_before_its_first_checkpoint_is_marked_killed_by_the_next(tmp_path):
     import subprocess
     import sys
@@ -77,6 +80,7 @@ def test_a_run_killed_before_its_first_checkpoint_is_marked_killed_by_the_next(t
     assert f"{status.parent}: status.json said running but its process is gone: marked killed" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_second_resumer_of_a_live_run_says_so_instead_of_starting_over(tmp_path):
     import subprocess
     import sys

@@ -51,6 +51,7 @@ def _stop_while_slow(tmp_path, where, args, signum):
     return run, proc.returncode, err, took
 
 
+@pytest.mark.slow
 def test_sigterm_during_data_preparation_stops_within_seconds(tmp_path):
     run, code, err, took = _stop_while_slow(tmp_path, "data", ["trainer.max_steps=4"], signal.SIGTERM)
     assert code == 143 and took < 10 and "Traceback" not in err, (code, took, err)
@@ -60,6 +61,7 @@ def test_sigterm_during_data_preparation_stops_within_seconds(tmp_path):
     assert status["state"] == "interrupted" and status["signal"] == "SIGTERM" and not (run / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_sigint_during_a_long_evaluation_checkpoints_the_last_step(tmp_path):
     args = ["trainer.max_steps=8", "trainer.eval_interval=2", "trainer.checkpoint_interval=100"]
     run, code, err, took = _stop_while_slow(tmp_path, "eval", args, signal.SIGINT)
@@ -80,6 +82,7 @@ def test_the_rptrain_command_exits_without_collecting_torchs_garbage():
     assert out.stdout.strip() == "True", out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("after_s", [0.3, 1.0])
 def test_ctrl_c_while_starting_is_one_line_and_130(tmp_path, after_s):
     proc = subprocess.Popen([sys.executable, "-m", "rptrain.cli.main", *TINY, "trainer.max_steps=1"], cwd=tmp_path, env=TEST_ENV,

@@ -58,6 +58,7 @@ def test_optuna_sweep_returns_the_objective_and_writes_the_summary(tmp_path):
     assert best["best_value"] == pytest.approx(min(r["test_loss"] for r in rows))  # what the jobs returned
 
 
+@pytest.mark.slow
 def test_submitit_local_runs_the_jobs_in_processes_and_still_summarizes(tmp_path):
     proc = rptrain(["-m", *SMALL, "hydra/launcher=submitit_local", "optim.optimizer.lr=1e10,1e-3", f"output_root={tmp_path}"],
                    tmp_path, timeout=300)

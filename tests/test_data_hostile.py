@@ -68,6 +68,7 @@ except DataError as err:
 """
 
 
+@pytest.mark.slow
 def test_a_template_that_never_ends_is_stopped_by_the_time_limit():
     import subprocess
     import sys

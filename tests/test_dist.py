@@ -25,6 +25,7 @@ def torchrun(out: Path, *extra: str, nproc: int = 2, timeout: int = 180) -> subp
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["host", "gpu_state"])
 def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path, where):
     """gpu_state: each rank's master, gradients and optimizer state on a SimulatedDevice (gpushare.py),
@@ -63,6 +64,7 @@ def test_nccl_ranks_equal_one_process_on_the_whole_batch(tmp_path, gpu_workers):
             torch.testing.assert_close(weights[name], single[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_a_dead_rank_stops_the_others_with_an_error(tmp_path):
     start = time.monotonic()
     result = torchrun(tmp_path, "--die-at", "1")

@@ -69,6 +69,7 @@ def test_frozen_weights_load_and_stay():
         torch.testing.assert_close(engine(x), model(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_frozen_host_memory_is_their_own_size():
     """~335 M frozen bf16 parameters (671 MB): the process's anonymous memory grows by at most their
     size + 5% from before the model is built to after a training step, and peaks at most one layer

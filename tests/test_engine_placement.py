@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from test_cli_helpers import error_lines, explain, rptrain
+from test_cli_helpers import error_lines, explain, rptrain_here
 from torch import nn
 
 from rptrain import OptimizerCtx, RoundPipe
@@ -195,9 +195,9 @@ def test_does_not_fit_before_allocating():
 
 def test_cli_prints_does_not_fit_as_one_line(tmp_path):
     run = tmp_path / "run"
-    proc = rptrain(["model=llama_tiny", "data=synthetic_tokens", "trainer.max_steps=1", "engine.max_host_memory=1MiB",
-                    "engine.gpu_state=false",
-                    f"hydra.run.dir={run}"], tmp_path)
+    proc = rptrain_here(["model=llama_tiny", "data=synthetic_tokens", "trainer.max_steps=1", "engine.max_host_memory=1MiB",
+                         "engine.gpu_state=false",
+                         f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 2, explain(proc)
     lines = [line for line in error_lines(proc.stderr) if line.startswith("rptrain: error:")]
     assert len(lines) == 1 and "the training state does not fit" in lines[0] and "max_host_memory" in lines[0], explain(proc)

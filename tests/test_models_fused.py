@@ -71,6 +71,7 @@ def assert_fused_matches_eager(family: str, packed: bool, device: str) -> None:
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, packed", [("llama", False), ("qwen3", True)])
 def test_fused_decoder_matches_eager(family, packed):
     """Forward loss and every parameter's gradient; qwen3 with packed rows (per-row rotary positions)."""
@@ -85,6 +86,7 @@ def test_fused_decoder_matches_eager_on_cuda(family, packed):
     assert_fused_matches_eager(family, packed, "cuda")
 
 
+@pytest.mark.slow
 def test_fused_llama_trains_through_the_engine_like_eager_pytorch():
     """Three synchronous steps of the fused tiny Llama through RoundPipe (two microbatches: the engine's
     shells rebind the weights the compiled kernels receive, and it recomputes under no_grad and with grad).

@@ -138,3 +138,25 @@ def test_streamed_shards_read_back_bit_for_bit_with_safetensors(tmp_path, monkey
         assert list(back) == list(src)
         for k, t in src.items():
             assert back[k].dtype == dtype and torch.equal(back[k], t.to(dtype)), (k, dtype)
+
+
+def test_a_shard_leaves_the_page_cache_as_it_is_written(tmp_path, monkeypatch):
+    """Every SYNC_BYTES the written part of a shard is flushed and dropped from the page cache (an 8 B
+    export's 5 GiB shards would otherwise wait in memory as dirty pages), up to the whole file at its end;
+    the file is the same."""
+    from safetensors.torch import load_file
+
+    from rptrain.models import hf_export as hx
+
+    dropped = []
+    real = hx.drop_written
+    monkeypatch.setattr(hx, "drop_written", lambda f, written: dropped.append(written) or real(f, written))
+    monkeypatch.setattr(hx, "CHUNK_ELEMENTS", 100)
+    monkeypatch.setattr(hx, "SYNC_BYTES", 1000)  # 2.5 chunks of fp32
+    src = {"a": torch.randn(30, 40), "b": torch.randn(250)}  # 12 chunks and 3 chunks
+    path = tmp_path / "x.safetensors"
+    hx.write_safetensors(src, path, torch.float32)
+    assert dropped[-1] == path.stat().st_size and dropped == sorted(dropped)
+    assert len(dropped) == 6 and all(b - a >= 1000 for a, b in zip(dropped[:-2], dropped[1:-1]))
+    back = load_file(path)
+    assert all(torch.equal(back[k], t) for k, t in src.items())

@@ -186,6 +186,7 @@ def test_tutorial_line_format_matches_its_published_output():
     assert EPOCH_LINE.match(line)
 
 
+@pytest.mark.slow
 def test_seed_tutorial_runs_unchanged_on_rptrain(tmp_path, monkeypatch, capsys):
     fake_cifar(tmp_path / "data", monkeypatch, "cifar100", n_train=8, n_test=8)
     monkeypatch.chdir(tmp_path)  # the tutorial reads ./data

@@ -19,7 +19,7 @@ from rptrain.models import build_model, count_tokens
 from rptrain.optim import Adam
 from rptrain.train.data import build_data
 from test_cli_errors import cli, expect_error  # noqa: F401  (cli is a fixture)
-from test_cli_helpers import explain, read_jsonl, rptrain
+from test_cli_helpers import explain, read_jsonl, rptrain_here
 from test_train_data import make  # noqa: F401  (a fixture: composes a config)
 
 QA = [("What is the capital of France?", "Paris."), ("What do bees make?", "Honey."),
@@ -66,16 +66,17 @@ def test_nothing_to_train_on_is_one_data_error(make, tmp_path):
         build_data(cfg, torch.float32)
 
 
+@pytest.mark.slow
 def test_a_tiny_model_learns_a_chat_set_and_answers_from_it(tmp_path, capsys):
     folder = make_tokenizer_dir(tmp_path / "tok", template=None)  # no chat_template: the ChatML default
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
                               for q, a in QA * 8))
     run = tmp_path / "run"
-    proc = rptrain(["model=llama_tiny", "data=chat", f"data.path={data}", f"data.tokenizer={folder}", "data.max_seq_len=128",
-                    "trainer.batch_size=4", "trainer.max_steps=60", "trainer.log_interval=5", "precision=fp32",
-                    "optim.optimizer.lr=3e-3", "trainer.async_step=false", f"trainer.sample_prompts=[{QA[0][0]!r}]", "trainer.sample_max_tokens=8",
-                    "trainer.hf_export=false", f"hydra.run.dir={run}"], tmp_path, timeout=600)
+    proc = rptrain_here(["model=llama_tiny", "data=chat", f"data.path={data}", f"data.tokenizer={folder}", "data.max_seq_len=128",
+                         "trainer.batch_size=4", "trainer.max_steps=60", "trainer.log_interval=5", "precision=fp32",
+                         "optim.optimizer.lr=3e-3", "trainer.async_step=false", f"trainer.sample_prompts=[{QA[0][0]!r}]",
+                         "trainer.sample_max_tokens=8", "trainer.hf_export=false", f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, explain(proc)
     assert "32 conversations (0 truncated at data.max_seq_len=128, 0 skipped" in proc.stdout and "packed" in proc.stdout
     losses = [r["loss"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"]

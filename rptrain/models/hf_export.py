@@ -8,7 +8,8 @@
     tokenizer.json, ...              copied from the tokenizer's folder, when there is one
 
 Each shard is streamed: its header first, then every tensor cast a chunk at a time from wherever it lives
-(host or GPU), so exporting needs a chunk of extra memory, not a shard's or a second copy of the model. A tied embedding/head matrix is written once, as transformers does.
+(host or GPU), so exporting needs a chunk of extra memory, not a shard's or a second copy of the model; its
+written pages leave the page cache every GiB (rptrain.page_cache), as a checkpoint's do. A tied embedding/head matrix is written once, as transformers does.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from torch import nn
 from rptrain.models.expert_names import parts
 from rptrain.models.families import Family, family
 from rptrain.models.hf_names import hf_name
+from rptrain.page_cache import SYNC_BYTES, drop_written
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # What transformers reads from a tokenizer folder; the ones present are copied.
@@ -86,14 +88,18 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: to
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)) + encoded)
+        written = synced = 8 + len(encoded)
         for t in tensors.values():
             flat = t.detach().reshape(-1)
             for start in range(0, flat.numel(), CHUNK_ELEMENTS):
                 chunk = flat[start : start + CHUNK_ELEMENTS].to("cpu", dtype).contiguous()
                 f.write(chunk.view(torch.uint8).numpy())
-        f.flush()
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # written: its pages need not stay in memory
+                written += chunk.numel() * dtype.itemsize
+                if written - synced >= SYNC_BYTES:  # a 5 GiB shard's pages do not all wait in memory
+                    drop_written(f, written)
+                    synced = written
+        drop_written(f, written)
+        os.fsync(f.fileno())  # the file's size and times too
 
 
 def write_weights(named: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype, max_shard_bytes: int) -> None:

@@ -34,6 +34,8 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+from rptrain.page_cache import SYNC_BYTES, drop_written
+
 MAGIC = b"RPTCKPT3"  # a manifest's first and last 8 bytes (an older single file: MAGIC_SINGLE; a torch.save zip: "PK")
 MAGIC_SINGLE = b"RPTCKPT2"
 TRAILER = struct.Struct("<Q8s")  # the record's offset, the magic
@@ -42,7 +44,6 @@ ALIGN = 64  # every tensor starts on this boundary, so a mapped shard views as a
 CHUNK_BYTES = 64 * 2**20  # a GPU tensor is copied to the host this much at a time
 OWN_BYTES = 2**20  # a loaded tensor smaller than this gets memory of its own: some readers
 # (torch.set_rng_state) take the storage's start, not a view's
-SYNC_BYTES = 2**30  # written pages are flushed and dropped from the page cache this often (per file)
 SHARD_BYTES = 2 * 2**30  # a shard's tensors add up to at most this (or are one larger tensor)
 WRITERS = min(8, os.cpu_count() or 1)  # shards written at once
 SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<write>[0-9a-f]{8})-(?P<index>\d{5})\.shard")
@@ -145,12 +146,10 @@ class Writer:
 
     def _sync(self) -> None:
         try:
-            fd = self.f.fileno()
+            self.f.fileno()
         except (AttributeError, OSError, io.UnsupportedOperation):  # not a real file (tests wrap it)
             return
-        self.f.flush()
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, self.pos, os.POSIX_FADV_DONTNEED)
+        drop_written(self.f, self.pos)
         self._synced = self.pos
 
     def flush(self) -> None:
