@@ -9,7 +9,6 @@ import os
 import pickle
 import random
 import shutil
-import struct
 from pathlib import Path
 from typing import Callable
 
@@ -18,7 +17,8 @@ import torch
 from rptrain.cli import export as export_cli
 from rptrain.cli import generate as generate_cli
 from rptrain.cli.main import main as rptrain_main
-from rptrain.train.checkpoint import MAGIC, load_checkpoint, save_checkpoint
+from rptrain.train.checkpoint import load_checkpoint, save_checkpoint
+from rptrain.train.checkpoint_layout import MAGIC, TRAILER, shard_files
 
 from . import outcome as o
 from .inprocess import call, judged
@@ -47,20 +47,28 @@ def make_base(work: Path) -> Path:
     return run / "checkpoints" / "last.pt"
 
 
+def copied(base: Path, target: Path) -> list[Path]:
+    """``base`` (a manifest) copied to ``target`` with the shards it names beside it: the files to damage."""
+    shutil.copyfile(base, target)
+    shards = [Path(shutil.copyfile(shard, target.with_name(shard.name))) for shard in shard_files(base)]
+    return [target, *shards]
+
+
 def craft(kind: str, base: Path, target: Path, markers: Path, rng: random.Random) -> tuple[Path, bool, dict]:
-    """Write a damaged copy of ``base`` at ``target``: (what to pass, whether it must be refused, detail)."""
-    data = base.read_bytes()
+    """Write a damaged copy of ``base`` at ``target`` (the manifest or one of its shards damaged): (what to pass,
+    whether it must be refused, detail)."""
     marker = markers / f"pwned-{target.stem}"
-    if kind == "truncated":
-        cut = rng.randrange(0, len(data))
-        target.write_bytes(data[:cut])
-        return target, True, {"cut_at": cut, "of": len(data)}
-    if kind == "bit_flip":
-        flipped = bytearray(data)
-        at = rng.randrange(len(flipped))
-        flipped[at] ^= 1 << rng.randrange(8)
-        target.write_bytes(bytes(flipped))
-        return target, None, {"byte": at, "of": len(data)}
+    if kind in ("truncated", "bit_flip"):
+        victim = rng.choice(copied(base, target))
+        data = bytearray(victim.read_bytes())
+        if kind == "truncated":
+            cut = rng.randrange(0, len(data))
+            victim.write_bytes(bytes(data[:cut]))
+            return target, True, {"file": victim.name, "cut_at": cut, "of": len(data)}
+        at = rng.randrange(len(data))
+        data[at] ^= 1 << rng.randrange(8)
+        victim.write_bytes(bytes(data))
+        return target, None, {"file": victim.name, "byte": at, "of": len(data)}
     if kind in ("crafted_config", "run_dir_config"):
         state = load_checkpoint(base)
         config = copy.deepcopy(state["config"])
@@ -88,9 +96,9 @@ def craft(kind: str, base: Path, target: Path, markers: Path, rng: random.Random
     if kind == "pickle_payload":
         torch.save({"model": Payload(marker), "format": "rptrain-checkpoint-v1"}, target)
         return target, True, {}
-    # record_payload: this format's own layout (MAGIC, data, record, trailer) with a malicious record
+    # record_payload: this format's own manifest frame (MAGIC, record, trailer) with a malicious record
     record = pickle.dumps({"state": Payload(marker), "tensors": []})
-    target.write_bytes(MAGIC + record + struct.pack("<Q8s", len(MAGIC), MAGIC))
+    target.write_bytes(MAGIC + record + TRAILER.pack(len(MAGIC), MAGIC))
     return target, True, {}
 
 
