@@ -8,10 +8,11 @@ temporaries stay small and in cache.
 
 With ``compiled`` (the optimizers' ``compile_step``) a CPU run takes cpu_kernel.py's C++ loop, built at
 first use; where it does not build the eager functions run (same formulas; results agree to rounding,
-not bit for bit). A GPU run takes the eager functions over chunks of ``GPU_CHUNK`` elements: torch.compile
-on the optimizer thread broke the model's own compiled kernels on the thread issuing the pass (dynamo's
-tracing flag is process-wide: "Detected that you are using FX to symbolically trace a dynamo-optimized
-function", llama_8b with model.fused on the H200, 2026-12-04), and large chunks keep the launches few.
+not bit for bit). A GPU run takes triton_step.py's kernel (one launch per run, bit for bit these
+formulas) where Triton is installed, else the eager functions over chunks of ``GPU_CHUNK`` elements.
+torch.compile is not used on the GPU: on the optimizer thread it broke the model's own compiled kernels
+on the thread issuing the pass (dynamo's tracing flag is process-wide: "Detected that you are using FX
+to symbolically trace a dynamo-optimized function", llama_8b with model.fused on the H200, 2026-12-04).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import cpu_kernel
+from . import cpu_kernel, triton_step
 from .lowbit import BLOCK, dequantize_signed, dequantize_unsigned, quantize_signed, quantize_unsigned, round_to_bf16
 
 CHUNK = 1 << 18  # elements: 1 MiB per fp32 temporary (bench/optim_lowp.py)
@@ -94,10 +95,13 @@ def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Te
         seed_int = (int(step.item()) * _SEED_MIX + run_key) & 0xFFFFFFFF
         if cpu_kernel.step(p, g, state, h, seed_int, decoupled):
             return
+    seed = (step.to(torch.int64) * _SEED_MIX + run_key) & 0xFFFFFFFF
+    if compiled and chunk is None and triton_step.available(p):
+        triton_step.step(p, g, state, seed, h, decoupled)
+        return
     n = p.numel()
     if chunk is None:
         chunk = GPU_CHUNK if p.device.type != "cpu" else CHUNK
-    seed = (step.to(torch.int64) * _SEED_MIX + run_key) & 0xFFFFFFFF
     int8 = "exp_avg_scale" in state
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
