@@ -19,8 +19,11 @@ from rptrain.models import build_model
 from rptrain.optim import AdamW
 from rptrain.optim.state import state_memory_of
 
-VARIANTS = [("fp32", torch.float32, None), ("bf16_master", torch.bfloat16, None), ("int8_state", torch.float32, "int8"),
-            ("adamw_lowmem", torch.bfloat16, "int8")]
+# (name, master dtype, state dtype, the initial weights rounded to bf16). fp32_bf16_init is the control: fp32
+# AdamW from the bf16 master's starting point, so the spread a perturbation alone causes is measured too.
+VARIANTS = [("fp32", torch.float32, None, False), ("bf16_master", torch.bfloat16, None, False),
+            ("int8_state", torch.float32, "int8", False), ("adamw_lowmem", torch.bfloat16, "int8", False),
+            ("fp32_bf16_init", torch.float32, None, True)]
 SUBJECTS = [("the cat", "s"), ("a dog", "s"), ("my friend", "s"), ("the birds", ""), ("two old men", ""), ("the children", "")]
 VERBS = ["see", "like", "follow", "watch", "find", "paint", "call", "help"]
 OBJECTS = ["the river", "a small house", "the red ball", "an apple", "the garden", "their teacher", "the moon", "a quiet street"]
@@ -37,9 +40,13 @@ def corpus(chars: int, seed: int = 0) -> bytes:
     return "".join(out).encode()
 
 
-def train(master: torch.dtype, state_dtype, args, tokens: torch.Tensor) -> list[float]:
+def train(master: torch.dtype, state_dtype, round_init: bool, args, tokens: torch.Tensor) -> list[float]:
     torch.manual_seed(args.seed)
     model = build_model("llama_tiny", vocab_size=259, dim=args.dim, n_layers=args.layers, max_seq_len=args.seq_len)
+    if round_init:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16())
     engine = RoundPipe(model, optim_dtype=master, optimizer=state_memory_of(AdamW, master, state_dtype=state_dtype))
     with OptimizerCtx():
         opt = AdamW(engine.parameters(), lr=args.lr, weight_decay=0.01, state_dtype=state_dtype, compile_step=args.compile)
@@ -80,7 +87,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
     p.add_argument("--schedule", choices=["constant", "cosine"], default="constant")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (model initialisation and batch order)")
-    p.add_argument("--variants", default=",".join(v[0] for v in VARIANTS), help="comma-separated subset of the variants")
+    p.add_argument("--variants", default=",".join(v[0] for v in VARIANTS[:4]), help=f"comma-separated, of {', '.join(v[0] for v in VARIANTS)}")
     p.add_argument("--eager", action="store_true", help="the low-precision step as eager torch ops (same formulas, slower)")
     args = p.parse_args()
     args.compile = not args.eager
@@ -97,7 +104,7 @@ def main() -> None:
         args.seed = seed
         reference = None
         for name in chosen:
-            losses = train(known[name][1], known[name][2], args, tokens)
+            losses = train(*known[name][1:], args, tokens)
             final = sum(losses[-args.tail :]) / args.tail
             reference = reference if reference is not None else final
             rel[name].append((final - reference) / reference)
