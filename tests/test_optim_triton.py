@@ -16,16 +16,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_triton_step_matches_the_eager_step_in_the_interpreter():
-    """On the CPU under Triton's interpreter (numpy). A bf16 master is bit for bit the eager step's. An fp32
-    master differs by at most 4 fp32 steps of |weight| + lr (an update's size): torch's CPU sqrt is not correctly rounded (it differs
-    from numpy's and float64's rounded result by one step on about 1 value in 10), the kernel's is."""
+    """On the CPU under Triton's interpreter (numpy). torch's CPU sqrt is not correctly rounded (one fp32 step
+    off float64's rounded result on about 1 value in 10), the kernel's is: an fp32 master differs by at most
+    4 fp32 steps of |weight| + lr (an update's size); a bf16 master's stochastic rounding falls the other
+    way where such a difference straddles its threshold: at most one bf16 step, on under 0.1% of the weights.
+    Every 8-bit code, scale and bf16 moment here is equal."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    script = "import sys; from tests.triton_step_check import mismatches; print(repr([(str(m), w, r) for m, w, r in mismatches('cpu')]))"
+    script = "from tests.triton_step_check import mismatches; print(repr(mismatches('cpu')))"
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     found = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own repr of str/float tuples
-    assert not [w for m, w, _ in found if m == "torch.bfloat16"], found
-    assert all(rel <= 4 * 2.0**-23 for _, _, rel in found), found
+    assert all(what.endswith(" param") for what, _, _ in found), found
+    for what, rel, share in found:
+        bf16 = what.startswith("torch.bfloat16")
+        assert rel <= (2.0**-7 if bf16 else 4 * 2.0**-23) and (not bf16 or share < 1e-3), (what, rel, share)
 
 
 @pytest.mark.cuda

@@ -18,9 +18,10 @@ def state_for(layout: tuple[FlatState, ...], numel: int, device: str) -> dict[st
     return {s.name: torch.zeros(s.numel(numel), dtype=s.dtype or torch.float32, device=device) for s in layout}
 
 
-def mismatches(device: str, numel: int = 5 * 64 * 33 + 77, steps: int = 3) -> list[tuple[torch.dtype, str, float]]:
-    """(master dtype, what, largest difference relative to |value| + lr) where the two steps differ in any bit after
-    ``steps`` steps of a run of ``numel`` elements (several programs, a partial last block), with a grad scale."""
+def mismatches(device: str, numel: int = 5 * 64 * 33 + 77, steps: int = 3) -> list[tuple[str, float, float]]:
+    """(what, largest difference relative to |value| + lr, share of elements that differ) where the two steps
+    differ in any bit after ``steps`` steps of a run of ``numel`` elements (several programs, a partial
+    last block), with a grad scale."""
     bad = []
     for master, state_dtype, decoupled in COMBOS:
         gen = torch.Generator().manual_seed(0)
@@ -47,11 +48,12 @@ def mismatches(device: str, numel: int = 5 * 64 * 33 + 77, steps: int = 3) -> li
             if not torch.equal(eager[name], fused[name]):
                 a, b = eager[name].float(), fused[name].float()
                 rel = ((a - b).abs() / (a.abs() + group["lr"])).max().item()  # an update is about lr
-                bad.append((master, f"{master} {state_dtype} decoupled={decoupled} {name}", rel))
+                share = (a != b).float().mean().item()
+                bad.append((f"{master} {state_dtype} decoupled={decoupled} {name}", rel, share))
     return bad
 
 
 if __name__ == "__main__":
     found = mismatches(sys.argv[1] if len(sys.argv) > 1 else "cpu")
-    print("\n".join(f"{what}: largest relative difference {rel:.3g}" for _, what, rel in found) or "bit for bit")
+    print("\n".join(f"{what}: largest relative difference {rel:.3g}, {share:.2%} differ" for what, rel, share in found) or "bit for bit")
     sys.exit(1 if found else 0)

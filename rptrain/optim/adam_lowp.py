@@ -3,7 +3,7 @@
 torch's fused kernels keep moments in the parameter's dtype and round a bf16 parameter to nearest,
 which drops updates smaller than half a bf16 step; this step computes in fp32 and writes back in the
 low formats: the bf16 master and bf16 moments stochastically rounded, 8-bit moments re-quantized per
-block. It walks the run in chunks of ``CHUNK`` elements (a multiple of the block), so its fp32
+block with stochastically rounded codes. It walks the run in chunks of ``CHUNK`` elements (a multiple of the block), so its fp32
 temporaries stay small and in cache.
 
 With ``compiled`` (the optimizers' ``compile_step``) a CPU run takes cpu_kernel.py's C++ loop, built at
@@ -27,7 +27,7 @@ from .lowbit import BLOCK, dequantize_signed, dequantize_unsigned, quantize_sign
 
 CHUNK = 1 << 18  # elements: 1 MiB per fp32 temporary (bench/optim_lowp.py)
 _SEED_MIX = 0x9E3779B1
-_M_SALT, _V_SALT = 0x5BD1E995, 0x27D4EB2F  # distinct random streams for the moments' rounding
+_M_SALT, _V_SALT = 0x5BD1E995, 0x27D4EB2F  # distinct random streams for the moments' rounding (bf16 or 8-bit codes)
 
 
 def _adam(p32: Tensor, g32: Tensor, m: Tensor, v: Tensor, h: Tensor, decoupled: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -64,10 +64,10 @@ def _chunk_int8(p: Tensor, g: Tensor, mq: Tensor, ms: Tensor, vq: Tensor, vs: Te
     index = torch.arange(p.numel(), device=p.device) + start
     p32, m32, v32 = _adam(p.float(), g.float(), dequantize_signed(mq, ms), dequantize_unsigned(vq, vs), h, decoupled)
     _store_param(p, p32, index, seed)
-    q, s = quantize_signed(m32)
+    q, s = quantize_signed(m32, index, seed ^ _M_SALT)
     mq.copy_(q)
     ms.copy_(s)
-    q, s = quantize_unsigned(v32)
+    q, s = quantize_unsigned(v32, index, seed ^ _V_SALT)
     vq.copy_(q)
     vs.copy_(s)
 

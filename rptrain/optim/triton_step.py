@@ -50,9 +50,22 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
     @triton.jit
-    def _round_half_even(x):
-        """torch.round for 0 <= x < 2^22: adding 1.5 * 2^23 leaves no fraction bits (round to nearest even)."""
-        return (x + 12582912.0) - 12582912.0
+    def _uniform(index, seed):
+        """lowbit.uniform: 24 hash bits as an fp32 in [0, 1)."""
+        return (_hash32(((index ^ seed) & 0xFFFFFFFF).to(tl.uint32)) & 0xFFFFFF).to(tl.float32) * 5.9604644775390625e-08
+
+    @triton.jit
+    def _code(a, level, top, inv_top, SQUARE_TWICE: tl.constexpr, u):
+        """lowbit._code with ``u``: the code below or above, unbiased in value."""
+        lo = tl.minimum(tl.floor(level), top - 1.0)
+        t = lo * inv_top
+        t1 = (lo + 1.0) * inv_top
+        below = t * t
+        above = t1 * t1
+        if SQUARE_TWICE:
+            below = below * below
+            above = above * above
+        return lo + tl.where(a - below > u * (above - below), 1.0, 0.0)
 
     @triton.jit
     def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, h_ptr, seed_ptr, n,
@@ -69,9 +82,9 @@ if triton is not None:
         if STATE == 2:  # 8-bit codes over whole blocks (the buffers are padded), a scale per block
             has_row = row < (n + B - 1) // B
             in_rows = has_row[:, None] & (index >= 0)
-            level = tl.div_rn(tl.load(m_ptr + index, mask=in_rows, other=0).to(tl.float32), 127.0)
+            level = tl.load(m_ptr + index, mask=in_rows, other=0).to(tl.float32) * 0.007874015748031496
             m = level * tl.abs(level) * tl.load(ms_ptr + row, mask=has_row, other=0.0)[:, None]
-            level = tl.div_rn(tl.load(v_ptr + index, mask=in_rows, other=0).to(tl.float32), 255.0)
+            level = tl.load(v_ptr + index, mask=in_rows, other=0).to(tl.float32) * 0.00392156862745098
             level = level * level
             v = level * level * tl.load(vs_ptr + row, mask=has_row, other=0.0)[:, None]
         else:
@@ -99,13 +112,14 @@ if triton is not None:
         else:
             tiny = 1.1754943508222875e-38
             m_scale = tl.max(tl.abs(m), axis=1)
-            level = tl.sqrt_rn(tl.div_rn(tl.abs(m), tl.maximum(m_scale, tiny)[:, None])) * 127.0
-            code = _round_half_even(level)
+            a = tl.div_rn(tl.abs(m), tl.maximum(m_scale, tiny)[:, None])
+            code = _code(a, tl.sqrt_rn(a) * 127.0, 127.0, 0.007874015748031496, False, _uniform(index, seed ^ 0x5BD1E995))
             tl.store(m_ptr + index, tl.where(m < 0, -code, code).to(tl.int8), mask=in_rows)
             tl.store(ms_ptr + row, m_scale, mask=has_row)
             v_scale = tl.max(v, axis=1)
-            level = tl.sqrt_rn(tl.sqrt_rn(tl.div_rn(v, tl.maximum(v_scale, tiny)[:, None]))) * 255.0
-            code = tl.where(v > 0, tl.maximum(_round_half_even(level), 1.0), 0.0)
+            a = tl.div_rn(v, tl.maximum(v_scale, tiny)[:, None])
+            code = _code(a, tl.sqrt_rn(tl.sqrt_rn(a)) * 255.0, 255.0, 0.00392156862745098, True, _uniform(index, seed ^ 0x27D4EB2F))
+            code = tl.where(v > 0, tl.maximum(code, 1.0), 0.0)
             tl.store(v_ptr + index, code.to(tl.uint8), mask=in_rows)
             tl.store(vs_ptr + row, v_scale, mask=has_row)
 
