@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|lowmem|lowmem-big|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|lowmem|lowmem-big|lowmem-acc|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == lowmem-acc ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -211,6 +211,11 @@ fi
 if [[ $what == lowmem-big ]]; then  # issue 29: the largest shape with the low-memory state; the 8 B plain peer (checkpointing) beside the preset
   run 300 "${lowmem[@]}" --model qwen3_32b --impl rptrain --master-dtype bf16 --state-dtype int8
   run 240 "${lowmem[@]}" --model llama_8b --impl rptrain plain --master-dtype bf16 --state-dtype int8
+fi
+if [[ $what == lowmem-acc ]]; then  # issue 29: the Triton step bit for bit against the eager one, its speed, the accuracy on 3 seeds
+  run 120 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_optim_triton.py tests/test_optim_lowp.py
+  run 90 python3 bench/optim_lowp.py --device cuda
+  run 330 python3 bench/optim_quality.py --seeds 0,1,2 --variants fp32,bf16_master,int8_state,adamw_lowmem,fp32_bf16_init
 fi
 if [[ $what == llm || $what == all ]]; then
   {
