@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|lowmem-acc|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == endrun || $what == whole-call ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -272,6 +272,11 @@ if [[ $what == endrun ]]; then  # issue 32: an 8 B full fine-tune from a HF fold
   run 150 python3 bench/endrun.py --model llama_8b --optim adamw_lowmem --until first_step --out-dir "$er" --timeout 130 \
     --timeline "$out/endrun-llama_8b.jsonl" --log "$out/endrun-llama_8b.log" $tiny ${ENDRUN_FLAGS:-}
   grep '^{"bench": "\(endrun\|hf_folder\)"' "$out/suite.log" > "$out/endrun.jsonl"
+fi
+if [[ $what == lowmem-acc ]]; then  # issue 29: the Triton step bit for bit against the eager one, its speed, the accuracy on 3 seeds
+  run 120 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_optim_triton.py tests/test_optim_lowp.py
+  run 90 python3 bench/optim_lowp.py --device cuda
+  run 330 python3 bench/optim_quality.py --seeds 0,1,2 --variants fp32,bf16_master,int8_state,adamw_lowmem,fp32_bf16_init
 fi
 if [[ $what == llm || $what == all ]]; then
   {

@@ -1,9 +1,11 @@
 """Issue 29: the host optimizer step per parameter, fp32 AdamW (torch's fused kernel) against the
 low-precision variants (rptrain/optim/adam_lowp.py): bf16 master, bf16 or int8 moments, each eager
-and compiled (a CPU: rptrain/optim/cpu_kernel.py's C++ loop; a GPU: torch.compile). One flat run of
---numel parameters, as the engine's host share is; the variants alternate for --rounds rounds and
-the best counts (the machine may be shared); one JSON line per variant: ns per parameter and the
-ratio to fused fp32 AdamW. The compiled variants' first step (building the kernel) is build_s.
+and compiled (a CPU: rptrain/optim/cpu_kernel.py's C++ loop; a GPU: rptrain/optim/triton_step.py's
+kernel, against the eager torch ops over 4 M-element chunks). One flat run of --numel parameters, as the
+engine's host share (or GPU share) is; the variants alternate for --rounds rounds and the best counts
+(the machine may be shared); one JSON line per variant: ns per parameter, the ratio to fused fp32
+AdamW, and GB/s of memory traffic (each of parameter, gradient and state read once, parameter and
+state written once). The compiled variants' first step (building the kernel) is build_s.
 """
 from __future__ import annotations
 
@@ -44,15 +46,18 @@ def main() -> None:
         opt = AdamW([param], lr=1e-3, weight_decay=0.01, state_dtype=state_dtype, compile_step=compiled)
         start = time.perf_counter()
         opt.step()  # allocates the state (and builds the compiled step)
-        runs[name] = (opt, time.perf_counter() - start, compiled, [])
+        state = opt.state[param]
+        moved = sum(t.numel() * t.element_size() * 2 for k, t in state.items() if k != "step" and t.dim() > 0)
+        moved += param.numel() * param.element_size() * 2 + param.grad.numel() * param.grad.element_size()
+        runs[name] = (opt, time.perf_counter() - start, compiled, [], moved)
     for _ in range(rounds):
-        for name, (opt, _, _, times) in runs.items():
+        for name, (opt, _, _, times, _) in runs.items():
             times.append(time_steps(lambda i: opt.step(), steps, 1, device))
     fused = min(runs["fused_fp32"][3]) / numel * 1e9 if "fused_fp32" in runs else None
-    for name, (opt, first, compiled, times) in runs.items():
+    for name, (opt, first, compiled, times, moved) in runs.items():
         ns = min(times) / numel * 1e9
         emit(bench="optim_lowp", variant=name, device=device, threads=torch.get_num_threads(), numel=numel,
-             ns_per_param=round(ns, 3), over_fused_fp32=round(ns / fused, 3) if fused else None,
+             ns_per_param=round(ns, 3), gb_per_s=round(moved / min(times) / 1e9, 2), over_fused_fp32=round(ns / fused, 3) if fused else None,
              build_s=round(first, 2) if compiled else None)
 
 

@@ -72,6 +72,43 @@ def test_quantize_error_within_per_block_bounds():
     assert back[5] == 0 and back[7] > 0 and torch.allclose(back.view(8, -1).amax(1), s, rtol=1e-6)
 
 
+def test_stochastic_codes_are_unbiased_in_value():
+    """The optimizer's 8-bit codes (value-space stochastic rounding): the mean of 2048 decodings of one block
+    is within 5 standard errors (a code step / 2 / sqrt(2048)) of each value, for both maps; and a value on
+    a level decodes exactly."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(BLOCK, generator=g) ** 3 * torch.where(torch.rand(BLOCK, generator=g) < 0.5, -1.0, 1.0)
+    x[0] = 1.0
+    index = torch.arange(BLOCK)
+    for quantize, dequantize, values, top, power in ((quantize_signed, dequantize_signed, x, 127, 2),
+                                                      (quantize_unsigned, dequantize_unsigned, x.abs(), 255, 4)):
+        draws = torch.stack([dequantize(*quantize(values, index, torch.tensor(seed))) for seed in range(2048)])
+        level = (values.abs() ** (1 / power) * top).floor().clamp_max(top - 1)
+        step = ((level + 1) / top) ** power - (level / top) ** power
+        assert ((draws.mean(0) - values).abs() <= 5 * step / 2 / 2048**0.5 + 1e-7).all()
+        assert (draws[:, 0] == values[0]).all()
+
+
+def test_int8_second_moment_follows_a_gradient_that_shrinks():
+    """A block whose largest gradient stays at 1 while the others drop tenfold: after 2,000 more steps fp32
+    AdamW's second moment of the others has decayed to about 0.035 of the largest; the 8-bit one must follow
+    within 20%. Rounding codes to nearest never let it decay (beta2 moves v 0.1% a step, less than half a
+    code step), leaving it at the largest's value: 25 times too large, updates 5 times too small."""
+    def second_moment(state_dtype):
+        p = nn.Parameter(torch.zeros(BLOCK))
+        opt = AdamW([p], lr=1e-3, weight_decay=0.0, state_dtype=state_dtype, compile_step=False)
+        for t in range(2200):
+            grad = torch.ones(BLOCK)
+            if t >= 200:
+                grad[1:] = 0.1 * (1 + 0.5 * torch.randn(BLOCK - 1, generator=torch.Generator().manual_seed(t)))
+            p.grad = grad
+            opt.step()
+        state = opt.state[p]
+        return state["exp_avg_sq"] if state_dtype == "fp32" else dequantize_unsigned(state["exp_avg_sq"], state["exp_avg_sq_scale"])
+    fp32, int8 = second_moment("fp32"), second_moment("int8")
+    assert abs(int8[1:].mean() / fp32[1:].mean() - 1) < 0.2, (int8[1:].mean(), fp32[1:].mean())
+
+
 def test_state_memory_declared_per_optimizer():
     fp32 = state_memory_of("rptrain.optim.AdamW", torch.float32)
     assert fp32.bytes_per_param == 8 and [t.name for t in fp32.tensors] == ["exp_avg", "exp_avg_sq"]

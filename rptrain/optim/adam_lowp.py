@@ -3,15 +3,16 @@
 torch's fused kernels keep moments in the parameter's dtype and round a bf16 parameter to nearest,
 which drops updates smaller than half a bf16 step; this step computes in fp32 and writes back in the
 low formats: the bf16 master and bf16 moments stochastically rounded, 8-bit moments re-quantized per
-block. It walks the run in chunks of ``CHUNK`` elements (a multiple of the block), so its fp32
+block with stochastically rounded codes. It walks the run in chunks of ``CHUNK`` elements (a multiple of the block), so its fp32
 temporaries stay small and in cache.
 
 With ``compiled`` (the optimizers' ``compile_step``) a CPU run takes cpu_kernel.py's C++ loop, built at
 first use; where it does not build the eager functions run (same formulas; results agree to rounding,
-not bit for bit). A GPU run takes the eager functions over chunks of ``GPU_CHUNK`` elements: torch.compile
-on the optimizer thread broke the model's own compiled kernels on the thread issuing the pass (dynamo's
-tracing flag is process-wide: "Detected that you are using FX to symbolically trace a dynamo-optimized
-function", llama_8b with model.fused on the H200, 2026-12-04), and large chunks keep the launches few.
+not bit for bit). A GPU run takes triton_step.py's kernel (one launch per run, bit for bit these
+formulas) where Triton is installed, else the eager functions over chunks of ``GPU_CHUNK`` elements.
+torch.compile is not used on the GPU: on the optimizer thread it broke the model's own compiled kernels
+on the thread issuing the pass (dynamo's tracing flag is process-wide: "Detected that you are using FX
+to symbolically trace a dynamo-optimized function", llama_8b with model.fused on the H200, 2026-12-04).
 """
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import cpu_kernel
+from . import cpu_kernel, triton_step
 from .lowbit import BLOCK, dequantize_signed, dequantize_unsigned, quantize_signed, quantize_unsigned, round_to_bf16
 
 CHUNK = 1 << 18  # elements: 1 MiB per fp32 temporary (bench/optim_lowp.py)
 _SEED_MIX = 0x9E3779B1
-_M_SALT, _V_SALT = 0x5BD1E995, 0x27D4EB2F  # distinct random streams for the moments' rounding
+_M_SALT, _V_SALT = 0x5BD1E995, 0x27D4EB2F  # distinct random streams for the moments' rounding (bf16 or 8-bit codes)
 
 
 def _adam(p32: Tensor, g32: Tensor, m: Tensor, v: Tensor, h: Tensor, decoupled: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -63,10 +64,10 @@ def _chunk_int8(p: Tensor, g: Tensor, mq: Tensor, ms: Tensor, vq: Tensor, vs: Te
     index = torch.arange(p.numel(), device=p.device) + start
     p32, m32, v32 = _adam(p.float(), g.float(), dequantize_signed(mq, ms), dequantize_unsigned(vq, vs), h, decoupled)
     _store_param(p, p32, index, seed)
-    q, s = quantize_signed(m32)
+    q, s = quantize_signed(m32, index, seed ^ _M_SALT)
     mq.copy_(q)
     ms.copy_(s)
-    q, s = quantize_unsigned(v32)
+    q, s = quantize_unsigned(v32, index, seed ^ _V_SALT)
     vq.copy_(q)
     vs.copy_(s)
 
@@ -94,10 +95,13 @@ def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Te
         seed_int = (int(step.item()) * _SEED_MIX + run_key) & 0xFFFFFFFF
         if cpu_kernel.step(p, g, state, h, seed_int, decoupled):
             return
+    seed = (step.to(torch.int64) * _SEED_MIX + run_key) & 0xFFFFFFFF
+    if compiled and chunk is None and triton_step.available(p):
+        triton_step.step(p, g, state, seed, h, decoupled)
+        return
     n = p.numel()
     if chunk is None:
         chunk = GPU_CHUNK if p.device.type != "cpu" else CHUNK
-    seed = (step.to(torch.int64) * _SEED_MIX + run_key) & 0xFFFFFFFF
     int8 = "exp_avg_scale" in state
     for a in range(0, n, chunk):
         b = min(a + chunk, n)

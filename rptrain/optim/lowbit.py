@@ -1,6 +1,8 @@
 """Low-precision number formats of the optimizer: stochastic rounding to bf16, block-wise 8-bit moments.
 
-Pure functions of tensors (eager, or traced by torch.compile: adam_lowp.py), on any device.
+Pure functions of tensors (eager: adam_lowp.py; the same formulas in cpu_kernel.py and triton_step.py), on
+any device. Constant divisors are multiplications by their reciprocal: torch's CUDA division by a Python
+number does that, its CPU division does not, and triton_step.py must match both bit for bit.
 
 Stochastic rounding: an fp32 value between two bf16 neighbours rounds up with probability equal to its
 distance from the lower one, so the rounded value is unbiased and small updates to a bf16 master
@@ -16,8 +18,12 @@ closed form instead of a lookup table (an elementwise formula compiles into one 
 - second moment (non-negative): ``q = round(255 (v / scale)^(1/4))``, ``v = (q / 255)^4 scale``: the
   square root of ``v`` (the update's denominator) gets the first moment's square-root map with twice
   the levels. A non-zero ``v`` never codes as 0, so no update divides by eps alone.
+The optimizer rounds codes stochastically in value space (``_code``), with random bits like the master's
+(another salt), so the decoded moments are unbiased and keep following small changes.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -43,29 +49,54 @@ def round_to_bf16(x: Tensor, index: Tensor, seed: Tensor) -> Tensor:
     return bits.view(torch.float32).to(torch.bfloat16)
 
 
-def quantize_signed(x: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 ``x`` (numel a multiple of BLOCK) -> (int8 codes like ``x``, fp32 scale per block)."""
+def uniform(index: Tensor, seed: Tensor) -> Tensor:
+    """An fp32 in [0, 1) per ``index``: 24 of hash32's bits (exact in fp32)."""
+    return (hash32(index, seed) & 0xFFFFFF).to(torch.float32) * 2.0**-24
+
+
+def _code(a: Tensor, level: Tensor, top: int, square_twice: bool, u: Optional[Tensor]) -> Tensor:
+    """The code of ``a`` (a value over its block's scale, in [0, 1]) whose map position is ``level``: to
+    nearest without ``u``; with ``u``, the code below or above with the probability that makes the decoded
+    value unbiased (value-space stochastic rounding). Deterministic rounding stalls a moving average:
+    a change smaller than half a code step (beta2 = 0.999 moves v by 0.1% a step, the fourth-root map's
+    step near the top is 1.6%) is rounded away every step, so a moment only ever follows large changes."""
+    if u is None:
+        return level.round()
+    lo = level.floor().clamp_max(top - 1)
+    t, t1 = lo * (1 / top), (lo + 1) * (1 / top)
+    below, above = t * t, t1 * t1
+    if square_twice:
+        below, above = below * below, above * above
+    return lo + (a - below > u * (above - below)).to(torch.float32)
+
+
+def quantize_signed(x: Tensor, index: Optional[Tensor] = None, seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """fp32 ``x`` (numel a multiple of BLOCK) -> (int8 codes like ``x``, fp32 scale per block); with ``index``
+    and ``seed``, stochastically rounded (``_code``), else to nearest."""
     blocks = x.view(-1, BLOCK)
     scale = blocks.abs().amax(dim=1)
-    level = (blocks.abs() / scale.clamp_min(_TINY)[:, None]).sqrt() * 127
-    return (level.round() * blocks.sign()).to(torch.int8).view(x.shape), scale
+    a = blocks.abs() / scale.clamp_min(_TINY)[:, None]
+    u = None if seed is None else uniform(index, seed).view(-1, BLOCK)
+    return (_code(a, a.sqrt() * 127, 127, False, u) * blocks.sign()).to(torch.int8).view(x.shape), scale
 
 
 def dequantize_signed(q: Tensor, scale: Tensor) -> Tensor:
-    level = q.view(-1, BLOCK).float() / 127
+    level = q.view(-1, BLOCK).float() * (1 / 127)
     return (level * level.abs() * scale[:, None]).view(q.shape)
 
 
-def quantize_unsigned(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Non-negative fp32 ``x`` -> (uint8 codes, fp32 scale per block); non-zero values code at least 1."""
+def quantize_unsigned(x: Tensor, index: Optional[Tensor] = None, seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Non-negative fp32 ``x`` -> (uint8 codes, fp32 scale per block); non-zero values code at least 1;
+    ``index`` and ``seed`` as quantize_signed's."""
     blocks = x.view(-1, BLOCK)
     scale = blocks.amax(dim=1)
-    level = (blocks / scale.clamp_min(_TINY)[:, None]).sqrt().sqrt() * 255
-    level = torch.where(blocks > 0, level.round().clamp_min(1), 0.0)
+    a = blocks / scale.clamp_min(_TINY)[:, None]
+    u = None if seed is None else uniform(index, seed).view(-1, BLOCK)
+    level = torch.where(blocks > 0, _code(a, a.sqrt().sqrt() * 255, 255, True, u).clamp_min(1), 0.0)
     return level.to(torch.uint8).view(x.shape), scale
 
 
 def dequantize_unsigned(q: Tensor, scale: Tensor) -> Tensor:
-    level = q.view(-1, BLOCK).float() / 255
+    level = q.view(-1, BLOCK).float() * (1 / 255)
     level = level * level
     return (level * level * scale[:, None]).view(q.shape)
