@@ -170,7 +170,7 @@ def counting(i):
                    for l in model))
     maker(i)
 before = resident()
-engine = RoundPipe(model, materialise=counting, keep_user_weights=False)
+engine = RoundPipe(model, devices=["cpu"], materialise=counting, keep_user_weights=False)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, resident() - before, layer, max(own))
 """
 
@@ -230,8 +230,9 @@ def test_a_hugging_face_folder_is_read_a_layer_at_a_time_as_the_engine_takes_it_
                        for layer in meta))
         maker(i)
 
-    streamed = RoundPipe(meta, materialise=counting, keep_user_weights=False)  # as the CLI: on a GPU machine the default keeps a host copy for the user
-    whole = RoundPipe(build_from_config(cfg, torch.float32, vocab_size=61))
+    # The host path on every machine (the GPU path: test_layers_initialised_on_the_gpu_go_straight_into_the_engine).
+    streamed = RoundPipe(meta, devices=["cpu"], materialise=counting, keep_user_weights=False)
+    whole = RoundPipe(build_from_config(cfg, torch.float32, vocab_size=61), devices=["cpu"])
     a, b = streamed.state_dict(), whole.state_dict()
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert max(own) == 0
