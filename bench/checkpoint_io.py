@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import emit, parser  # noqa: E402
+from common import emit, high_water, parser  # noqa: E402
 
 from rptrain.train import checkpoint as ckpt  # noqa: E402
 from rptrain.train import checkpoint_layout as layout  # noqa: E402
@@ -43,11 +42,11 @@ def one(args) -> None:
     nbytes = ckpt.state_nbytes(state) - 2**20
     directory = Path(args.dir) / args.mode
     shutil.rmtree(directory, ignore_errors=True)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = high_water()
     start = time.perf_counter()
     ckpt.save_checkpoint(directory / "step-00000001.pt", state)
     save_s = time.perf_counter() - start
-    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    grew = high_water() - before
     shards = len(layout.shard_files(directory / "step-00000001.pt"))
     del state
     start = time.perf_counter()

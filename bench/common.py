@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from typing import Any, Callable
@@ -43,3 +44,10 @@ def time_steps(step: Callable[[int], Any], steps: int, warmup: int, device: str,
 def die(message: str) -> None:
     print(message, file=sys.stderr)
     sys.exit(2)
+
+
+def high_water() -> int:
+    """This process's own peak resident bytes (VmHWM). getrusage's ru_maxrss is not used for differences: it
+    can carry the size of the process that spawned this one, which hides any growth below that size."""
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
