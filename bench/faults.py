@@ -1,7 +1,7 @@
 """Issue 31's fault-injection campaign at CPU scale: kill -9 and signals at random moments, full and
 unwritable disks, damaged and crafted checkpoints through every entry point, broken Hugging Face
-folders and data files, chat-template payloads, the engine's API misused, reused run directories and
-two resumers at once (bench/fault_trials/). Each trial's outcome is classified (fault_trials/outcome.py);
+folders and data files, chat-template payloads, the engine's API misused, reused run directories,
+two resumers at once, and torchrun ranks killed or frozen (bench/fault_trials/). Each trial's outcome is classified (fault_trials/outcome.py);
 prints one JSON line per kind (counts per outcome, the failures) and a summary against the issue's goal:
 0 code executed, 0 runs mixed or lost, 0 hangs past 10 s after a signal, 0 tracebacks.
 
@@ -28,15 +28,15 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from fault_trials import outcome as o  # noqa: E402
 from fault_trials.proc import ENV  # noqa: E402
 
-PROCESS_KINDS = ("kill9", "signal", "disk", "rundir", "resumers")
+PROCESS_KINDS = ("kill9", "signal", "disk", "rundir", "resumers", "ranks")
 IN_PROCESS_KINDS = ("checkpoint", "hf_folder", "data_file", "template", "engine_api")
 # The campaign's default size: about 35 min on the loaded 2-core dev machine (every case of the file kinds at
 # least five times, every engine fault twice).
-FULL = {"kill9": 16, "signal": 20, "disk": 12, "rundir": 4, "resumers": 3,
+FULL = {"kill9": 16, "signal": 20, "disk": 12, "rundir": 4, "resumers": 3, "ranks": 12,
         "checkpoint": 120, "hf_folder": 22, "data_file": 17, "template": 16, "engine_api": 42}
-# CI: the harness of every kind but the slow ones that need a reference run (kill9, resumers; signals during data
-# preparation only) works and finds nothing.
-TINY = {"kill9": 0, "signal": 1, "disk": 1, "rundir": 0, "resumers": 0,
+# CI: the harness of every kind but the slow ones that need a reference run (kill9, resumers, ranks; signals during
+# data preparation only) works and finds nothing.
+TINY = {"kill9": 0, "signal": 1, "disk": 1, "rundir": 0, "resumers": 0, "ranks": 0,
         "checkpoint": 6, "hf_folder": 1, "data_file": 1, "template": 1, "engine_api": 4}
 DISK_CASES = ("tmpfs_full", "fsize_limit", "read_only", "output_is_a_file")
 SIGNAL_PLACES = ("data", "random", "eval", "random")
@@ -45,6 +45,7 @@ SIGNAL_PLACES = ("data", "random", "eval", "random")
 def process_trials(kind: str, count: int, work: Path, rng: random.Random, reference, jobs: int) -> list[o.Trial]:
     from fault_trials.disk import disk_trial
     from fault_trials.kills import concurrent_resumers, kill9
+    from fault_trials.ranks import rank_trial
     from fault_trials.rundirs import rundir_trial
     from fault_trials.signals import signal_trial
 
@@ -62,11 +63,13 @@ def process_trials(kind: str, count: int, work: Path, rng: random.Random, refere
                 return disk_trial(i, work, r, DISK_CASES[i % len(DISK_CASES)])
             if kind == "rundir":
                 return rundir_trial(i, work, r)
+            if kind == "ranks":
+                return rank_trial(i, work, lambda: reference(ranks=True), r)
             return concurrent_resumers(i, work, state, r)
         except Exception as e:  # noqa: BLE001 - the harness's own failure, reported as such
             return o.Trial(kind, "harness_error", "harness_error", {"error": repr(e)[:400]})
 
-    with ThreadPoolExecutor(max_workers=1 if kind == "resumers" else jobs) as pool:
+    with ThreadPoolExecutor(max_workers=1 if kind in ("resumers", "ranks") else jobs) as pool:  # each of these is two processes
         return list(pool.map(one, range(count)))
 
 
@@ -125,14 +128,19 @@ def main() -> None:
         cached: dict = {}
         lock = threading.Lock()
 
-        def reference():
-            with lock:  # trials run in threads: one reference run
-                if not cached:
-                    from fault_trials.reference import make_reference
+        def reference(ranks: bool = False):
+            """The straight run (one process, or two ranks for the ranks trials), made once when first needed."""
+            name = "ref-ranks" if ranks else "ref"
+            with lock:  # trials run in threads
+                if name not in cached:
+                    if ranks:
+                        from fault_trials.ranks import make_reference
+                    else:
+                        from fault_trials.reference import make_reference
 
-                    (work / "ref").mkdir()
-                    cached["ref"] = make_reference(work / "ref")
-            return cached["ref"]
+                    (work / name).mkdir()
+                    cached[name] = make_reference(work / name)
+            return cached[name]
 
         everything: list[o.Trial] = []
         started = time.monotonic()

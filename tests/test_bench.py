@@ -286,3 +286,16 @@ def test_fault_campaign_tiny_finds_nothing():
     assert set(kinds) == {"signal", "disk", "checkpoint", "hf_folder", "data_file", "template", "engine_api"}, kinds
     assert summary["trials"] >= 15 and all(summary[k] == 0 for k in ("code_executed", "runs_mixed_or_lost", "hangs", "tracebacks",
                                                                      "bad_ends", "harness_errors")), records
+
+
+@pytest.mark.slow
+def test_fault_campaign_rank_faults_resume_identical():
+    """Two torchrun trials of the campaign (bench/fault_trials/ranks.py): a rank killed or frozen at a random
+    moment ends the launch within its bound, and resuming on two ranks gives the straight two-rank run's state."""
+    out = subprocess.run([sys.executable, "faults.py", "--only", "ranks", "--ranks", "2", "--seed", "3"], cwd=BENCH,
+                         capture_output=True, text=True, timeout=600, env=ENV)
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    [summary] = [r for r in records if r["bench"] == "faults_summary"]
+    assert summary["trials"] == 2 and all(summary[k] == 0 for k in ("code_executed", "runs_mixed_or_lost", "hangs", "tracebacks",
+                                                                    "bad_ends", "harness_errors")), records
