@@ -35,6 +35,7 @@ LM = [
     "run_config.num_microbatch=1", "trainer.progress=false",
 ]
 K, N = 3, 6
+TWO = ["dist.timeout_s=60"]  # the two-rank run's own setting: a rank waiting on a peer that never comes fails within a minute
 
 
 def torchrun(args: list[str], cwd: Path, nproc: int = 2, env: dict | None = None, timeout: float = 180,
@@ -71,7 +72,7 @@ def runs(tmp_path_factory):
     sweep = tmp / "one"
     proc = rptrain_here(["-m", *LM, f"trainer.max_steps={K},{N}", f"trainer.checkpoint_interval={K}", f"hydra.sweep.dir={sweep}"], cwd=tmp)
     assert proc.returncode == 0, explain(proc)
-    two = torchrun([*LM, f"trainer.max_steps={K}", f"trainer.checkpoint_interval={K}", f"output_root={tmp / 'out'}"], cwd=tmp)
+    two = torchrun([*LM, f"trainer.max_steps={K}", f"trainer.checkpoint_interval={K}", f"output_root={tmp / 'out'}", *TWO], cwd=tmp)
     return tmp, sweep / "0", sweep / "1", two
 
 
@@ -105,6 +106,20 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(runs):
     assert proc.returncode == 0, explain(proc)
     assert f"at step {K}" in proc.stdout
     assert_same_training(one_n, resumed, N)
+
+
+@pytest.mark.slow
+def test_resuming_a_completed_two_rank_run_ends_every_rank_at_once(runs):
+    """rank 0 finds the run complete before the group forms: it still tells the other ranks, which exit 0 with
+    it (they used to wait dist.timeout_s to join, then fail the launch)."""
+    tmp, _, _, two = runs
+    assert two.returncode == 0, explain(two)
+    start = time.monotonic()
+    again = torchrun([*LM, f"trainer.max_steps={K}", f"trainer.checkpoint_interval={K}", f"output_root={tmp / 'out'}", *TWO,
+                      "trainer.resume=auto"], cwd=tmp, timeout=150)
+    assert again.returncode == 0, explain(again)
+    assert time.monotonic() - start < 45
+    assert again.stdout.count("already completed this run") == 1 and "Traceback" not in again.stderr
 
 
 def _peer_error_lines(stderr: str, rank: int) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from . import outcome as o
 from .kills import broken_checkpoints
-from .proc import ENV, ROOT, finish, status, steps_logged
+from .proc import ENV, ROOT, status, steps_logged
 from .reference import differences, final_state
 
 STEPS = 8
@@ -32,6 +32,7 @@ ARGS = ["model=llama_tiny", "model.dim=16", "model.n_heads=2", "model.n_kv_heads
         "trainer.batch_size=4", "precision=fp32", "trainer.hf_export=false", "run_config.num_microbatch=1",
         "trainer.log_interval=1", "trainer.progress=false", f"trainer.max_steps={STEPS}", "trainer.checkpoint_interval=2",
         "trainer.eval_interval=4", "trainer.async_step=false", f"dist.timeout_s={TIMEOUT_S}"]
+CASES = [(fault, rank) for fault in ("kill9", "freeze") for rank in (0, 1)]  # trial i takes CASES[i % 4]
 OUR_FRAME = re.compile(r'File "' + re.escape(str(ROOT / "rptrain")))
 
 
@@ -69,19 +70,36 @@ def our_tracebacks(stderr: str) -> list[str]:
     return [b[:600] for b in blocks if OUR_FRAME.search(b)]
 
 
-def end_all(launcher: subprocess.Popen) -> None:
-    """Nothing outlives a trial: the launcher's session is killed (a frozen rank cannot leave by itself)."""
+def end_all(launcher: subprocess.Popen, ranks: dict[int, int]) -> None:
+    """Nothing outlives a trial: torchrun starts each rank in a session of its own, and a frozen rank cannot
+    leave by itself (it would also hold the launcher's output pipes open)."""
+    launcher.kill()
+    for pid in ranks.values():
+        try:
+            if b"rptrain.cli.main" in Path(f"/proc/{pid}/cmdline").read_bytes():  # still that rank, not a reused pid
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+def finish_launch(launcher: subprocess.Popen, ranks: dict[int, int], timeout: float) -> tuple[Optional[int], str, str]:
+    """(torchrun's exit code, or None if it outlived ``timeout``; stdout; stderr). Every rank is killed after."""
     try:
-        os.killpg(launcher.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        out, err = launcher.communicate(timeout=timeout)
+        code = launcher.returncode
+    except subprocess.TimeoutExpired:
+        code = None
+        ranks = {**ranks_of(launcher), **ranks}  # the launcher still runs: its ranks are its children
+    end_all(launcher, ranks)
+    if code is None:
+        out, err = launcher.communicate(timeout=30)
+    return code, out, err
 
 
-def launch_and_strike(run_dir: Path, cwd: Path, rng: random.Random) -> tuple[subprocess.Popen, dict]:
-    """Start two ranks and strike one at a random moment: while they start (1 in 5) or just after a random
+def launch_and_strike(run_dir: Path, cwd: Path, fault: str, rank: int, rng: random.Random) -> tuple[subprocess.Popen, dict[int, int], dict]:
+    """Start two ranks and strike ``rank`` with ``fault`` at a random moment: while they start (1 in 5) or just after a random
     step was logged, plus up to a second (steps, checkpoint writes, evaluations, the end)."""
     launcher = torchrun([*ARGS, f"hydra.run.dir={run_dir}"], cwd)
-    fault, rank = rng.choice(["kill9", "freeze"]), rng.randrange(2)
     deadline = time.monotonic() + 300
     if rng.random() < 0.2:
         moment = "starting"
@@ -94,13 +112,14 @@ def launch_and_strike(run_dir: Path, cwd: Path, rng: random.Random) -> tuple[sub
         while steps_logged(run_dir) < target and launcher.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(rng.uniform(0, 1.0))
-    pid = ranks_of(launcher).get(rank)
+    ranks = ranks_of(launcher)
+    pid = ranks.get(rank)
     if pid is not None:
         try:
             os.kill(pid, signal.SIGKILL if fault == "kill9" else signal.SIGSTOP)
         except ProcessLookupError:
             pid = None
-    return launcher, {"fault": fault, "rank": rank, "moment": moment, "struck": pid is not None}
+    return launcher, ranks, {"fault": fault, "rank": rank, "moment": moment, "struck": pid is not None}
 
 
 def rank_trial(index: int, work: Path, reference: Callable[[], dict], rng: random.Random) -> o.Trial:
@@ -108,13 +127,16 @@ def rank_trial(index: int, work: Path, reference: Callable[[], dict], rng: rando
     cwd = work / f"ranks-{index}"
     cwd.mkdir()
     run_dir = cwd / "run"
-    launcher, detail = launch_and_strike(run_dir, cwd, rng)
+    launcher, ranks, detail = launch_and_strike(run_dir, cwd, *CASES[index % len(CASES)], rng)
     case = f"{detail['fault']}_rank{detail['rank']}"
     struck = time.monotonic()
-    code, out, err = finish(launcher, LIMIT_S[detail["fault"]])
+    code, out, err = finish_launch(launcher, ranks, LIMIT_S[detail["fault"]])
     detail.update(exit=code, exit_s=round(time.monotonic() - struck, 1), state=status(run_dir).get("state"))
-    end_all(launcher)
-    if code is None:
+    if code is None and detail["state"] == "completed" and detail["fault"] == "freeze":
+        # Frozen after its last collective, as it exits: no peer waits for it any more, so nothing in rptrain can
+        # see it; torchrun waits for it as for any program. The run's work is all saved: checked below.
+        detail["launcher"] = "waited on the frozen rank after the run completed"
+    elif code is None:
         detail["stderr"] = err[-1200:]
         return o.Trial("ranks", case, o.HANG, detail)
     ours = our_tracebacks(err)
@@ -134,8 +156,7 @@ def rank_trial(index: int, work: Path, reference: Callable[[], dict], rng: rando
 
 def resumed_on_two_ranks(case: str, run_dir: Path, cwd: Path, reference: dict, detail: dict) -> o.Trial:
     resumer = torchrun([*ARGS, f"hydra.run.dir={run_dir}", "trainer.resume=auto"], cwd)
-    code, out, err = finish(resumer, 300)
-    end_all(resumer)
+    code, out, err = finish_launch(resumer, {}, 300)
     detail["resume_exit"] = code
     if code is None:
         return o.Trial("ranks", case, o.HANG, detail)
@@ -153,8 +174,7 @@ def resumed_on_two_ranks(case: str, run_dir: Path, cwd: Path, reference: dict, d
 def make_reference(work: Path) -> Optional[dict]:
     """The straight two-rank run's final checkpoint."""
     launcher = torchrun([*ARGS, f"hydra.run.dir={work / 'reference'}"], work)
-    code, out, err = finish(launcher, 300)
-    end_all(launcher)
+    code, out, err = finish_launch(launcher, {}, 300)
     if code != 0:
         raise RuntimeError(f"the two-rank reference run failed: {err[-2000:]}")
     return final_state(work / "reference")

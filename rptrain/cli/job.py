@@ -118,6 +118,8 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
         raise SystemExit(stopped.request.exit_code)
     except dist.FailedOnRankZero:
         raise SystemExit(2)
+    except dist.NothingToDo:  # rank 0 said so (trainer.resume=auto on a completed run); the other ranks keep quiet
+        raise SystemExit(0)
     except dist.PeerError as err:
         status("failed", error=one_line(err))
         fail(one_line(err), code=1)

@@ -75,6 +75,8 @@ def _main(argv: Optional[list[str]]) -> None:
         claimed = rundir.claim(place) if place is not None else None  # a directory of its own, before Hydra makes one
     except rundir.AlreadyCompleted as done:
         print(f"rptrain: {done}", flush=True)
+        if done.dist is not None:
+            dist.end_before_start(done.dist, str(done))
         raise SystemExit(0)
     except (*USER_ERRORS, HydraException, OmegaConfBaseException) as err:
         if dist.other_rank() and not isinstance(err, DataError):

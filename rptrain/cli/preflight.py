@@ -36,7 +36,7 @@ from rptrain.train.loggers import check_loggers
 from rptrain.train.model import LM, build_model, fingerprint, model_kind
 from rptrain.train.precision import torch_dtype
 from rptrain.train.resume import check_resume_state, resolve_resume
-from rptrain.train.rundir import Place, check_belongs, plan
+from rptrain.train.rundir import AlreadyCompleted, Place, check_belongs, plan
 from rptrain.train.run_config import build_run_config
 from rptrain.train.validate import check_inputs, check_writable, validate_config
 
@@ -160,7 +160,11 @@ def check_job(cfg: DictConfig, overrides: list[str], hydra_cfg: DictConfig, mult
     if choice.path is not None:
         state = load_checkpoint(choice.path, fingerprint(cfg.model.name, model))
         check_resume_state(choice.path, state, cfg)
-    return plan(key, Path(directory), explicit, None if multirun else choice.run_dir)
+    try:
+        return plan(key, Path(directory), explicit, None if multirun else choice.run_dir)
+    except AlreadyCompleted as done:
+        done.dist = cfg.dist  # under torchrun rank 0 still tells the other ranks (dist.end_before_start)
+        raise
 
 
 def _sweep_job_dir(hydra_cfg: DictConfig, job_num: int) -> Optional[Path]:

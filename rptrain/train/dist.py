@@ -28,6 +28,10 @@ class PeerError(RuntimeError):
     """A collective failed: another rank died, hung past dist.timeout_s, or the network broke."""
 
 
+class NothingToDo(Exception):
+    """Rank 0 found nothing to run (the run is complete): the other ranks exit 0 with it."""
+
+
 class FailedOnRankZero(Exception):
     """Rank 0 hit an error that it reports itself; the other ranks exit with code 2, quietly."""
 
@@ -134,13 +138,34 @@ _ACTIVE: Optional[Dist] = None
 
 
 def setup(cfg: DictConfig) -> Dist:
-    """Join torchrun's process group: once per process (the jobs of a sweep share it)."""
+    """Join torchrun's process group: once per process (the jobs of a sweep share it). Raises NothingToDo on
+    the other ranks when rank 0 found nothing to run (end_before_start)."""
     global _ACTIVE
-    world = world_size()
-    if world == 1:
+    if world_size() == 1:
         return Dist()
     if _ACTIVE is not None:
         return _ACTIVE
+    _ACTIVE = _join(cfg)
+    verdict = _ACTIVE.broadcast(None, "the start (rank 0 failed its checks or never started)")
+    if verdict is not None:
+        raise NothingToDo(verdict)
+    # Every rank has passed the checks before training (and local rank 0 has downloaded the data).
+    _ACTIVE.barrier("the start (a rank failed its checks or never started)")
+    return _ACTIVE
+
+
+def end_before_start(cfg: DictConfig, message: str) -> None:
+    """Rank 0 ends without training (trainer.resume=auto found the run complete). It still meets the other
+    ranks, which are joining the group to train: they learn there is nothing to do and exit 0 with it. Without
+    this they would wait dist.timeout_s for rank 0 and fail, while torchrun waits for them."""
+    if world_size() == 1 or rank() != 0:
+        return
+    group = _join(cfg)
+    group.broadcast(message, "the start (telling the other ranks there is nothing to do)")
+    shutdown()
+
+
+def _join(cfg: DictConfig) -> Dist:
     rank_, local, local_world = rank(), local_rank(), max(env_int("LOCAL_WORLD_SIZE", 1), 1)
     backend = cfg.backend.value
     if backend == "auto":
@@ -152,10 +177,7 @@ def setup(cfg: DictConfig) -> Dist:
     with peer_errors("joining the process group"):
         dist.init_process_group(backend, timeout=timeout)
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    _ACTIVE = Dist(rank_, world, local, devices, control)
-    # Every rank has passed the checks before training (and local rank 0 has downloaded the data).
-    _ACTIVE.barrier("the start (a rank failed its checks or never started)")
-    return _ACTIVE
+    return Dist(rank_, world_size(), local, devices, control)
 
 
 def local_devices(local: int, local_world: int) -> Optional[list[str]]:

@@ -26,7 +26,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import yaml
 
@@ -48,6 +48,8 @@ class Place:
 
 class AlreadyCompleted(Exception):
     """trainer.resume=auto found this run finished: there is nothing to do."""
+
+    dist: Optional[Any] = None  # the job's dist settings (preflight sets them): how rank 0 reaches the other ranks
 
 
 def plan(key: str, directory: Path, given: bool, resumed: Optional[Path]) -> Place:
