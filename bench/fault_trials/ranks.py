@@ -151,7 +151,10 @@ def rank_trial(index: int, work: Path, reference: Callable[[], dict], rng: rando
     if bad:
         detail["broken"] = bad
         return o.Trial("ranks", case, o.LOST, detail)
-    return resumed_on_two_ranks(case, run_dir, cwd, reference(), detail)
+    trial = resumed_on_two_ranks(case, run_dir, cwd, reference(), detail)
+    if "launcher" in detail and trial.outcome == "resumed_identical":
+        trial.outcome = "completed_then_frozen"  # not a failure: the work was saved whole; torchrun waited on the rank
+    return trial
 
 
 def resumed_on_two_ranks(case: str, run_dir: Path, cwd: Path, reference: dict, detail: dict) -> o.Trial:
