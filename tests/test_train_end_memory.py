@@ -1,9 +1,10 @@
 """The end of a run (final checkpoint, reports, Hugging Face export) fits in the memory training took (#32).
 
-The run's process samples its resident anonymous and shared memory (where any copy of the weights would
-live; not the file pages of its libraries, which the kernel drops under memory pressure and reads back when
-the export's code first runs: that once made the end look 1.1 x the master larger in a loaded CI run): its peak while training, the memory in use when the
-end begins, and the peak of the end. Before the streamed writers, the export alone took a cast copy
+The run's process samples its resident anonymous and shared memory: its peak while training, the memory
+in use when the end begins, and the peak of the end. Anonymous and shared memory is where any copy of the
+weights would live; the file pages of its libraries are left out, because the kernel drops them under
+memory pressure and reads them back when the export's code first runs (that once made the end look
+1.1 x the master larger in a loaded CI run). Before the streamed writers, the export alone took a cast copy
 of every weight plus safetensors' bytes of each shard (about 1.1 x the fp32 master here), and on a GPU
 ``state_dict()`` and ``torch.save`` each brought the GPU share to the host whole.
 """
