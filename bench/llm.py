@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import deepspeed_zero
-from common import emit, parser
+from common import emit, high_water, parser
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.engine import DoesNotFit, trace
 from rptrain.models import LlamaConfig, build_model, count_tokens, flops_per_token, llama_config, qwen3_config
@@ -489,6 +489,7 @@ def measure(args, name: str, impl: str) -> dict:
         return dict(bench="llm", model=name, impl=impl, seq=args.seq, error=f"{e.name} is not installed: pip install {e.name}")
     if args.device == "cuda":  # how far the sequence could still grow on this GPU
         extra["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    extra["host_peak_gib"] = round(high_water() / 2**30, 2)  # this process's own peak, pinned buffers included
     release_host_memory()
     hardware_flops = model_flops + recompute_share * forward_flops(cfg, args.seq) * tokens_per_step
     seconds, peak = timing.step_s, args.peak * 1e12
