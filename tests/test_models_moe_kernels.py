@@ -138,3 +138,42 @@ def test_balance_records_count_cuda_graph_replays():
         aux.fill_(value)
         graph.replay()
     assert take_balance() == 5.0  # (2 + 8) / 2
+
+
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_experts_forward_and_gradients_equal_a_loop_over_tokens(gpt_oss):
+    """The sorted, grouped layer (dispatch, per-expert bias, weighted combine, each with its own backward)
+    against each token's k experts applied one by one, in float64: output and every gradient (x, the
+    routing weights, weights and biases) to 1e-10."""
+    from rptrain.models.decoder_config import MoeConfig
+    from rptrain.models.experts import Experts
+
+    moe = MoeConfig(n_experts=5, top_k=2, expert_size=6, layers=(True,), bias=gpt_oss, interleaved=gpt_oss,
+                    activation="clamped_swiglu" if gpt_oss else "silu")
+    torch.manual_seed(0)
+    layer = Experts(moe, 4, dtype=torch.float64)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    chosen = torch.stack([torch.randperm(5)[:2] for _ in range(7)])
+    chosen[:, 0] = torch.tensor([0, 0, 0, 2, 2, 4, 1])  # expert 3 gets no rows unless randperm picks it
+    weights = torch.rand(7, 2, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(7, 4, dtype=torch.float64)
+
+    def one(t: int, e: int) -> torch.Tensor:
+        w_gate_up = layer.gate_up_proj[e] if gpt_oss else layer.gate_up_proj[e].T
+        h = x[t] @ w_gate_up + (layer.gate_up_proj_bias[e] if gpt_oss else 0)
+        w_down = layer.down_proj[e] if gpt_oss else layer.down_proj[e].T
+        return layer._gated(h) @ w_down + (layer.down_proj_bias[e] if gpt_oss else 0)
+
+    def grads(out):
+        (out * grad).sum().backward()
+        got = [out.detach(), x.grad.clone(), weights.grad.clone(), *(p.grad.clone() for p in layer.parameters())]
+        x.grad = weights.grad = None
+        layer.zero_grad(set_to_none=True)
+        return got
+
+    got = grads(layer(x, chosen, weights))
+    want = grads(torch.stack([sum(weights[t, j] * one(t, int(chosen[t, j])) for j in range(2)) for t in range(7)]))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -57,6 +57,50 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, group: t
     return torch.bmm(padded, w)[group, slot]
 
 
+class _Dispatch(torch.autograd.Function):
+    """Each token's row copied to its k places among the sorted rows. The backward gathers the rows' gradients
+    back into token order and sums each token's k: a gather and a reduction, where index_select's own
+    backward adds every row into x with atomics (and x[token]'s sorts the rows first)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return x.index_select(0, token)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse).view(-1, ctx.top_k, grad.size(-1)).sum(1), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """Rows reordered by a permutation; the backward applies the inverse permutation (a gather, no atomics)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return y.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+# Columns of the ones block that adds an expert's bias to its rows: the grouped kernel's smallest aligned width.
+_BIAS_K = 8
+
+
+def group_bias(bias: torch.Tensor, offsets: torch.Tensor, group: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """bias (E, N) -> (rows, N): each sorted row's expert's bias, as a grouped GEMM of a block of ones with the
+    bias (zero-padded to _BIAS_K rows), so the bias's gradient is the grouped weight-gradient GEMM: each
+    expert's rows summed in fp32 in one kernel (bias[group]'s backward sorts all rows for index_put_)."""
+    padded = torch.nn.functional.pad(bias.unsqueeze(1), (0, 0, 0, _BIAS_K - 1))
+    ones = torch.ones(group.size(0), _BIAS_K, device=bias.device, dtype=bias.dtype)
+    return grouped_mm(ones, padded, offsets, group, max_rows)
+
+
 class Experts(nn.Module):
     def __init__(self, moe: MoeConfig, hidden_size: int, device=None, dtype=None):
         super().__init__()
@@ -90,7 +134,8 @@ class Experts(nn.Module):
         offsets = counts.cumsum(0, dtype=torch.int32)
         w_gate_up = self.gate_up_proj if self.interleaved else self.gate_up_proj.transpose(1, 2)
         w_down = self.down_proj if self.interleaved else self.down_proj.transpose(1, 2)
-        rows = x.index_select(0, token)  # its backward adds into x (index_add_), where x[token]'s sorts for index_put_
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+        rows = _Dispatch.apply(x, token, inverse, self.top_k)
 
         def project(inputs: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
             # A token's k choices are distinct experts: no expert gets more rows than there are tokens.
@@ -103,12 +148,12 @@ class Experts(nn.Module):
 
         h = project(rows, w_gate_up, "gate_up_proj")
         if hasattr(self, "gate_up_proj_bias"):
-            h = h + self.gate_up_proj_bias[group]
+            h = h + group_bias(self.gate_up_proj_bias, offsets, group, x.size(0))
         y = project(self._gated(h), w_down, "down_proj")
         if hasattr(self, "down_proj_bias"):
-            y = y + self.down_proj_bias[group]
-        # Back to token order, then each token's k outputs weighted and summed by one batched GEMV: one pass
-        # over the rows (no separate scaling pass), fp32 accumulation rounded once, and no atomic adds.
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-        per_token = y.index_select(0, inverse).view(x.size(0), self.top_k, y.size(-1))
-        return torch.bmm(weights.to(y.dtype).unsqueeze(1), per_token).squeeze(1)
+            y = y + group_bias(self.down_proj_bias, offsets, group, x.size(0))
+        # Back to token order, then each token's k outputs weighted and summed: elementwise and a reduction
+        # over k with fp32 accumulation, no atomic adds (a batched GEMV of (1, k) by (k, D) ran at a twentieth
+        # of the memory bandwidth on an H100: 3.5 ms of GPT-OSS-20B's 42 ms layer at 4 x 4096).
+        per_token = _Permute.apply(y, inverse, order).view(x.size(0), self.top_k, y.size(-1))
+        return (per_token * weights.to(y.dtype).unsqueeze(-1)).sum(1)
