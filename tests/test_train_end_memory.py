@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-SAMPLED_RUN = """
+SAMPLED_RUN = r"""
 import re, sys, threading, time
 from rptrain.train import loop
 

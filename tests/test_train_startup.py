@@ -153,7 +153,7 @@ def test_the_engine_makes_a_meta_model_real_as_it_takes_it_in():
         RoundPipe(build_from_config(cfg, torch.float32, vocab_size=512), materialise=maker)
 
 
-STARTUP_PEAK = """
+STARTUP_PEAK = r"""
 import re, resource, sys, torch
 from rptrain import RoundPipe
 from rptrain.models import build_model
