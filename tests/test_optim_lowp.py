@@ -257,3 +257,26 @@ def test_step_does_not_depend_on_the_chunking(master, state):
         results.append([p.detach().clone(), *(t.clone() for t in flats.values())])
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_the_cpp_loop_gives_the_same_bits_on_any_number_of_threads():
+    """The C++ loop is built with OpenMP (without it at::parallel_for ran on one thread): every block is its
+    own, so one thread and two write the same parameters and 8-bit moments bit for bit."""
+    from rptrain.optim import cpu_kernel
+
+    if cpu_kernel.kernel() is None:
+        pytest.skip("no C++ compiler here: the eager formulas run instead")
+    n, results, before = 64 * 1000 + 17, [], torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        g = torch.Generator().manual_seed(0)
+        p, grad = torch.randn(n, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+        blocks = -(-n // BLOCK)  # 8-bit moments fill whole blocks (the engine's flat runs are padded to them)
+        state = {"exp_avg": torch.zeros(blocks * BLOCK, dtype=torch.int8), "exp_avg_sq": torch.zeros(blocks * BLOCK, dtype=torch.uint8),
+                 "exp_avg_scale": torch.zeros(blocks), "exp_avg_sq_scale": torch.zeros(blocks)}
+        h = torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.01, 0.1, 0.0316, 1.0])
+        for step in range(3):
+            assert cpu_kernel.step(p, grad, state, h, step, True)
+        results.append([p, *state.values()])
+    torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -172,8 +172,10 @@ def kernel() -> Optional[Any]:
     if _module is None and not _failed:
         try:
             from torch.utils.cpp_extension import load_inline
-            _module = load_inline(f"rptrain_adam_lowp_v6_{_cpu_tag()}", cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffinite-math-only"],
-                                  extra_ldflags=[], verbose=False)
+            # -fopenmp: at::parallel_for is a header-inline `#pragma omp parallel`; without the flag the loop ran
+            # on one thread (3.67 ns a parameter on the GPU machine's 16 cores, 18.6x torch's fused fp32 AdamW).
+            _module = load_inline(f"rptrain_adam_lowp_v7_{_cpu_tag()}", cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffinite-math-only"],
+                                  extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as error:  # noqa: BLE001 - any build failure means: use the torch formulas
             _failed = True
             log.warning("building the C++ low-precision Adam step failed (%s); the eager torch formulas run instead", error)
