@@ -253,7 +253,7 @@ if [[ $what == lowmem-big ]]; then  # issues 29 and 30, what needs the H200's 13
   run 260 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain peft --timeout 125
   run 45 "${lowmem[@]}" --model qwen3_32b --impl rptrain --master-dtype bf16 --state-dtype int8
   run 45 "${lowmem[@]}" --model qwen3_30b_a3b --impl rptrain --master-dtype bf16 --state-dtype int8 --steps 2 --warmup 1
-  grep '^{"bench": "\\(llm\\|lora\\)"' "$out/suite.log" > "$out/lowmem-big.jsonl"
+  grep '^{"bench": "\(llm\|lora\)"' "$out/suite.log" > "$out/lowmem-big.jsonl"
 fi
 if [[ $what == endrun ]]; then  # issue 32: an 8 B full fine-tune from a HF folder to its end; issue 29: time to the first step (about 7 minutes)
   # A random Llama-3.1-8B-shaped folder (bf16, 14.96 GiB), then `rptrain model=hf` with the low-memory preset for 3 steps

@@ -266,17 +266,21 @@ def test_the_cpp_loop_gives_the_same_bits_on_any_number_of_threads():
 
     if cpu_kernel.kernel() is None:
         pytest.skip("no C++ compiler here: the eager formulas run instead")
+    from rptrain.optim.adam_lowp import blocks, padded_numel
+
     n, results, before = 64 * 1000 + 17, [], torch.get_num_threads()
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        g = torch.Generator().manual_seed(0)
-        p, grad = torch.randn(n, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
-        blocks = -(-n // BLOCK)  # 8-bit moments fill whole blocks (the engine's flat runs are padded to them)
-        state = {"exp_avg": torch.zeros(blocks * BLOCK, dtype=torch.int8), "exp_avg_sq": torch.zeros(blocks * BLOCK, dtype=torch.uint8),
-                 "exp_avg_scale": torch.zeros(blocks), "exp_avg_sq_scale": torch.zeros(blocks)}
-        h = torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.01, 0.1, 0.0316, 1.0])
-        for step in range(3):
-            assert cpu_kernel.step(p, grad, state, h, step, True)
-        results.append([p, *state.values()])
-    torch.set_num_threads(before)
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            g = torch.Generator().manual_seed(0)
+            p, grad = torch.randn(n, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+            # 8-bit moments fill whole blocks (the engine's flat runs are padded to them)
+            state = {"exp_avg": torch.zeros(padded_numel(n), dtype=torch.int8), "exp_avg_sq": torch.zeros(padded_numel(n), dtype=torch.uint8),
+                     "exp_avg_scale": torch.zeros(blocks(n)), "exp_avg_sq_scale": torch.zeros(blocks(n))}
+            h = torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.01, 0.1, 0.0316, 1.0])
+            for step in range(3):
+                assert cpu_kernel.step(p, grad, state, h, step, True)
+            results.append([p, *state.values()])
+    finally:
+        torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*results))
