@@ -39,7 +39,8 @@ def make_engine(model: nn.Module, lr: float = 1e-2, **kw):
     return engine, opt
 
 
-def train_both(model, batches, n, plan=None, delayed=False, loss_fn=None, grain=None, devices=None, lr=1e-2, **engine_kw):
+def train_both(model, batches, n, plan=None, delayed=False, loss_fn=None, grain=None, devices=None, lr=1e-2, engine_async=None, **engine_kw):
+    """``delayed``: the reference's staleness and the engine's ``is_async`` (``engine_async`` sets that alone)."""
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     engine, opt = make_engine(model, lr=lr, devices=devices, **engine_kw)
     # The reference runs where the engine computes: Adam turns rounding differences between CPU
@@ -53,7 +54,7 @@ def train_both(model, batches, n, plan=None, delayed=False, loss_fn=None, grain=
 
     for x, y in batches:
         loss = engine.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=cfg)
-        engine.step(step, is_async=delayed)
+        engine.step(step, is_async=delayed if engine_async is None else engine_async)
         expected = ref.forward_backward(x, y, n, loss_fn)
         ref.step()
         assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)

@@ -13,7 +13,7 @@ from .tuning import Tuning
 
 
 def check_args(model: Any, optim_dtype: Any, model_run_config: Any, cuda_graphs: Any, pin_model: Any, tuning: Any,
-                optimizer_threads: Any, materialise: Any = None) -> None:
+                optimizer_threads: Any, materialise: Any = None, single_version: Any = None) -> None:
     if pin_model not in ("alloc", "register", "off"):
         raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
     if tuning is not None and not isinstance(tuning, Tuning):
@@ -30,6 +30,8 @@ def check_args(model: Any, optim_dtype: Any, model_run_config: Any, cuda_graphs:
         raise TypeError(f"model_run_config must be a RoundPipeRunConfig, got {type(model_run_config).__name__}")
     if optimizer_threads is not None and (not isinstance(optimizer_threads, int) or optimizer_threads < 1):
         raise ValueError(f"optimizer_threads must be a positive int, got {optimizer_threads!r}")
+    if single_version is not None and not isinstance(single_version, bool):
+        raise TypeError(f"single_version must be True, False or None, got {single_version!r}")
     if materialise is not None and not callable(materialise):
         raise TypeError(f"materialise must be a function of a layer's index, got {type(materialise).__name__}")
     home = "meta" if materialise is not None else "cpu"

@@ -128,21 +128,32 @@ def host_keeps_compute_copies(resident: bool, refresh_gpu_share: float = Tuning.
     return not resident or refresh_gpu_share < 1.0
 
 
+def master_is_compute_copy(params: FlatLayout, optim_dtype: torch.dtype) -> bool:
+    """Whether one version's host compute copy can be the master itself: every trainable tensor is in the master's dtype."""
+    return all(dtype == optim_dtype for dtype in params.dtypes.values())
+
+
 def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Sequence[Device], resident: bool,
               max_host_memory: Size = None, max_gpu_memory: Size = None, pin_frozen_share: float = Tuning.pin_frozen_share,
               gpu_state: bool = False, gpu_reserve: float = 0.0, notes: Sequence[str] = (), compute_copies: Optional[bool] = None,
-              optimizer: Optional[OptimizerMemory] = None) -> Placement:
+              optimizer: Optional[OptimizerMemory] = None, single_version: bool = False) -> Placement:
     """The engine's placement with its budgets; raises DoesNotFit if it does not fit. ``gpu_state``:
     trainable state may go to the GPU (placement.py), keeping ``gpu_reserve`` of its free memory for
     the activations the first call has yet to measure; ``notes``: why it may not, when it may not;
     ``compute_copies``: the host keeps two compute copies of its share (host.py); None: host_keeps_compute_copies(resident);
-    ``optimizer``: its state per parameter (None: rptrain.optim.Adam's with this master)."""
+    ``optimizer``: its state per parameter (None: rptrain.optim.Adam's with this master); ``single_version``:
+    the engine keeps one version of the weights (host.py): one gradient buffer, and the host's compute copy
+    is its master where their dtypes agree (else one copy)."""
     params, frozen, buffers = FlatLayout.of_parameters(layers, True), FlatLayout.of_parameters(layers, False), FlatLayout.of_buffers(layers)
     pin = any(d.is_cuda and getattr(d, "pins_memory", True) for d in devices)  # as host.py pins (a simulated GPU does not)
     copies = host_keeps_compute_copies(resident) if compute_copies is None else compute_copies
     optimizer = optimizer or state_memory_of(None, optim_dtype)
     grad_bytes = grad_dtype(optim_dtype).itemsize
-    state = StateBytes(master=optim_dtype.itemsize, optimizer=optimizer.bytes_per_param, grad=grad_bytes, host_compute_copies=2 if copies else 0)
+    aliased = single_version and master_is_compute_copy(params, optim_dtype)
+    host_copies = 0 if not copies or aliased else 1 if single_version else 2
+    buffers_kept = 1 if single_version else 2
+    state = StateBytes(master=optim_dtype.itemsize, optimizer=optimizer.bytes_per_param, grad=grad_bytes, host_compute_copies=host_copies,
+                       host_grad_buffers=buffers_kept, gpu_grad_buffers=buffers_kept)
     flat = lambda layout: [n * layout.dtypes[k].itemsize for k, n in layout.sizes.items()]
     frozen_bytes = sum(flat(frozen))
     host, host_from = host_budget(max_host_memory)
@@ -160,6 +171,8 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
              "GPU: the largest layer's weights and gradients (or the resident model); activations are measured by the first call",
              *([f"GPU: {fmt_bytes(int(gpu_reserve * gpu))} ({gpu_reserve:.0%} of free) kept for activations"] if gpu_state else []),
              *([] if copies else ["host: no compute copies (the GPU keeps the model resident and casts every version from the master)"]),
+             *([f"one version of the weights (single_version): {'the master is the compute copy' if aliased else f'{host_copies} host compute copy'}, "
+                "one gradient buffer; every step is synchronous (the next call waits for it and uses its weights)"] if single_version else []),
              *notes)
     kw = dict(gpu_free=gpu, host_budget=host, gpu_compute=need_gpu, gpu_activations=int(gpu_reserve * gpu) if gpu_state else 0,
               buffers=sum(flat(buffers)), gpu_state=gpu_state, sources={HOST: host_from, GPU: gpu_from}, notes=notes)
@@ -170,18 +183,18 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
     cut = cuts(params, plan.gpu_layers)
     host_params = [(n - cut[k]) * params.dtypes[k].itemsize for k, n in params.sizes.items()] * state.host_compute_copies
     host_master = params.total - sum(cut.values())  # the master layout, alignment included
-    pinned = [*host_params, host_master * grad_bytes, host_master * grad_bytes, *flat(buffers)] if pin else []
+    pinned = [*host_params, *[host_master * grad_bytes] * buffers_kept, *flat(buffers)] if pin else []
     if pin and pins_frozen(frozen_bytes, pin_frozen_share):
         pinned += flat(frozen)
-    if resident:
+    if resident or (pin and aliased and copies):
         pinned.append(host_master * optim_dtype.itemsize)
     plan = place(runs, state, pinned_rounding=sum(rounding(n) for n in pinned), **kw)
     if not plan.fits:
-        raise DoesNotFit(_message(plan, optim_dtype, optimizer), plan)
+        raise DoesNotFit(_message(plan, optim_dtype, optimizer, buffers_kept), plan)
     return plan
 
 
-def _message(plan: Placement, optim_dtype: torch.dtype, optimizer: OptimizerMemory) -> str:
+def _message(plan: Placement, optim_dtype: torch.dtype, optimizer: OptimizerMemory, grad_buffers: int) -> str:
     parts = []
     for where in plan.short():
         kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.totals[where].items() if v)
@@ -190,8 +203,8 @@ def _message(plan: Placement, optim_dtype: torch.dtype, optimizer: OptimizerMemo
     host = plan.totals[HOST]
     options = []
     host_trainable = sum(p.run.numel + p.run.master_pad for p in plan.runs if p.state == HOST)
-    low = 2 + 2 * 2 + state_memory_of("rptrain.optim.AdamW", torch.bfloat16, state_dtype="int8").bytes_per_param  # bf16 master and gradients
-    now = optim_dtype.itemsize + 2 * grad_dtype(optim_dtype).itemsize + optimizer.bytes_per_param
+    low = 2 + grad_buffers * 2 + state_memory_of("rptrain.optim.AdamW", torch.bfloat16, state_dtype="int8").bytes_per_param  # bf16 master and gradients
+    now = optim_dtype.itemsize + grad_buffers * grad_dtype(optim_dtype).itemsize + optimizer.bytes_per_param
     if now > low:
         saved = int(host_trainable * (now - low))
         options.append(f"a bf16 master with 8-bit Adam moments (optim_dtype=torch.bfloat16, rptrain.optim.AdamW(state_dtype='int8'); "
@@ -202,4 +215,5 @@ def _message(plan: Placement, optim_dtype: torch.dtype, optimizer: OptimizerMemo
     options.append(f"max_host_memory={need}GiB (CLI: engine.max_host_memory={need}GiB) if the machine has the memory "
                    f"(physical: {fmt_bytes(physical_memory())})")
     options.append("more GPUs do not help yet: every rank keeps its host share of the whole state on its host")
-    return f"the training state does not fit: {'; '.join(parts)}. Options: {'; '.join(options)}"
+    single = " with one version of the weights (single_version: synchronous steps)" if grad_buffers == 1 else ""
+    return f"the training state does not fit{single}: {'; '.join(parts)}. Options: {'; '.join(options)}"

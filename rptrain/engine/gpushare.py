@@ -38,10 +38,11 @@ def cuts(layout: FlatLayout, layers: int) -> dict[str, int]:
 
 class GpuShare:
     def __init__(self, layout: FlatLayout, layers: int, device: Device, optim_dtype: torch.dtype, optimizer_bytes: float,
-                 grad_dtype: torch.dtype = torch.float32):
-        """``optimizer_bytes``: the optimizer's state per parameter (its class declares it: rptrain/optim/state.py)."""
+                 grad_dtype: torch.dtype = torch.float32, grad_buffers: int = 2):
+        """``optimizer_bytes``: the optimizer's state per parameter (its class declares it: rptrain/optim/state.py);
+        ``grad_buffers``: how many gradient buffers will hold a part here (host.py)."""
         self.layout, self.layers, self.device, self.optim_dtype = layout, layers, device, optim_dtype
-        self.optimizer_bytes, self.grad_dtype = optimizer_bytes, grad_dtype
+        self.optimizer_bytes, self.grad_dtype, self.grad_buffers = optimizer_bytes, grad_dtype, grad_buffers
         self.cut = cuts(layout, layers)
         self.master = self.allocate(optim_dtype)
 
@@ -61,8 +62,8 @@ class GpuShare:
         return (Range(r.key, r.start, cut) if cut > r.start else None, Range(r.key, cut, r.stop) if r.stop > cut else None)
 
     def state_bytes(self) -> int:
-        """GPU bytes of the share's state: master, two gradient buffers, the optimizer's state."""
-        per = self.optim_dtype.itemsize + 2 * self.grad_dtype.itemsize + self.optimizer_bytes
+        """GPU bytes of the share's state: master, its gradient buffers (two; one with a single version), the optimizer's state."""
+        per = self.optim_dtype.itemsize + self.grad_buffers * self.grad_dtype.itemsize + self.optimizer_bytes
         return int(sum(self.cut.values()) * per)
 
     def wait_queued(self) -> None:
@@ -73,14 +74,17 @@ class GpuShare:
             torch.cuda.current_stream(self.device.torch_device).synchronize()
 
 
-def gpu_state_allowed(requested: bool, devices: list[Device], resident: bool, tuning: Tuning) -> tuple[bool, float, tuple[str, ...]]:
+def gpu_state_allowed(requested: bool, devices: list[Device], resident: bool, tuning: Tuning,
+                      single_version: bool = False) -> tuple[bool, float, tuple[str, ...]]:
     """Whether trainable state may go to the GPU, the share of free GPU memory kept for activations,
     and why not where it may not (printed with the placement).
 
     One GPU per process: with several, every GPU keeps the whole compute copy and computes every
     stage of the schedule, so no one of them owns a layer's state; the state stays on the host there.
-    The model must stay resident: the GPU share's compute copy is cast from its master on the GPU,
-    into the resident store's upload slot."""
+    The model must stay resident (the GPU share's compute copy is cast from its master on the GPU,
+    into the resident store's upload slot), unless the engine keeps a single version of the weights:
+    then steps are synchronous, nothing writes the master while a call runs, and a streaming call
+    copies the share's weights from its master on the GPU (weights.py)."""
     if not isinstance(requested, bool):
         raise TypeError(f"gpu_state must be True or False, got {requested!r}")
     if not requested:
@@ -89,7 +93,7 @@ def gpu_state_allowed(requested: bool, devices: list[Device], resident: bool, tu
         return False, 0.0, ()
     if len(devices) > 1:
         return False, 0.0, (f"state on the host: {len(devices)} GPUs in one process (GPU state needs one GPU per process, e.g. torchrun)",)
-    if not resident:
+    if not resident and not single_version:
         return False, 0.0, ("state on the host: the model streams (two versions of its weights exceed Tuning.resident_share_gpu_state "
-                       "of the GPU); GPU state needs the whole compute copy on the GPU",)
+                       "of the GPU); GPU state needs the whole compute copy on the GPU, or single_version",)
     return True, tuning.gpu_state_reserve, ()

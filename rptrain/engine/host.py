@@ -120,7 +120,7 @@ class HostState:
     def __init__(self, layers: Sequence[nn.Module], optim_dtype: torch.dtype, pin_memory: bool, pin_master: bool = False,
                  pin_frozen_share: float = 0.5, channels_last: bool = False, gpu_layers: int = 0, gpu_device: Any = None,
                  compute_copies: bool = True, optimizer_bytes: Optional[float] = None, keep_user_weights: bool = True,
-                 materialise: Optional[Callable[[int], None]] = None):
+                 materialise: Optional[Callable[[int], None]] = None, single_version: bool = False):
         """``gpu_layers``: how many leading layers keep master and gradients on ``gpu_device`` (gpushare.py);
         ``compute_copies``: False where resident GPUs cast every version themselves (no host compute copies);
         ``optimizer_bytes``: the optimizer's state per parameter (None: Adam's two moments in ``optim_dtype``);
@@ -143,13 +143,26 @@ class HostState:
         # The GPU share (gpushare.py) has its master and gradients on the GPU and its compute copy in
         # the resident store: the host allocates none of them.
         optimizer_bytes = 2 * optim_dtype.itemsize if optimizer_bytes is None else optimizer_bytes
-        self.gpu = GpuShare(self.params, gpu_layers, gpu_device, optim_dtype, optimizer_bytes, grad_dtype(optim_dtype)) if gpu_layers else None
+        self.single_version = single_version
+        self.gpu = GpuShare(self.params, gpu_layers, gpu_device, optim_dtype, optimizer_bytes, grad_dtype(optim_dtype),
+                            1 if single_version else 2) if gpu_layers else None
         self.host = HostShare(self.params, self.gpu.cut if self.gpu else dict.fromkeys(self.params.sizes, 0))
-        self.compute = [self.host.allocate(pin_memory), self.host.allocate(pin_memory)] if compute_copies else None
+        # One version whose tensors all have the master's dtype: the compute copy is the master (no cast, no copy).
+        self.master_is_compute = single_version and compute_copies and all(d == optim_dtype for d in self.params.dtypes.values())
+        # Pinned when GPUs cast their resident copy from it (refresh.py) or upload it as the compute copy: DMA reads it directly.
+        self.master = pinned.zeros(self.host.total, optim_dtype, pin_master or (self.master_is_compute and pin_memory))
+        if not compute_copies:
+            self.compute = None
+        elif self.master_is_compute:
+            copy = {k: self.master[self.host.base[k] : self.host.base[k] + n] for k, n in self.host.sizes.items()}
+            self.compute = [copy, copy]
+        elif single_version:
+            copy = self.host.allocate(pin_memory)
+            self.compute = [copy, copy]
+        else:
+            self.compute = [self.host.allocate(pin_memory), self.host.allocate(pin_memory)]
         self._shown: dict[int, list] = {}  # version parity -> the user's parameters' views of that host copy
         self._showing: Optional[int] = None  # the parity the user's parameters show now
-        # Pinned when GPUs cast their resident copy from it (refresh.py): DMA reads it directly.
-        self.master = pinned.zeros(self.host.total, optim_dtype, pin_master)
         self.master_params = [nn.Parameter(self._master_view(slot), requires_grad=slot.requires_grad) for slot in self.params.slots]
         self.buffers = {k: pinned.zeros(n, self.buffer_layout.dtypes[k], pin_memory) for k, n in self.buffer_layout.sizes.items()}
         self.keeps_user_weights = keep_user_weights
@@ -178,7 +191,7 @@ class HostState:
         return {
             "master": size([self.master]),
             "grads": size([g.flat for g in self.grads]),
-            "compute": size([t for copy in self.compute or () for t in copy.values()]),
+            "compute": 0 if self.master_is_compute else size({id(t): t for copy in self.compute or () for t in copy.values()}.values()),
             "frozen": size(self.frozen.values()),
             "buffers": size(self.buffers.values()),
         }
@@ -237,8 +250,12 @@ class HostState:
     def on_gpu(self, slot: Slot) -> bool:
         return self.gpu is not None and self.gpu.holds(slot)
 
+    def on_gpu_range(self, r: Range) -> bool:
+        """Whether range ``r`` (on one side of the cut) lies in the GPU share."""
+        return self.gpu is not None and r.start < self.gpu.cut[r.key]
+
     def grad_buffer(self, index: int) -> GradBuffer:
-        while len(self.grads) <= index:  # the second buffer only when training runs asynchronously
+        while len(self.grads) <= index:  # the second buffer only when training runs asynchronously (never with a single version)
             self.grads.append(GradBuffer(self.host, self.pin_memory, self.gpu, self.grad_dtype))
         return self.grads[index]
 
@@ -265,8 +282,9 @@ class HostState:
             self.write_compute_range(version, r)
 
     def write_compute_range(self, version: int, r: Range) -> None:
-        """One range of the host's compute copy ``version`` := the master's, cast."""
-        self.compute_range(version, r).copy_(self.master_range(r))
+        """One range of the host's compute copy ``version`` := the master's, cast (nothing where it is the master)."""
+        if not self.master_is_compute:
+            self.compute_range(version, r).copy_(self.master_range(r))
 
     def compute_range(self, version: int, r: Range) -> Tensor:
         return self.host.range(self.compute[version % 2], r)

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..optim.state import OptimizerMemory, state_memory_of
 from .device import Device, make_devices
-from .fit import Size, check_fit, host_keeps_compute_copies
+from .fit import DoesNotFit, Size, check_fit, host_keeps_compute_copies
 from .gpushare import gpu_state_allowed
 from .placement import Placement
 from .planning import same_on_all_ranks
@@ -38,23 +38,33 @@ def fits_resident(layers: list[nn.Module], devices: list[Device], tuning: Tuning
 
 
 def placement_for(layers: list[nn.Module], optim_dtype: torch.dtype, devices: list[Device], tuning: Tuning, reducer: Any,
-                  gpu_state: bool, max_host_memory: Size, max_gpu_memory: Size,
-                  optimizer: Optional[OptimizerMemory] = None) -> tuple[bool, bool, Placement]:
-    """(resident, host compute copies, placement) of an engine over ``layers``; raises DoesNotFit."""
+                  gpu_state: bool, max_host_memory: Size, max_gpu_memory: Size, optimizer: Optional[OptimizerMemory] = None,
+                  single_version: Optional[bool] = None) -> tuple[bool, bool, Placement, bool]:
+    """(resident, host compute copies, placement, single version) of an engine over ``layers``; raises
+    DoesNotFit. ``single_version`` None: two versions (asynchronous steps) where they fit, else one."""
     resident = devices[0].is_cuda and fits_resident(layers, devices, tuning, reducer, gpu_state)
     copies = host_keeps_compute_copies(resident, tuning.refresh_gpu_share)
-    placement = check_fit(layers, optim_dtype, devices, resident, max_host_memory, max_gpu_memory, tuning.pin_frozen_share,
-                          *gpu_state_allowed(gpu_state, devices, resident, tuning), compute_copies=copies,
-                          optimizer=optimizer)
-    return resident, copies, placement
+
+    def fit(single: bool) -> Placement:
+        return check_fit(layers, optim_dtype, devices, resident, max_host_memory, max_gpu_memory, tuning.pin_frozen_share,
+                         *gpu_state_allowed(gpu_state, devices, resident, tuning, single), compute_copies=copies,
+                         optimizer=optimizer, single_version=single)
+
+    if single_version is None:
+        try:
+            return resident, copies, fit(False), False
+        except DoesNotFit:
+            pass  # one version needs less: its refusal, if it comes, gives the smaller numbers
+    single = single_version is not False
+    return resident, copies, fit(single), single
 
 
 def check_model_fits(model: nn.Module, optim_dtype: torch.dtype = torch.float32, devices: Any = None, *,
                      max_host_memory: Size = None, max_gpu_memory: Size = None, gpu_state: bool = True,
-                     tuning: Optional[Tuning] = None, optimizer: Any = None) -> Placement:
+                     tuning: Optional[Tuning] = None, optimizer: Any = None, single_version: Optional[bool] = None) -> Placement:
     """The placement ``RoundPipe(model, optim_dtype, devices=devices, ...)`` would choose, or DoesNotFit,
     for ``model`` on any device, the meta device included (nothing is allocated). Under torchrun each
     rank decides alone here; the engine then agrees on residency across ranks."""
     memory = optimizer if isinstance(optimizer, OptimizerMemory) else state_memory_of(optimizer, optim_dtype)
     return placement_for(layers_of(model), optim_dtype, make_devices(devices), tuning or Tuning(), None, gpu_state,
-                         max_host_memory, max_gpu_memory, memory)[2]
+                         max_host_memory, max_gpu_memory, memory, single_version)[2]

@@ -54,18 +54,14 @@ class RoundPipe(ForwardsAttributes):
     ``cuda_graphs``: replay the fused last stage as CUDA graphs when the whole model stays
     resident on the GPU and the stage has at most ``tuning.max_graph_params`` parameters
     (layers that cannot be captured fall back to eager, with a warning).
-    ``process_group``: a torch.distributed group to train data-parallel over: every rank
-    runs this engine on its own data and gradients are averaged before each step (NCCL for
-    GPU engines, gloo for CPU ones). BatchNorm statistics stay per rank, as in DDP with
-    ``broadcast_buffers=False``.
+    ``process_group``: a torch.distributed group to train data-parallel over (NCCL or gloo): gradients
+    are averaged before each step; BatchNorm statistics stay per rank (DDP's ``broadcast_buffers=False``).
     ``optimizer_threads``: OpenMP threads of the optimizer step. Default on GPU engines: one
     fewer than torch's, so the thread issuing GPU work keeps a core; a statically scheduled
     parallel loop that shares a core with it waits for its slowest thread.
-    ``name``: kept as ``.name``. ``pin_model`` (GPU engines; on the CPU nothing is pinned, so all three
-    behave the same): "alloc" pins host copies, large ones as exact registered mappings and small ones
-    through PyTorch's allocator (which rounds them up to a power of two); "register" registers every
-    copy at its exact size (``cudaHostRegister``: no rounding, slower to set up); "off" pins nothing
-    (least pinned memory; copies to the GPU are slower, staged by the driver).
+    ``name``: kept as ``.name``. ``pin_model`` (GPU engines): "alloc" pins host copies, large ones as exact
+    registered mappings, small ones through PyTorch's allocator (rounded up to a power of two); "register"
+    registers every copy at its exact size (slower to set up); "off" pins nothing (slower uploads).
     ``memory_format``: ``torch.channels_last`` converts 4-D inputs to channels-last on the
     device and stores 4-D weights (and so their gradients and state-dict tensors) channels-last,
     so convolutions run NHWC kernels (faster on recent GPUs; memory_format.py). None: as given.
@@ -74,14 +70,17 @@ class RoundPipe(ForwardsAttributes):
     less a reserve, and the GPU's free memory. A model whose state does not fit raises
     ``DoesNotFit`` before anything is allocated (fit.py); ``.placement`` says where the state lives.
     ``gpu_state``: the leading layers' master, gradients and optimizer state on the GPU as far as they
-    fit, stepped there (one GPU, model resident: gpushare.py); False: everything on the host.
+    fit, stepped there (one GPU, model resident or single version: gpushare.py); False: all on the host.
     ``keep_user_weights``: True (the original library's behaviour) keeps the wrapped module's weights on
     the host, written at ``synchronize()``, also where the engine itself keeps none there (resident GPUs);
     False lets those go (a model's size in the compute dtype of host memory) and leaves placeholders:
     read the weights through ``state_dict()`` (the CLI does).
     ``optimizer``: the optimizer that will step the master (its class or import path, or its
     ``OptimizerMemory``: rptrain/optim/state.py), so the fit check counts its state; None: rptrain.optim.Adam.
-    ``materialise``: a meta-device model's layer ``i`` is made real by ``materialise(i)`` as it is copied in (host_fill.py)."""
+    ``materialise``: a meta-device model's layer ``i`` is made real by ``materialise(i)`` as it is copied in (host_fill.py).
+    ``single_version``: True keeps one version of the weights (host.py: the master is the host's compute
+    copy where their dtypes agree, one gradient buffer, a GPU share also while streaming) and makes every
+    step synchronous (``is_async=True`` acts as False); False: two, as the original; None: two where they fit."""
 
     def __init__(
         self,
@@ -100,10 +99,10 @@ class RoundPipe(ForwardsAttributes):
         max_host_memory: Size = None,
         max_gpu_memory: Size = None,
         gpu_state: bool = True, keep_user_weights: bool = True,
-        optimizer: Any = None, materialise: Optional[Callable[[int], None]] = None,
+        optimizer: Any = None, materialise: Optional[Callable[[int], None]] = None, single_version: Optional[bool] = None,
     ):
         super().__init__()
-        check_args(model, optim_dtype, model_run_config, cuda_graphs, pin_model, tuning, optimizer_threads, materialise)
+        check_args(model, optim_dtype, model_run_config, cuda_graphs, pin_model, tuning, optimizer_threads, materialise, single_version)
         self.name = name
         self._tuning = tuning or Tuning()
         self.model = model
@@ -113,14 +112,15 @@ class RoundPipe(ForwardsAttributes):
         self._cuda = self._devices[0].is_cuda
         self._reducer = make_reducer(process_group)
         memory = optimizer if isinstance(optimizer, OptimizerMemory) else state_memory_of(optimizer, optim_dtype)
-        resident, copies, self.placement = placement_for(self._layers, optim_dtype, self._devices, self._tuning, self._reducer, gpu_state,
-                                                         max_host_memory, max_gpu_memory, memory)
+        resident, copies, self.placement, single = placement_for(self._layers, optim_dtype, self._devices, self._tuning, self._reducer,
+                                                                 gpu_state, max_host_memory, max_gpu_memory, memory, single_version)
         pins = self._devices[0].pins_memory and pin_model != "off" and ("register" if pin_model == "register" else True)
         memory_format = check_memory_format(memory_format)
         self._host = HostState(self._layers, optim_dtype, pin_memory=pins, pin_master=resident and pins,
                                pin_frozen_share=self._tuning.pin_frozen_share, channels_last=memory_format is torch.channels_last,
                                gpu_layers=self.placement.gpu_layers, gpu_device=self._devices[0], compute_copies=copies,
-                               optimizer_bytes=memory.bytes_per_param, keep_user_weights=keep_user_weights, materialise=materialise)
+                               optimizer_bytes=memory.bytes_per_param, keep_user_weights=keep_user_weights, materialise=materialise,
+                               single_version=single)
         self._executor = Executor(self._layers, self._host, self._devices, self._tuning, resident=resident,
                                   cuda_graphs=cuda_graphs, reducer=self._reducer, memory_format=memory_format)
         if self._reducer is not None:

@@ -10,6 +10,9 @@ the optimizer thread (as the master parameters' ``.grad``) and the next call ope
 so the next iteration's backward overlaps the optimizer step. A step that fails, or a step function
 that keeps a ``.grad``, leaves the buffer ``held`` until the next step lets it go.
 
+With a single version of the weights (host.py's ``single_version``) every step is synchronous: the
+master is the compute copy, and there is one gradient buffer.
+
 A step's error is raised once the caller has waited for that step (a call using its version or a
 later one, ``synchronize()``, a synchronous step, ``close()``), never because the thread happened
 to finish first: which call reports it, and so which calls ran, does not depend on thread timing.
@@ -93,7 +96,7 @@ class Versions:
     def stepped(self, version: int, buffer: Optional[GradBuffer], is_async: bool) -> None:
         """Bookkeeping after submitting the step that writes ``version``."""
         previous, self.last_step = self.last_step, version
-        if is_async:
+        if is_async and not self.host.single_version:  # one version: nothing may read the weights while a step writes them
             self.required = max(self.required, previous)
             if buffer is not None:
                 self.window = 1 - self.window
@@ -102,7 +105,7 @@ class Versions:
                 self.wait(version)
             finally:  # a failed step still wrote its version; the buffer its .grad holds stays out of use
                 self.required = version
-                if buffer is not None and not buffer.free.is_set():
+                if buffer is not None and not buffer.free.is_set() and not self.host.single_version:  # (one version: one buffer, released once free)
                     self.window = 1 - self.window
 
     def submit(self, task: Callable[[int], None]) -> int:

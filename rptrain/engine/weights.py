@@ -4,7 +4,8 @@ Chosen once per engine (``make_store``):
 
 - ``HostStore`` (CPU devices): the host copies themselves, nothing moves.
 - ``StreamedStore`` (GPUs, model too big to stay): every job uploads its stage on the upload stream
-  (the executor prefetches the next job's while the current one computes).
+  (the executor prefetches the next job's while the current one computes); a GPU share's layers
+  (single version only) are copied from their master on the GPU instead.
 - ``ResidentStore`` (GPUs, model fits; resident.py): the whole compute copy stays on every GPU.
 """
 from __future__ import annotations
@@ -86,9 +87,20 @@ class StreamedStore(HostStore):
     def weights(self, device: Device, job: Job, version: int) -> tuple[StageTensors, StageTensors]:
         host, params = self.host, self.host.params
         with device.stream("upload"):
-            pieces = [(r, device.upload(host.compute_range(version, r))) for r in params.ranges(job.start, job.stop)]
+            pieces = [(part, device.upload(self._source(version, part))) for r in params.ranges(job.start, job.stop) for part in self._split(r)]
             weights = StageTensors(params, pieces, device.record("upload"))
         return weights, self._frozen(device, job)
+
+    def _split(self, r: Range) -> list[Range]:
+        """``r`` as its part in the GPU share and its part on the host (where there is a share)."""
+        return [part for part in self.host.gpu.split(r) if part is not None] if self.host.gpu is not None else [r]
+
+    def _source(self, version: int, r: Range) -> Tensor:
+        """Where range ``r`` of compute copy ``version`` comes from: the host's copy, or for the GPU share
+        (a single version, so no step writes it while a call runs: gpushare.py) its master on the GPU, cast."""
+        if self.host.on_gpu_range(r):
+            return self.host.gpu.master[r.key][r.start : r.stop].to(self.host.params.dtypes[r.key], copy=True)
+        return self.host.compute_range(version, r)
 
     def _frozen(self, device: Device, job: Job) -> StageTensors:
         layout = self.host.frozen_layout

@@ -1,0 +1,99 @@
+"""One version of the weights (``RoundPipe(single_version=...)``, host.py): the master is the host's
+compute copy where their dtypes agree, one gradient buffer, the GPU share also while the model
+streams, and every step synchronous. Checked against plain PyTorch's synchronous training
+(tests/reference.py) at the equivalence suite's fp32 tolerance (rtol 1e-5), on the CPU and on a
+SimulatedDevice that streams (the CUDA code paths on the CPU), with the memory it saves."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from reference import assert_state_close
+from rptrain import RoundPipe, Tuning
+from rptrain.engine import DoesNotFit
+from rptrain.engine.gpushare import cuts
+from rptrain.engine.layout import FlatLayout
+from rptrain.engine.placement import HOST
+from rptrain.engine.simulated import SimulatedDevice
+from test_engine_equivalence import mlp, train_both, vector_batches
+
+STREAM = Tuning(resident_share=0.0, resident_share_gpu_state=0.0, gpu_state_reserve=0.0)  # never resident, no activation reserve
+
+
+def state_budget(model: nn.Sequential, layers: int) -> int:
+    """GPU bytes for the largest layer streamed (twice, its gradients three times: fit.py) plus the first
+    ``layers`` layers' state with one version (fp32 master 4 + Adam 8 + one gradient buffer 4)."""
+    weights = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model]
+    return max(5 * w for w in weights) + 16 * sum(cuts(FlatLayout.of_parameters(list(model)), layers).values()) + 16
+
+
+@pytest.mark.parametrize("where", ["cpu", "stream-host", "stream-split", "stream-gpu"])
+def test_async_steps_train_exactly_like_synchronous_pytorch(where):
+    """``is_async=True`` is synchronous with one version: the reference steps synchronously too."""
+    model = mlp()
+    kw = {} if where == "cpu" else dict(devices=[SimulatedDevice(0)], tuning=STREAM)
+    if where == "stream-host":
+        kw["gpu_state"] = False
+    if where == "stream-split":
+        kw["max_gpu_memory"] = state_budget(model, 3)
+    engine, ref = train_both(model, vector_batches(count=4), 2, delayed=False, engine_async=True, single_version=True, **kw)
+    host = engine._host
+    assert host.single_version and host.master_is_compute and len(host.grads) == 1
+    assert not engine._executor.resident
+    expected_gpu_layers = {"cpu": 0, "stream-host": 0, "stream-split": 4, "stream-gpu": 7}[where]
+    assert engine.placement.gpu_layers == expected_gpu_layers
+    assert_state_close(engine.state_dict(), ref.state())
+    with torch.no_grad():  # the user's module shows the newest weights (its parameters view the master)
+        for p, q in zip(engine.model.parameters(), ref.master.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach().to(p.dtype), rtol=1e-5, atol=1e-6)
+
+
+def test_memory_one_version_against_two():
+    """The host keeps no compute copy (the master is it) and one gradient buffer; fit.py predicted the same."""
+    model = mlp()
+    engines = {single: RoundPipe(model, devices=[SimulatedDevice(0)], tuning=STREAM, gpu_state=False, single_version=single)
+               for single in (False, True)}
+    for single, engine in engines.items():
+        x, y = vector_batches(count=1)[0]
+        engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss())
+        engine.step(lambda: None, is_async=True)
+        engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss())
+        engine.synchronize()
+    two, one = (engines[s].memory_report() for s in (False, True))
+    assert one["master"] == two["master"] > 0
+    assert one["compute"] == 0 and two["compute"] >= 2 * 4 * sum(p.numel() for p in model.parameters())  # two copies, alignment included
+    assert two["grads"] == 2 * one["grads"] == 2 * one["master"]  # the async steps allocated the second buffer
+    for single, report in ((False, two), (True, one)):
+        predicted = engines[single].placement.totals[HOST]
+        assert (predicted["master"], predicted["grads"], predicted["compute"]) == (report["master"], report["grads"], report["compute"])
+
+
+def test_bf16_model_with_fp32_master_keeps_one_compute_copy():
+    model = mlp().to(torch.bfloat16)
+    engine = RoundPipe(model, optim_dtype=torch.float32, single_version=True)
+    host = engine._host
+    assert not host.master_is_compute and host.compute[0] is host.compute[1]
+    one_copy = sum(n * host.params.dtypes[k].itemsize for k, n in host.host.sizes.items())  # bf16, alignment included
+    assert one_copy >= 2 * sum(p.numel() for p in model.parameters()) and engine.memory_report()["compute"] == one_copy
+    assert engine.placement.totals[HOST]["compute"] == engine.memory_report()["compute"]
+
+
+def test_auto_takes_one_version_only_where_two_do_not_fit():
+    model = mlp()
+    need = {single: RoundPipe(model, devices=[SimulatedDevice(0)], tuning=STREAM, gpu_state=False, single_version=single).placement.total(HOST)
+            for single in (False, True)}
+    assert need[True] < need[False]
+    roomy = RoundPipe(model, devices=[SimulatedDevice(0)], tuning=STREAM, gpu_state=False, max_host_memory=need[False])
+    tight = RoundPipe(model, devices=[SimulatedDevice(0)], tuning=STREAM, gpu_state=False, max_host_memory=need[False] - 1)
+    assert not roomy._host.single_version and tight._host.single_version
+    assert "one version of the weights" in str(tight.placement) and "one version" not in str(roomy.placement)
+    with pytest.raises(DoesNotFit, match="does not fit with one version of the weights"):
+        RoundPipe(model, devices=[SimulatedDevice(0)], tuning=STREAM, gpu_state=False, max_host_memory=need[True] - 1)
+    with pytest.raises(DoesNotFit, match=r"does not fit: "):  # two versions asked for: their numbers
+        RoundPipe(model, devices=[SimulatedDevice(0)], tuning=STREAM, gpu_state=False, max_host_memory=need[True], single_version=False)
+
+
+def test_single_version_must_be_a_bool():
+    with pytest.raises(TypeError, match="single_version must be True, False or None"):
+        RoundPipe(mlp(), single_version="yes")
