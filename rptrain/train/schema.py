@@ -398,6 +398,7 @@ class EngineConfig:
     max_host_memory: Optional[str] = None  # bytes or e.g. "96GiB"; None: physical memory less a reserve (engine/fit.py)
     max_gpu_memory: Optional[str] = None  # None: the GPU's free memory
     gpu_state: bool = True  # the leading layers' optimizer state on the GPU where it fits (engine/gpushare.py)
+    single_version: Optional[bool] = None  # one version of the weights, synchronous steps; None: where two do not fit (engine/host.py)
 
 
 # ----------------------------------------------------------------------------- logger

@@ -81,7 +81,7 @@ def build_engine(cfg: DictConfig, model: torch.nn.Sequential, d: Dist, materiali
                          devices=d.devices, process_group=d.group, cuda_graphs=cfg.engine.cuda_graphs,
                          optimizer_threads=cfg.engine.optimizer_threads,
                          max_host_memory=cfg.engine.max_host_memory, max_gpu_memory=cfg.engine.max_gpu_memory,
-                         gpu_state=cfg.engine.gpu_state, memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices),
+                         gpu_state=cfg.engine.gpu_state, single_version=cfg.engine.single_version, memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices),
                          tuning=Tuning(compile_stages=cfg.engine.compile),
                          keep_user_weights=False,  # the run reads weights through state_dict(): no host copy of a resident model
                          materialise=materialise)
@@ -103,7 +103,7 @@ def build_data_and_model(cfg: DictConfig, d: Optional[Dist] = None) -> tuple[tor
         e = cfg.engine
         check_model_fits(build_model(cfg, dtype, device="meta", vocab_size=data.vocab_size), master_dtype(cfg.optim), d.devices,
                          max_host_memory=e.max_host_memory, max_gpu_memory=e.max_gpu_memory, gpu_state=e.gpu_state,
-                         optimizer=optimizer_memory(cfg.optim))
+                         optimizer=optimizer_memory(cfg.optim), single_version=e.single_version)
     return dtype, data, *build_model_streamed(cfg, dtype, vocab_size=data.vocab_size)
 
 
