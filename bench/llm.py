@@ -131,6 +131,8 @@ def run_rptrain(args, cfg, name):
         options.update(optim_dtype=master, optimizer=state_memory_of(AdamW, master, **low_memory_state(args)), keep_user_weights=False)
     if not args.gpu_state:
         options["gpu_state"] = False
+    if args.single_version != "auto":  # the engine's single_version (one version of the weights, synchronous steps)
+        options["single_version"] = args.single_version == "on"
     if args.gpu_reserve is not None:
         from rptrain import Tuning
         options["tuning"] = Tuning(gpu_state_reserve=args.gpu_reserve)
@@ -140,6 +142,7 @@ def run_rptrain(args, cfg, name):
     engine = RoundPipe(model, **options)
     note(str(engine.placement))
     on_gpu = getattr(engine.placement, "params_on", lambda _: 0)("gpu")  # trainable parameters whose state and step are on the GPU
+    single = getattr(engine.placement, "single_version", False)
     with OptimizerCtx():
         opt = AdamW(engine.parameters(), lr=1e-4, **low_memory_state(args))
     note("engine and optimizer ready")
@@ -155,7 +158,8 @@ def run_rptrain(args, cfg, name):
     layers = len(model)
     engine.close()
     stages = dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
-    return timing, recomputed / max(layers - 2, 1), {**stages, **split, "gpu_state_params": on_gpu, "is_async": args.is_async}
+    return timing, recomputed / max(layers - 2, 1), {**stages, **split, "gpu_state_params": on_gpu, "is_async": args.is_async,
+                                                                    "single_version": single}
 
 
 def fits_first(args, name: str, options: dict) -> None:
@@ -165,7 +169,7 @@ def fits_first(args, name: str, options: dict) -> None:
 
     check = getattr(rptrain.engine, "check_model_fits", None)
     if check is not None:
-        keys = ("optim_dtype", "optimizer", "gpu_state", "max_gpu_memory", "tuning")
+        keys = ("optim_dtype", "optimizer", "gpu_state", "max_gpu_memory", "tuning", "single_version")
         check(build_model(name, device="meta", dtype=torch.bfloat16, **args.overrides), **{k: options[k] for k in keys if k in options})
 
 
@@ -421,6 +425,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ds-ratio", type=float, default=None,
                    help="deepspeed_zero3: the share of the optimizer state offloaded to the CPU (default: chosen from free GPU memory)")
     p.add_argument("--master-dtype", choices=["fp32", "bf16"], default="fp32", help="rptrain: the master weights (issue 29)")
+    p.add_argument("--single-version", choices=["auto", "on", "off"], default="auto",
+                   help="rptrain: one version of the weights (synchronous steps); auto: only where two do not fit")
     p.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"], default="fp32", help="rptrain: AdamW's moments (issue 29)")
     p.add_argument("--fused", action="store_true",
                    help="build the model with fused=True (rptrain.models.fused) for every implementation, so ratios stay like-for-like")
