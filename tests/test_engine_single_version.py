@@ -87,6 +87,7 @@ def test_auto_takes_one_version_only_where_two_do_not_fit():
     roomy = RoundPipe(model, devices=[SimulatedDevice(0)], tuning=STREAM, gpu_state=False, max_host_memory=need[False])
     tight = RoundPipe(model, devices=[SimulatedDevice(0)], tuning=STREAM, gpu_state=False, max_host_memory=need[False] - 1)
     assert not roomy._host.single_version and tight._host.single_version
+    assert not roomy.placement.single_version and tight.placement.single_version
     assert "one version of the weights" in str(tight.placement) and "one version" not in str(roomy.placement)
     with pytest.raises(DoesNotFit, match="does not fit with one version of the weights"):
         RoundPipe(model, devices=[SimulatedDevice(0)], tuning=STREAM, gpu_state=False, max_host_memory=need[True] - 1)
@@ -97,3 +98,10 @@ def test_auto_takes_one_version_only_where_two_do_not_fit():
 def test_single_version_must_be_a_bool():
     with pytest.raises(TypeError, match="single_version must be True, False or None"):
         RoundPipe(mlp(), single_version="yes")
+
+
+def test_a_synchronous_step_takes_every_core():
+    """With one version the issuing thread waits for the step, so the optimizer thread takes its core too."""
+    threads = {single: RoundPipe(mlp(), devices=[SimulatedDevice(0)], tuning=STREAM, single_version=single)._versions.thread._threads
+               for single in (False, True)}
+    assert threads == {False: max(1, torch.get_num_threads() - 1), True: torch.get_num_threads()}

@@ -175,7 +175,8 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
                 "one gradient buffer; every step is synchronous (the next call waits for it and uses its weights)"] if single_version else []),
              *notes)
     kw = dict(gpu_free=gpu, host_budget=host, gpu_compute=need_gpu, gpu_activations=int(gpu_reserve * gpu) if gpu_state else 0,
-              buffers=sum(flat(buffers)), gpu_state=gpu_state, sources={HOST: host_from, GPU: gpu_from}, notes=notes)
+              buffers=sum(flat(buffers)), gpu_state=gpu_state, sources={HOST: host_from, GPU: gpu_from}, notes=notes,
+              single_version=single_version)
     # host.py's pinned allocations: the host share's compute copies and two gradient buffers, its
     # master when the GPU casts its resident copy from it, the buffers, and the frozen weights up to a
     # share of the machine; pinned.py rounds the small ones up to a power of two.

@@ -80,6 +80,7 @@ class Placement:
     host_budget: int
     sources: dict[str, str] = field(default_factory=dict)  # place -> where its budget comes from
     notes: tuple[str, ...] = ()  # assumptions worth printing
+    single_version: bool = False  # one version of the weights: one gradient buffer, synchronous steps (host.py)
 
     def total(self, place: str) -> int:
         return sum(self.totals[place].values())
@@ -140,7 +141,7 @@ def _groups(runs: Sequence[RunPlace]) -> list[tuple[tuple[int, int], str, Option
 
 def place(runs: Iterable[Run], state: StateBytes, *, gpu_free: int, host_budget: int, gpu_compute: int = 0,
           gpu_activations: int = 0, buffers: int = 0, pinned_rounding: int = 0, gpu_state: bool = True,
-          sources: Optional[dict[str, str]] = None, notes: Sequence[str] = ()) -> Placement:
+          sources: Optional[dict[str, str]] = None, notes: Sequence[str] = (), single_version: bool = False) -> Placement:
     """The placement of ``runs``: trainable runs on the GPU, layer by layer, while their state fits in
     ``gpu_free - gpu_compute - gpu_activations`` (never with ``gpu_state=False``, the engine of today),
     the rest on the host. ``buffers`` and ``pinned_rounding`` are host bytes outside the runs."""
@@ -176,7 +177,7 @@ def place(runs: Iterable[Run], state: StateBytes, *, gpu_free: int, host_budget:
         totals[where]["master"] += n * state.master
         totals[where]["optimizer"] += int(n * state.optimizer)
         placed.append(RunPlace(run, where))
-    return Placement(tuple(placed), totals, gpu_free, host_budget, dict(sources or {}), tuple(notes))
+    return Placement(tuple(placed), totals, gpu_free, host_budget, dict(sources or {}), tuple(notes), single_version)
 
 
 def gpu_working_set(costs: Sequence, plan, num_microbatch: int, resident: bool) -> tuple[int, int]:

@@ -56,9 +56,9 @@ class RoundPipe(ForwardsAttributes):
     (layers that cannot be captured fall back to eager, with a warning).
     ``process_group``: a torch.distributed group to train data-parallel over (NCCL or gloo): gradients
     are averaged before each step; BatchNorm statistics stay per rank (DDP's ``broadcast_buffers=False``).
-    ``optimizer_threads``: OpenMP threads of the optimizer step. Default on GPU engines: one
-    fewer than torch's, so the thread issuing GPU work keeps a core; a statically scheduled
-    parallel loop that shares a core with it waits for its slowest thread.
+    ``optimizer_threads``: OpenMP threads of the optimizer step. Default on GPU engines: one fewer than
+    torch's (torch's with a single version), so the thread issuing GPU work keeps a core; a statically
+    scheduled parallel loop that shares a core with it waits for its slowest thread.
     ``name``: kept as ``.name``. ``pin_model`` (GPU engines): "alloc" pins host copies, large ones as exact
     registered mappings, small ones through PyTorch's allocator (rounded up to a power of two); "register"
     registers every copy at its exact size (slower to set up); "off" pins nothing (slower uploads).
@@ -141,8 +141,8 @@ class RoundPipe(ForwardsAttributes):
 
     def _optimizer_thread(self, threads: Optional[int]) -> TaskThread:
         inline = not self._cuda and not self._tuning.cpu_optimizer_thread  # tuning.py says why
-        if threads is None and self._cuda:
-            threads = max(1, torch.get_num_threads() - 1)
+        if threads is None and self._cuda:  # one core kept for the issuing thread, idle while a synchronous step (one version) runs
+            threads = max(1, torch.get_num_threads() - (0 if self._host.single_version else 1))
         thread = TaskThread(f"rptrain-optimizer-{id(self):x}", inline=inline, threads=threads)
         weakref.finalize(self, thread.close)
         return thread
