@@ -246,7 +246,7 @@ if [[ $what == lowmem ]]; then  # issues 29 and 30 on one GPU of either kind (ab
   grep '^{"bench": "\(llm\|optim_lowp\)"' "$out/suite.log" > "$out/lowmem.jsonl"
 fi
 if [[ $what == lowmem-big ]]; then  # issues 29 and 30 on the H200 (about 9 minutes): the 32 B shape and GPT-OSS-20B fully fine-tuned with
-  # the low-memory state and one version of the weights (the fit check's choice: two do not fit), then Qwen3-30B-A3B
+  # the low-memory state and one version of the weights (the fit check's choice: two do not fit)
   run 330 "${lowmem[@]}" --model qwen3_32b --impl rptrain --master-dtype bf16 --state-dtype int8 --steps 2 --warmup 1
   run 200 "${lowmem[@]}" --model gpt_oss_20b --impl rptrain --master-dtype bf16 --state-dtype int8 --steps 2 --warmup 1
   grep '^{"bench": "llm"' "$out/suite.log" > "$out/lowmem-big.jsonl"

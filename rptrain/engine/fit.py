@@ -28,7 +28,7 @@ from torch import nn
 from .device import Device
 from .gpushare import cuts
 from ..optim.state import OptimizerMemory, state_memory_of
-from .host import grad_dtype, pins_frozen
+from .host import grad_dtype, master_is_compute_copy, pins_frozen
 from .pinned import rounding
 from .layout import FlatLayout
 from .placement import GPU, HOST, GiB, Placement, Run, StateBytes, fmt_bytes, place
@@ -126,11 +126,6 @@ def host_keeps_compute_copies(resident: bool, refresh_gpu_share: float = Tuning.
     """Whether the host keeps two compute copies (host.py): not when resident GPUs cast every version from
     the master themselves (refresh.py), unless part of that cast runs on the host (``refresh_gpu_share < 1``)."""
     return not resident or refresh_gpu_share < 1.0
-
-
-def master_is_compute_copy(params: FlatLayout, optim_dtype: torch.dtype) -> bool:
-    """Whether one version's host compute copy can be the master itself: every trainable tensor is in the master's dtype."""
-    return all(dtype == optim_dtype for dtype in params.dtypes.values())
 
 
 def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Sequence[Device], resident: bool,

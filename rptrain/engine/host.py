@@ -45,6 +45,11 @@ def grad_dtype(optim_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if optim_dtype == torch.bfloat16 else torch.float32
 
 
+def master_is_compute_copy(params: FlatLayout, optim_dtype: torch.dtype) -> bool:
+    """Whether one version's host compute copy can be the master itself: every trainable tensor is in the master's dtype."""
+    return all(dtype == optim_dtype for dtype in params.dtypes.values())
+
+
 def pins_frozen(nbytes: int, pin_share: float) -> bool:
     """Whether frozen weights of ``nbytes`` are pinned on a GPU engine: at most ``pin_share`` of the
     machine's physical memory (fit.py predicts the same)."""
@@ -148,19 +153,14 @@ class HostState:
                             1 if single_version else 2) if gpu_layers else None
         self.host = HostShare(self.params, self.gpu.cut if self.gpu else dict.fromkeys(self.params.sizes, 0))
         # One version whose tensors all have the master's dtype: the compute copy is the master (no cast, no copy).
-        self.master_is_compute = single_version and compute_copies and all(d == optim_dtype for d in self.params.dtypes.values())
+        self.master_is_compute = single_version and compute_copies and master_is_compute_copy(self.params, optim_dtype)
         # Pinned when GPUs cast their resident copy from it (refresh.py) or upload it as the compute copy: DMA reads it directly.
         self.master = pinned.zeros(self.host.total, optim_dtype, pin_master or (self.master_is_compute and pin_memory))
-        if not compute_copies:
-            self.compute = None
-        elif self.master_is_compute:
-            copy = {k: self.master[self.host.base[k] : self.host.base[k] + n] for k, n in self.host.sizes.items()}
-            self.compute = [copy, copy]
-        elif single_version:
-            copy = self.host.allocate(pin_memory)
-            self.compute = [copy, copy]
-        else:
-            self.compute = [self.host.allocate(pin_memory), self.host.allocate(pin_memory)]
+        self.compute = None
+        if compute_copies:  # versions v and v+1; with a single version both are one copy, the master's views where they can be
+            first = ({k: self.master[self.host.base[k] : self.host.base[k] + n] for k, n in self.host.sizes.items()}
+                     if self.master_is_compute else self.host.allocate(pin_memory))
+            self.compute = [first, first if single_version else self.host.allocate(pin_memory)]
         self._shown: dict[int, list] = {}  # version parity -> the user's parameters' views of that host copy
         self._showing: Optional[int] = None  # the parity the user's parameters show now
         self.master_params = [nn.Parameter(self._master_view(slot), requires_grad=slot.requires_grad) for slot in self.params.slots]
