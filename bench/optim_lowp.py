@@ -2,13 +2,17 @@
 low-precision variants (rptrain/optim/adam_lowp.py): bf16 master, bf16 or int8 moments, each eager
 and compiled (a CPU: rptrain/optim/cpu_kernel.py's C++ loop; a GPU: rptrain/optim/triton_step.py's
 kernel, against the eager torch ops over 4 M-element chunks). One flat run of --numel parameters, as the
-engine's host share (or GPU share) is; the variants alternate for --rounds rounds and the best counts
-(the machine may be shared); one JSON line per variant: ns per parameter, the ratio to fused fp32
-AdamW, and GB/s of memory traffic (each of parameter, gradient and state read once, parameter and
-state written once). The compiled variants' first step (building the kernel) is build_s.
+engine's host share (or GPU share) is. Each variant runs in its own process (bench/README's rule for a
+ratio); the variants alternate for --rounds rounds and each one's best round counts (the machine may be
+shared). One JSON line per variant: ns per parameter, the ratio to fused fp32 AdamW, and GB/s of memory
+traffic (each of parameter, gradient and state read once, parameter and state written once). The
+compiled variants' first step (building the kernel) is build_s.
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import torch
@@ -28,37 +32,50 @@ VARIANTS = [  # (name, master dtype, state_dtype, compile)
 ]
 
 
+def measure(name: str, numel: int, steps: int, device: str) -> dict:
+    """One variant in this process: seconds per step, the first step's seconds, bytes moved per step."""
+    _, dtype, state_dtype, compiled = next(v for v in VARIANTS if v[0] == name)
+    param = torch.nn.Parameter(torch.randn(numel, device=device).to(dtype))
+    param.grad = (torch.randn(numel, device=device) * 1e-3).to(dtype)
+    opt = AdamW([param], lr=1e-3, weight_decay=0.01, state_dtype=state_dtype, compile_step=compiled)
+    start = time.perf_counter()
+    opt.step()  # allocates the state (and builds the compiled step)
+    first = time.perf_counter() - start
+    state = opt.state[param]
+    moved = sum(t.numel() * t.element_size() * 2 for k, t in state.items() if k != "step" and t.dim() > 0)
+    moved += param.numel() * param.element_size() * 2 + param.grad.numel() * param.grad.element_size()
+    return {"s": time_steps(lambda i: opt.step(), steps, 1, device), "first_s": first, "moved": moved,
+            "threads": torch.get_num_threads()}
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--numel", type=int, default=64 * 2**20)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3, help="variants alternate, each round; the best round counts")
     p.add_argument("--only", nargs="*", help="variant names to run (default: all)")
+    p.add_argument("--child", help="internal: measure this one variant in this process and print its raw record")
     args = p.parse_args()
     numel, steps, rounds = (4096 + 100, 2, 1) if args.tiny else (args.numel, args.steps, args.rounds)
-    device = args.device
-    runs = {}
-    for name, dtype, state_dtype, compiled in VARIANTS:
-        if (args.only and name not in args.only) or (args.tiny and compiled):
-            continue  # building the compiled step takes minutes on CI's cores
-        param = torch.nn.Parameter(torch.randn(numel, device=device).to(dtype))
-        param.grad = (torch.randn(numel, device=device) * 1e-3).to(dtype)
-        opt = AdamW([param], lr=1e-3, weight_decay=0.01, state_dtype=state_dtype, compile_step=compiled)
-        start = time.perf_counter()
-        opt.step()  # allocates the state (and builds the compiled step)
-        state = opt.state[param]
-        moved = sum(t.numel() * t.element_size() * 2 for k, t in state.items() if k != "step" and t.dim() > 0)
-        moved += param.numel() * param.element_size() * 2 + param.grad.numel() * param.grad.element_size()
-        runs[name] = (opt, time.perf_counter() - start, compiled, [], moved)
+    if args.child:
+        print("RAW " + json.dumps(measure(args.child, numel, steps, args.device)), flush=True)
+        return
+    names = [v[0] for v in VARIANTS if (not args.only or v[0] in args.only) and not (args.tiny and v[3])]  # compiled: minutes on CI
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     for _ in range(rounds):
-        for name, (opt, _, _, times, _) in runs.items():
-            times.append(time_steps(lambda i: opt.step(), steps, 1, device))
-    fused = min(runs["fused_fp32"][3]) / numel * 1e9 if "fused_fp32" in runs else None
-    for name, (opt, first, compiled, times, moved) in runs.items():
-        ns = min(times) / numel * 1e9
-        emit(bench="optim_lowp", variant=name, device=device, threads=torch.get_num_threads(), numel=numel,
-             ns_per_param=round(ns, 3), gb_per_s=round(moved / min(times) / 1e9, 2), over_fused_fp32=round(ns / fused, 3) if fused else None,
-             build_s=round(first, 2) if compiled else None)
+        for name in names:
+            cmd = [sys.executable, __file__, "--child", name, "--numel", str(numel), "--steps", str(steps), "--device", args.device]
+            out = subprocess.run(cmd + (["--tiny"] if args.tiny else []), capture_output=True, text=True, check=True).stdout
+            runs[name].append(json.loads(next(line for line in out.splitlines() if line.startswith("RAW "))[4:]))
+    best = {name: min(records, key=lambda r: r["s"]) for name, records in runs.items()}
+    fused = best["fused_fp32"]["s"] / numel * 1e9 if "fused_fp32" in best else None
+    for name, record in best.items():
+        ns = record["s"] / numel * 1e9
+        compiled = next(v[3] for v in VARIANTS if v[0] == name)
+        emit(bench="optim_lowp", variant=name, device=args.device, threads=record["threads"], numel=numel,
+             ns_per_param=round(ns, 3), gb_per_s=round(record["moved"] / record["s"] / 1e9, 2),
+             over_fused_fp32=round(ns / fused, 3) if fused else None, build_s=round(record["first_s"], 2) if compiled else None,
+             processes="one per variant and round")
 
 
 if __name__ == "__main__":

