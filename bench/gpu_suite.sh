@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|lowmem-acc|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|policy-8b|hostwork|lowmem-acc|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == policy-8b || $what == hostwork || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -244,6 +244,21 @@ if [[ $what == lowmem ]]; then  # issues 29 and 30 on one GPU of either kind (ab
   run 170 "${lowmem[@]}" --model qwen3_14b --impl rptrain --master-dtype bf16 --state-dtype int8
   run 170 "${lowmem[@]}" --model qwen3_14b --impl rptrain --master-dtype bf16 --state-dtype int8 --single-version on
   grep '^{"bench": "\(llm\|optim_lowp\)"' "$out/suite.log" > "$out/lowmem.jsonl"
+fi
+if [[ $what == policy-8b ]]; then  # issue 29 on either GPU (about 6.5 minutes): the host step per parameter, each variant in its own
+  # process; the 8 B preset as the engine chooses (two versions where they fit) and with one version of the weights
+  run 90 python3 bench/optim_lowp.py --device cpu --numel 200000000 --rounds 2 --steps 2 --only fused_fp32 lowmem_compiled
+  run 150 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8
+  run 150 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8 --single-version on
+  grep '^{"bench": "\(llm\|optim_lowp\)"' "$out/suite.log" > "$out/policy-8b.jsonl"
+fi
+if [[ $what == hostwork ]]; then  # issue 33 (about 2.5 minutes): where the engine's host time per call goes, ResNet-34 as the CLI
+  # runs it: the graphed plain loop, the engine with and without its optimizer step, then cProfile and the trace of its calls
+  as_cli=(--memory-format channels_last --metrics-on-device --data-on-device --read-interval 25 --steps 60 --warmup 10)
+  run 35 python3 bench/resnet.py --impl graphed --memory-format channels_last --read-interval 25 --steps 60 --warmup 10 --data-on-device
+  run 35 python3 bench/resnet.py --impl rptrain "${as_cli[@]}"
+  run 35 python3 bench/resnet.py --impl rptrain "${as_cli[@]}" --no-step
+  run 45 python3 bench/resnet.py --impl rptrain "${as_cli[@]}" --cprofile --trace
 fi
 if [[ $what == lowmem-big ]]; then  # issues 29 and 30 on the H200 (about 9 minutes): the 32 B shape and GPT-OSS-20B fully fine-tuned with
   # the low-memory state and one version of the weights (the fit check's choice: two do not fit)
