@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from rptrain.models.decoder_config import MoeConfig
+from rptrain.models.gating import gated_activation
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
@@ -114,12 +115,7 @@ class Experts(nn.Module):
             self.gate_up_proj_bias, self.down_proj_bias = empty(E, 2 * I), empty(E, D)
 
     def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.activation == "silu":
-            gate, up = gate_up.chunk(2, dim=-1)
-            return torch.nn.functional.silu(gate) * up
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]  # GPT-OSS: clamped, and up shifted by one
-        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return gated_activation(gate_up, self.activation, self.alpha, self.limit)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, lora: dict | None = None) -> torch.Tensor:
         """x (N, D), experts and weights (N, k) -> (N, D): sum over k of weight * expert(x).
