@@ -356,6 +356,30 @@ def test_wrap_model_refuses_weights_tied_across_engines():
         wrap_model(net, lower_threshold=512)
 
 
+class Stack(nn.Module):
+    def __init__(self, layers: int, width: int = 64):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_wrap_model_fits_its_engines_against_one_host_budget():
+    """A decoder stack's layers each fit alone but not together: refused at the first layer past the
+    budget (before allocating it), instead of every engine fitting against the whole machine."""
+    from rptrain import wrap_model
+    from rptrain.engine import DoesNotFit
+
+    one = wrap_model(Stack(1), lower_threshold=512).layers[0].placement.total("host")
+    wrapped = wrap_model(Stack(4), lower_threshold=512, max_host_memory=4 * one)  # exactly enough: all four
+    assert [e.placement.host_budget for _, e in wrapped._engines] == [4 * one, 3 * one, 2 * one, one]
+    with pytest.raises(DoesNotFit, match=r"wrap_model: layers.2: the engines before it hold .* of the .* host budget; .*host"):
+        wrap_model(Stack(4), lower_threshold=512, max_host_memory=int(2.5 * one))
+
+
 class RandomMask(nn.Module):
     """Draws a mask in its forward; its recompute must reuse it (RNG replay is off below)."""
 

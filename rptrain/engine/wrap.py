@@ -12,7 +12,9 @@ it on the host; its heavy children become ``RoundPipe`` engines in place, found 
 
 The engines share one optimizer thread, and ``step`` runs the step function once with every
 engine's gradients bound (``OptimizerCtx`` and ``parameters()`` give all master parameters, the
-glue's own parameters included).
+glue's own parameters included). They also share one host budget (``max_host_memory``, default:
+fit.py's): each engine is fitted against what the engines before it left, so a decoder stack whose
+layers each fit alone but not together is refused with one line instead of killed by the system.
 """
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ from torch import nn
 
 from .batching import merge_outputs, split_inputs, split_label
 from .config import RoundPipeRunConfig
+from .fit import DoesNotFit, host_budget
 from .forwarding import ForwardsAttributes
 from .optimizer_ctx import OptimizerCtx, in_optimizer_ctx
+from .placement import HOST, fmt_bytes
 from .roundpipe import RoundPipe
 
 LOWER_THRESHOLD = 16 * 1024  # bytes of a module's own parameters that make it worth an engine
@@ -42,7 +46,7 @@ def wrap_model(model: nn.Module, model_run_config: Optional[RoundPipeRunConfig] 
     if isinstance(model, nn.Sequential):
         return make(model)
     engines: list[tuple[str, RoundPipe]] = []
-    claimed = _Claims()
+    claimed = _Claims(host_budget(roundpipe_kwargs.pop("max_host_memory", None))[0])
     _wrap_children(model, "", claimed.checked(make), config, lower_threshold, skip_modules, engines)
     return WrappedModel(model, engines, config)
 
@@ -54,18 +58,27 @@ class _Claims:
     """Which engine took each parameter, checked before the next engine is built: an engine may move
     the tensors it owns (its GPU share), so a weight tied into a later engine must be refused first."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_budget: int) -> None:
         self.owner: dict[int, str] = {}
+        self.host_budget = self.host_left = host_budget  # the shared host budget, and what the engines built so far left
 
     def checked(self, make: Callable) -> Callable:
-        """``make`` taking ``(prefix, model, **kwargs)``: claims the model's parameters, then builds."""
+        """``make`` taking ``(prefix, model, **kwargs)``: claims the model's parameters, then builds the
+        engine against the host budget left."""
         def build(prefix: str, model: nn.Module, **kwargs: Any) -> RoundPipe:
             for name, p in model.named_parameters():
                 first = self.owner.setdefault(id(p), prefix)
                 if first != prefix:
                     raise ValueError(f"wrap_model: {prefix}{name} is tied to a parameter of {first.rstrip('.')}: engines "
                                      "cannot share weights; untie them or build one nn.Sequential holding both users")
-            return make(model, **kwargs)
+            try:
+                engine = make(model, max_host_memory=max(self.host_left, 0), **kwargs)
+            except DoesNotFit as error:
+                held = fmt_bytes(self.host_budget - self.host_left)
+                raise DoesNotFit(f"wrap_model: {prefix.rstrip('.')}: the engines before it hold {held} of the "
+                                 f"{fmt_bytes(self.host_budget)} host budget; {error}", error.placement) from None
+            self.host_left -= engine.placement.total(HOST)
+            return engine
         return build
 
 
