@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|policy-8b|hostwork|lowmem-acc|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|policy-8b|hostwork|experts|lowmem-acc|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,9 +65,16 @@ cli_resnet() {  # cli_resnet SECONDS ARGS...: issue 22's one invocation, its rec
 # modes moe and moe-more (run from the repository root; no carried wheels needed: transformers and peft are installed)
 moe_llm=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --master-dtype bf16 --state-dtype int8)
 moe_lora=(python3 bench/lora.py --seq 4096 --batch 4 --steps 3 --warmup 2)
-[[ $what == moe || $what == moe-more ]] && cd "$root"
+[[ $what == moe || $what == moe-more || $what == experts ]] && cd "$root"
+if [[ $what == experts ]]; then  # issue 30's expert compute (about 2.5 minutes): the MoE CUDA tests with the fused gating, then one
+  # MoE layer against its grouped GEMMs alone, with its profile
+  run 100 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_gating.py tests/test_models_hf_moe.py \
+    tests/test_models_moe_kernels.py tests/test_models_lora_moe.py
+  run 50 python3 bench/moe_experts.py --profile
+  grep '^{"bench": "moe_experts"' "$out/suite.log" > "$out/experts.jsonl"
+fi
 if [[ $what == moe ]]; then  # the MoE tests on CUDA, expert compute against its GEMMs, GPT-OSS-20B full fine-tuning, Qwen3-30B-A3B LoRA vs PEFT (about 9 minutes)
-  run 80 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_hf_moe.py tests/test_models_moe_kernels.py \
+  run 80 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_gating.py tests/test_models_hf_moe.py tests/test_models_moe_kernels.py \
     tests/test_models_lora_moe.py tests/test_engine_plan.py
   run 40 python3 bench/moe_experts.py --profile
   # the engine's fit check on a meta copy first: with 128 GiB of host memory expect "does not fit" in seconds (CPU
