@@ -252,10 +252,11 @@ if [[ $what == lowmem ]]; then  # issues 29 and 30 on one GPU of either kind (ab
   run 170 "${lowmem[@]}" --model qwen3_14b --impl rptrain --master-dtype bf16 --state-dtype int8 --single-version on
   grep '^{"bench": "\(llm\|optim_lowp\)"' "$out/suite.log" > "$out/lowmem.jsonl"
 fi
-if [[ $what == policy-8b ]]; then  # issue 29 on either GPU (about 6.5 minutes): the host step per parameter, each variant in its own
+if [[ $what == policy-8b ]]; then  # issue 29 on either GPU (about 9 minutes): the host step per parameter, each variant in its own
   # process; the 8 B preset as the engine chooses (two versions where they fit) and with one version of the weights
   run 90 python3 bench/optim_lowp.py --device cpu --numel 200000000 --rounds 2 --steps 2 --only fused_fp32 lowmem_compiled
-  run 150 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8
+  # then plain PyTorch with the same state (bf16 weights, torchao's 8-bit AdamW; carry .whl with torchao's wheel), its own process
+  run 290 "${lowmem[@]}" --model llama_8b --impl rptrain plain_ao8 --master-dtype bf16 --state-dtype int8
   run 150 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8 --single-version on
   grep '^{"bench": "\(llm\|optim_lowp\)"' "$out/suite.log" > "$out/policy-8b.jsonl"
 fi

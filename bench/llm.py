@@ -3,6 +3,9 @@
 rptrain: bf16 compute copy, fp32 master + AdamW on the CPU (async step), the planner's stages.
 plain:   fp32 weights on the GPU, bf16 autocast, activation checkpointing per block (--no-checkpoint:
          none), fused AdamW.
+plain_ao8: plain PyTorch as it fits the most on one GPU: bf16 weights and gradients on the GPU (no fp32
+         master), torchao's AdamW8bit (8-bit moments, bf16 stochastic rounding: the preset optim=adamw_lowmem's
+         state) and activation checkpointing per block; torchao must be installed (bench/README.md).
 fsdp2:   fully_shard per block (+ root) with CPUOffloadPolicy and bf16 MixedPrecisionPolicy,
          activation checkpointing per block (or none), AdamW on the CPU (one process, world size 1).
 roundpipe: the original RoundPipe library (optional, --impl roundpipe) with the same model and loss.
@@ -276,6 +279,21 @@ def run_plain(args, cfg, name):
     return timing, float(args.checkpoint), extra
 
 
+def run_plain_ao8(args, cfg, name):
+    from torchao.optim import AdamW8bit  # ModuleNotFoundError: a result (measure)
+
+    torch.manual_seed(0)
+    model = build_model(name, device="cuda", dtype=torch.bfloat16, **args.overrides)
+    checkpoint_blocks(model, args.checkpoint)
+    opt = AdamW8bit(model.parameters(), lr=1e-4, bf16_stochastic_round=True)
+    step = torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=False)
+    timing = timed(step, args)
+    extra = gpu_busy(step, args.busy_steps)
+    del model, opt
+    torch.cuda.empty_cache()
+    return timing, float(args.checkpoint), extra
+
+
 def checkpoint_blocks(model: nn.Sequential, on: bool) -> None:
     if on:
         for i in range(1, len(model) - 1):
@@ -393,7 +411,7 @@ def timed(step, args, finish=lambda: None) -> Timing:
     return Timing((time.perf_counter() - stamps[0]) / args.steps, steady, float(loss))
 
 
-IMPLS = ["rptrain", "plain", "fsdp2", "roundpipe", "deepspeed", *deepspeed_zero.SETTINGS]
+IMPLS = ["rptrain", "plain", "plain_ao8", "fsdp2", "roundpipe", "deepspeed", *deepspeed_zero.SETTINGS]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -458,7 +476,7 @@ def main() -> None:
             emit(**record)
             if "tokens_per_s" in record:
                 records[impl] = record
-        for other in ("plain", "fsdp2", "roundpipe", *deepspeed_zero.SETTINGS):
+        for other in ("plain", "plain_ao8", "fsdp2", "roundpipe", *deepspeed_zero.SETTINGS):
             if "rptrain" in records and other in records:
                 mine, theirs = records["rptrain"], records[other]
                 ratios = dict(ratio=round(mine["tokens_per_s"] / theirs["tokens_per_s"], 3))
@@ -469,7 +487,7 @@ def main() -> None:
 
 def measure(args, name: str, impl: str) -> dict:
     """One implementation's JSON record (or its out-of-memory error) in this process."""
-    runners = {"rptrain": run_rptrain, "plain": run_plain, "fsdp2": run_fsdp2, "roundpipe": run_roundpipe,
+    runners = {"rptrain": run_rptrain, "plain": run_plain, "plain_ao8": run_plain_ao8, "fsdp2": run_fsdp2, "roundpipe": run_roundpipe,
                **{s: functools.partial(run_deepspeed, setting=s) for s in deepspeed_zero.SETTINGS}}
     # Rotary tables are built up to max_seq_len: longer benchmark sequences raise it.
     base, big = preset(name)  # the big Qwen3 shapes are qwen3_8b with other sizes
@@ -499,7 +517,7 @@ def measure(args, name: str, impl: str) -> dict:
     release_host_memory()
     hardware_flops = model_flops + recompute_share * forward_flops(cfg, args.seq) * tokens_per_step
     seconds, peak = timing.step_s, args.peak * 1e12
-    if impl in ("plain", "fsdp2"):
+    if impl in ("plain", "plain_ao8", "fsdp2"):
         extra["checkpoint"] = args.checkpoint
     if timing.steady_step_s:
         steady = timing.steady_step_s
