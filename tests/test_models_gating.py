@@ -1,7 +1,8 @@
 """rptrain.models.gating's Triton kernels (the MoE experts' gated activation) against autograd of the eager
 formula in fp32: forward outputs and gate_up's gradient, fp32 and bf16 inputs, silu (halves) and GPT-OSS's
 clamped SwiGLU (interleaved), 0, 1 and 37 rows, I = 6, 48 and 2880, with gate and up planted exactly at, one
-step inside and one step beyond the clamp limits (torch's scalar clamp passes no gradient at the bound itself).
+step inside and one step beyond the clamp limits (at the bound itself, the kernel passes the gradient as the running
+torch's clamp does: gating.clamp_passes_at_bound).
 
 Tolerance, elementwise, with ref the fp32 autograd on the same (bf16-exact) inputs:
 - fp32: |fused - ref| <= 2^-22 (|ref| + max |ref|), two fp32 steps of the value and of the tensor's largest

@@ -13,6 +13,7 @@ GPT-OSS's alternate column by column. The kernels compute in fp32 and store in t
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import Tensor
@@ -24,6 +25,19 @@ except ImportError:  # the eager formula runs instead
     triton = None
 
 BLOCK = 1024  # output elements per program
+
+
+@functools.cache
+def clamp_passes_at_bound() -> tuple[bool, bool]:
+    """Whether this torch's clamp passes the gradient at the bound itself: (clamp(max=), clamp(min, max)).
+    torch 2.14 passes none there; the GPU machine's torch 2.11 differed from the kernel that assumed so
+    (gradients off at the planted bounds, 2026-12-06), so the kernel asks the torch it runs with."""
+    with torch.enable_grad():  # first asked from inside a backward, where grad mode is off
+        one_sided = torch.tensor([1.0], requires_grad=True)
+        one_sided.clamp(max=1.0).sum().backward()
+        two_sided = torch.tensor([1.0, -1.0], requires_grad=True)
+        two_sided.clamp(-1.0, 1.0).sum().backward()
+    return bool(one_sided.grad[0] == 1), bool((two_sided.grad == 1).all())
 
 
 def eager(gate_up: Tensor, activation: str, alpha: float, limit: float) -> Tensor:
@@ -41,23 +55,22 @@ if triton is not None:
     @triton.jit
     def _offsets(I: tl.constexpr, SILU: tl.constexpr, B: tl.constexpr):
         """The program's output elements and where their gate and up lie in gate_up (int64: rows x 2I may pass
-        2^31). Interleaved, element e's pair is gate_up's flat 2e, 2e + 1: one contiguous load of 2B."""
+        2^31). Interleaved, element e's pair is gate_up's flat 2e, 2e + 1: two strided accesses, which the caches
+        merge. (A contiguous load split with tl.reshape/tl.split, and tl.join for the gradient's store, passed
+        under the interpreter but stored the gradient out of order on an H100, 2026-12-06.)"""
         e = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
         if SILU:
             gate = (e // I) * (2 * I) + e % I
             up = gate + I
         else:
-            gate = tl.program_id(0).to(tl.int64) * (2 * B) + tl.arange(0, 2 * B)
-            up = gate
+            gate = 2 * e
+            up = gate + 1
         return e, gate, up
 
     @triton.jit
-    def _load(ptr, gate, up, n, SILU: tl.constexpr, B: tl.constexpr):
-        if SILU:  # gate < 2n exactly where e < n
-            g = tl.load(ptr + gate, mask=gate < 2 * n, other=0.0).to(tl.float32)
-            u = tl.load(ptr + up, mask=gate < 2 * n, other=0.0).to(tl.float32)
-        else:
-            g, u = tl.split(tl.reshape(tl.load(ptr + gate, mask=gate < 2 * n, other=0.0).to(tl.float32), (B, 2)))
+    def _load(ptr, e, gate, up, n):
+        g = tl.load(ptr + gate, mask=e < n, other=0.0).to(tl.float32)
+        u = tl.load(ptr + up, mask=e < n, other=0.0).to(tl.float32)
         return g, u
 
     @triton.jit
@@ -69,7 +82,7 @@ if triton is not None:
     @triton.jit
     def _forward(x_ptr, out_ptr, n, alpha, limit, I: tl.constexpr, SILU: tl.constexpr, B: tl.constexpr):
         e, gate, up = _offsets(I, SILU, B)
-        g, u = _load(x_ptr, gate, up, n, SILU, B)
+        g, u = _load(x_ptr, e, gate, up, n)
         if SILU:
             out = g / (1.0 + tl.exp(-g)) * u  # torch's silu: x / (1 + exp(-x))
         else:
@@ -78,25 +91,26 @@ if triton is not None:
         tl.store(out_ptr + e, out.to(out_ptr.dtype.element_ty), mask=e < n)
 
     @triton.jit
-    def _backward(x_ptr, dout_ptr, dx_ptr, n, alpha, limit, I: tl.constexpr, SILU: tl.constexpr, B: tl.constexpr):
+    def _backward(x_ptr, dout_ptr, dx_ptr, n, alpha, limit, I: tl.constexpr, SILU: tl.constexpr, B: tl.constexpr,
+                  GATE_AT_BOUND: tl.constexpr, UP_AT_BOUND: tl.constexpr):
         e, gate, up = _offsets(I, SILU, B)
-        g, u = _load(x_ptr, gate, up, n, SILU, B)
+        g, u = _load(x_ptr, e, gate, up, n)
         dout = tl.load(dout_ptr + e, mask=e < n, other=0.0).to(tl.float32)
         if SILU:
             s = 1.0 / (1.0 + tl.exp(-g))
             du = dout * (g * s)
             dg = dout * u * s * (1.0 + g * (1.0 - s))  # torch's silu_backward
-            tl.store(dx_ptr + gate, dg.to(dx_ptr.dtype.element_ty), mask=gate < 2 * n)
-            tl.store(dx_ptr + up, du.to(dx_ptr.dtype.element_ty), mask=gate < 2 * n)
         else:
-            # torch's scalar clamp passes the gradient strictly inside its bounds (clamp_max: x < max; at
-            # the bound itself, or NaN, the gradient is zero).
+            # Inside its bounds torch's clamp passes the gradient; at a bound itself as clamp_passes_at_bound
+            # says; for NaN never.
             gc, uc = _clamped(g, u, limit)
             s = 1.0 / (1.0 + tl.exp(-(gc * alpha)))
-            du = tl.where((u > -limit) & (u < limit), dout * (gc * s), 0.0)
-            dg = tl.where(g < limit, dout * (uc + 1.0) * (s + gc * alpha * s * (1.0 - s)), 0.0)
-            both = tl.reshape(tl.join(dg, du), (2 * B,))
-            tl.store(dx_ptr + gate, both.to(dx_ptr.dtype.element_ty), mask=gate < 2 * n)
+            up_in = ((u >= -limit) & (u <= limit)) if UP_AT_BOUND else ((u > -limit) & (u < limit))
+            gate_in = (g <= limit) if GATE_AT_BOUND else (g < limit)
+            du = tl.where(up_in, dout * (gc * s), 0.0)
+            dg = tl.where(gate_in, dout * (uc + 1.0) * (s + gc * alpha * s * (1.0 - s)), 0.0)
+        tl.store(dx_ptr + gate, dg.to(dx_ptr.dtype.element_ty), mask=e < n)
+        tl.store(dx_ptr + up, du.to(dx_ptr.dtype.element_ty), mask=e < n)
 
 
 class _Gated(torch.autograd.Function):
@@ -115,18 +129,19 @@ class _Gated(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         (gate_up,) = ctx.saved_tensors
         grad_gate_up = torch.empty_like(gate_up)
-        _launch(_backward, gate_up, grad.contiguous(), *ctx.args, grad_gate_up)
+        gate_at, up_at = clamp_passes_at_bound()
+        _launch(_backward, gate_up, grad.contiguous(), *ctx.args, grad_gate_up, GATE_AT_BOUND=gate_at, UP_AT_BOUND=up_at)
         return grad_gate_up, None, None, None
 
 
-def _launch(kernel, gate_up: Tensor, out: Tensor, activation: str, alpha: float, limit: float, *more: Tensor) -> None:
+def _launch(kernel, gate_up: Tensor, out: Tensor, activation: str, alpha: float, limit: float, *more: Tensor, **flags: bool) -> None:
     n = gate_up.numel() // 2  # output elements, from the shape: no device read, so CUDA graphs capture it
     if not n:  # tokens = 0: nothing to launch
         return
     # Triton launches on the current device, which need not be gate_up's (one stage per GPU)
     with torch.cuda.device(gate_up.device) if gate_up.is_cuda else contextlib.nullcontext():
         kernel[(triton.cdiv(n, BLOCK),)](gate_up, out, *more, n, alpha, limit,
-                                         I=gate_up.size(-1) // 2, SILU=activation == "silu", B=BLOCK)
+                                         I=gate_up.size(-1) // 2, SILU=activation == "silu", B=BLOCK, **flags)
 
 
 def fused(gate_up: Tensor, activation: str, alpha: float, limit: float) -> Tensor:
