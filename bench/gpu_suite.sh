@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|policy-8b|hostwork|experts|lowmem-acc|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|policy-8b|preset-8b|hostwork|experts|lowmem-acc|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == policy-8b || $what == hostwork || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -259,6 +259,10 @@ if [[ $what == policy-8b ]]; then  # issue 29 on either GPU (about 9 minutes): t
   run 290 "${lowmem[@]}" --model llama_8b --impl rptrain plain_ao8 --master-dtype bf16 --state-dtype int8
   run 150 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8 --single-version on
   grep '^{"bench": "\(llm\|optim_lowp\)"' "$out/suite.log" > "$out/policy-8b.jsonl"
+fi
+if [[ $what == preset-8b ]]; then  # issue 29 (about 5 minutes): the 8 B preset against plain PyTorch with the same state, each its own process
+  run 290 "${lowmem[@]}" --model llama_8b --impl rptrain plain_ao8 --master-dtype bf16 --state-dtype int8
+  grep '^{"bench": "llm"' "$out/suite.log" > "$out/preset-8b.jsonl"
 fi
 if [[ $what == hostwork ]]; then  # issue 33 (about 2.5 minutes): where the engine's host time per call goes, ResNet-34 as the CLI
   # runs it: the graphed plain loop, the engine with and without its optimizer step, then cProfile and the trace of its calls
