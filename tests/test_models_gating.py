@@ -53,16 +53,28 @@ def excess(got: torch.Tensor, want: torch.Tensor, device: str) -> float:
     return ((got.float() - want).abs() - bound).max().item()
 
 
-def reference(gate_up: torch.Tensor, grad: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Autograd of the eager formula in fp32: (output, gate_up's gradient)."""
+def reference(gate_up: torch.Tensor, grad: torch.Tensor, activation: str, at_bound=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Autograd of the eager formula in fp32: (output, gate_up's gradient). ``at_bound``: (gate's, up's) clamp
+    passes the gradient at the bound itself, instead of the running torch's convention (no NaN in the inputs)."""
     x = gate_up.detach().float().clone().requires_grad_()
-    out = eager(x, activation, ALPHA, LIMIT)
+    if at_bound is None or activation == "silu":
+        out = eager(x, activation, ALPHA, LIMIT)
+    else:
+        gate, up = x[:, ::2], x[:, 1::2]
+        gate = torch.where(gate <= LIMIT if at_bound[0] else gate < LIMIT, gate, gate.detach().clamp(max=LIMIT))
+        inside = (up >= -LIMIT) & (up <= LIMIT) if at_bound[1] else (up > -LIMIT) & (up < LIMIT)
+        up = torch.where(inside, up, up.detach().clamp(-LIMIT, LIMIT))
+        out = (up + 1) * (gate * torch.sigmoid(gate * ALPHA))
     out.backward(grad.float())
     return out.detach(), x.grad
 
 
-def mismatches(device: str) -> list[tuple[str, float]]:
-    """(case, largest excess over the tolerance) for every output or gradient outside it; [] when all agree."""
+def mismatches(device: str, at_bound=None) -> list[tuple[str, float]]:
+    """(case, largest excess over the tolerance) for every output or gradient outside it; [] when all agree.
+    ``at_bound``: the kernel and the reference take this clamp convention (reference's), not the running torch's."""
+    if at_bound is not None:
+        from rptrain.models import gating
+        gating.clamp_passes_at_bound = lambda: at_bound
     bad = []
     for activation in ("silu", "clamped_swiglu"):
         for dtype in (torch.float32, torch.bfloat16):
@@ -71,7 +83,7 @@ def mismatches(device: str) -> list[tuple[str, float]]:
                 x = gate_up.clone().requires_grad_()
                 out = fused(x, activation, ALPHA, LIMIT)
                 out.backward(grad)
-                for name, got, want in zip(("output", "gradient"), (out, x.grad), reference(gate_up, grad, activation)):
+                for name, got, want in zip(("output", "gradient"), (out, x.grad), reference(gate_up, grad, activation, at_bound)):
                     assert got.dtype == dtype and got.shape == want.shape
                     if excess(got, want, device) > 0:
                         bad.append((f"{activation} {dtype} rows={rows} I={I} {name}", excess(got, want, device)))
@@ -79,10 +91,12 @@ def mismatches(device: str) -> list[tuple[str, float]]:
 
 
 def test_kernels_match_the_eager_formula_in_the_interpreter():
-    """On the CPU under Triton's interpreter (set before triton is imported: a process of its own)."""
+    """On the CPU under Triton's interpreter (set before triton is imported: a process of its own); with the
+    running torch's clamp convention at the bounds, and with the other one (torch 2.11 passes the gradient there)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    script = "from tests.test_models_gating import mismatches; print(repr(mismatches('cpu')))"
+    script = ("from tests.test_models_gating import mismatches; from rptrain.models.gating import clamp_passes_at_bound; "
+              "other = tuple(not b for b in clamp_passes_at_bound()); print(repr(mismatches('cpu') + mismatches('cpu', other)))")
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
