@@ -266,27 +266,19 @@ def run_roundpipe(args, cfg, name):
     return timing, 0.0, {"hfu_counts_recompute": False}
 
 
-def run_plain(args, cfg, name):
+def run_plain(args, cfg, name, low_memory: bool = False):
+    """fp32 weights, bf16 autocast and torch's fused AdamW; ``low_memory`` (plain_ao8): bf16 weights and
+    torchao's AdamW8bit with bf16 stochastic rounding."""
+    if low_memory:
+        from torchao.optim import AdamW8bit  # ModuleNotFoundError: a result (measure)
     torch.manual_seed(0)  # as host_model: the same initial weights, so losses compare
-    model = build_model(name, device="cuda", dtype=torch.float32, **args.overrides)
+    model = build_model(name, device="cuda", dtype=torch.bfloat16 if low_memory else torch.float32, **args.overrides)
     checkpoint_blocks(model, args.checkpoint)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    step = torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=True)
-    timing = timed(step, args)
-    extra = gpu_busy(step, args.busy_steps)
-    del model, opt
-    torch.cuda.empty_cache()
-    return timing, float(args.checkpoint), extra
-
-
-def run_plain_ao8(args, cfg, name):
-    from torchao.optim import AdamW8bit  # ModuleNotFoundError: a result (measure)
-
-    torch.manual_seed(0)
-    model = build_model(name, device="cuda", dtype=torch.bfloat16, **args.overrides)
-    checkpoint_blocks(model, args.checkpoint)
-    opt = AdamW8bit(model.parameters(), lr=1e-4, bf16_stochastic_round=True)
-    step = torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=False)
+    if low_memory:
+        opt = AdamW8bit(model.parameters(), lr=1e-4, bf16_stochastic_round=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    step = torch_step(model, opt, tokens(args, cfg.vocab_size, "cuda"), autocast=not low_memory)
     timing = timed(step, args)
     extra = gpu_busy(step, args.busy_steps)
     del model, opt
@@ -487,7 +479,7 @@ def main() -> None:
 
 def measure(args, name: str, impl: str) -> dict:
     """One implementation's JSON record (or its out-of-memory error) in this process."""
-    runners = {"rptrain": run_rptrain, "plain": run_plain, "plain_ao8": run_plain_ao8, "fsdp2": run_fsdp2, "roundpipe": run_roundpipe,
+    runners = {"rptrain": run_rptrain, "plain": run_plain, "plain_ao8": functools.partial(run_plain, low_memory=True), "fsdp2": run_fsdp2, "roundpipe": run_roundpipe,
                **{s: functools.partial(run_deepspeed, setting=s) for s in deepspeed_zero.SETTINGS}}
     # Rotary tables are built up to max_seq_len: longer benchmark sequences raise it.
     base, big = preset(name)  # the big Qwen3 shapes are qwen3_8b with other sizes
