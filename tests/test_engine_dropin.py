@@ -380,6 +380,24 @@ def test_wrap_model_fits_its_engines_against_one_host_budget():
         wrap_model(Stack(4), lower_threshold=512, max_host_memory=int(2.5 * one))
 
 
+def test_wrap_model_steps_synchronously_where_one_engine_keeps_one_version():
+    """The budget leaves the second engine one version of the weights (the first took two): its step waits
+    anyway, so every engine's next call uses the stepped weights, not a mix of fresh and stale ones."""
+    from rptrain import wrap_model
+    from rptrain.optim import Adam as RpAdam
+
+    two = wrap_model(Stack(1), lower_threshold=512).layers[0].placement.total("host")
+    one = wrap_model(Stack(1), lower_threshold=512, single_version=True).layers[0].placement.total("host")
+    model = wrap_model(Stack(2), lower_threshold=512, max_host_memory=two + one)
+    assert [e.placement.single_version for _, e in model._engines] == [False, True]
+    with OptimizerCtx():
+        opt = RpAdam(model.parameters(), lr=1e-2)
+    model.forward_backward(input_args=(torch.randn(4, 64),), loss_fn=lambda out, _: out.square().mean())
+    model.step(lambda: (opt.step(), opt.zero_grad()))
+    assert [e._versions.required for _, e in model._engines] == [e._versions.last_step for _, e in model._engines]
+    model.close()
+
+
 class RandomMask(nn.Module):
     """Draws a mask in its forward; its recompute must reuse it (RNG replay is off below)."""
 

@@ -194,8 +194,10 @@ class WrappedModel(ForwardsAttributes):
         """``step_fn`` once, on the shared optimizer thread, with every engine's gradients bound.
         With trainable glue parameters it waits (the glue runs on the host, in place)."""
         self._raise_errors()
-        is_async = is_async and not any(p.requires_grad for _, p in self._glue)
         engines = [e._versions for _, e in self._engines]
+        # One engine with a single version of the weights waits for the shared step anyway; the others then use
+        # its result too, rather than train on a mix of fresh and one-step-stale weights.
+        is_async = is_async and not any(p.requires_grad for _, p in self._glue) and not any(e.host.single_version for e in engines)
         closed = [e.close_window() for e in engines]
         scalers: dict = {}
         for _, window_scalers in closed:
