@@ -136,9 +136,12 @@ def run_rptrain(args, cfg, name):
         options["gpu_state"] = False
     if args.single_version != "auto":  # the engine's single_version (one version of the weights, synchronous steps)
         options["single_version"] = args.single_version == "on"
-    if args.gpu_reserve is not None:
+    if args.gpu_reserve is not None or args.stream:
         from rptrain import Tuning
-        options["tuning"] = Tuning(gpu_state_reserve=args.gpu_reserve)
+        tuning = dict(gpu_state_reserve=args.gpu_reserve) if args.gpu_reserve is not None else {}
+        if args.stream:  # stream every stage instead of keeping the model resident (three copies of it on the GPU)
+            tuning.update(resident_share=0.0, resident_share_gpu_state=0.0)
+        options["tuning"] = Tuning(**tuning)
     fits_first(args, name, options)
     model = host_model(args, name, torch.bfloat16)
     note(f"{name} built")
@@ -429,6 +432,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the engines' step(is_async=...): --no-async steps synchronously, as plain PyTorch does (same losses)")
     p.add_argument("--gpu-reserve", type=float, default=None,
                    help="Tuning.gpu_state_reserve: the share of free GPU memory kept for activations when placing the state")
+    p.add_argument("--stream", action="store_true", help="rptrain: stream the weights even where the model could stay resident "
+                   "(Tuning.resident_share 0): with one version, more of the state fits on the GPU")
     p.add_argument("--max-gpu-memory", default=None, help="the engine's max_gpu_memory, e.g. 100GiB: caps the GPU state's budget")
     p.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
                    help="activation checkpointing per block for plain, fsdp2 and deepspeed")
