@@ -246,7 +246,7 @@ fi
 lowmem=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --fused)
 if [[ $what == lowmem ]]; then  # issues 29 and 30 on one GPU of either kind (about 9 minutes): the host step per parameter, the 8 B
   # preset, the 14 B shape as the engine chooses (H200: resident, two versions; H100: one version, streamed) and with one version
-  run 90 python3 bench/optim_lowp.py --device cpu --numel 200000000 --rounds 2 --steps 2 --only fused_fp32 lowmem_compiled
+  run 120 python3 bench/optim_lowp.py --device cpu --numel 100000000 --rounds 2 --steps 2 --only fused_fp32 lowmem_compiled
   run 150 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8
   run 170 "${lowmem[@]}" --model qwen3_14b --impl rptrain --master-dtype bf16 --state-dtype int8
   run 170 "${lowmem[@]}" --model qwen3_14b --impl rptrain --master-dtype bf16 --state-dtype int8 --single-version on
@@ -254,7 +254,7 @@ if [[ $what == lowmem ]]; then  # issues 29 and 30 on one GPU of either kind (ab
 fi
 if [[ $what == policy-8b ]]; then  # issue 29 on either GPU (about 9 minutes): the host step per parameter, each variant in its own
   # process; the 8 B preset as the engine chooses (two versions where they fit) and with one version of the weights
-  run 90 python3 bench/optim_lowp.py --device cpu --numel 200000000 --rounds 2 --steps 2 --only fused_fp32 lowmem_compiled
+  run 120 python3 bench/optim_lowp.py --device cpu --numel 100000000 --rounds 2 --steps 2 --only fused_fp32 lowmem_compiled
   # then plain PyTorch with the same state (bf16 weights, torchao's 8-bit AdamW; carry .whl with torchao's wheel), its own process
   run 290 "${lowmem[@]}" --model llama_8b --impl rptrain plain_ao8 --master-dtype bf16 --state-dtype int8
   run 150 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8 --single-version on
