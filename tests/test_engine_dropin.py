@@ -368,16 +368,16 @@ class Stack(nn.Module):
 
 
 def test_wrap_model_fits_its_engines_against_one_host_budget():
-    """A decoder stack's layers each fit alone but not together: refused at the first layer past the
+    """On the CPU (what the engines share is the host budget). A decoder stack's layers each fit alone but not together: refused at the first layer past the
     budget (before allocating it), instead of every engine fitting against the whole machine."""
     from rptrain import wrap_model
     from rptrain.engine import DoesNotFit
 
-    one = wrap_model(Stack(1), lower_threshold=512).layers[0].placement.total("host")
-    wrapped = wrap_model(Stack(4), lower_threshold=512, max_host_memory=4 * one)  # exactly enough: all four
+    one = wrap_model(Stack(1), lower_threshold=512, devices=["cpu"]).layers[0].placement.total("host")
+    wrapped = wrap_model(Stack(4), lower_threshold=512, devices=["cpu"], max_host_memory=4 * one)  # exactly enough: all four
     assert [e.placement.host_budget for _, e in wrapped._engines] == [4 * one, 3 * one, 2 * one, one]
     with pytest.raises(DoesNotFit, match=r"wrap_model: layers.2: the engines before it hold .* of the .* host budget; .*host"):
-        wrap_model(Stack(4), lower_threshold=512, max_host_memory=int(2.5 * one))
+        wrap_model(Stack(4), lower_threshold=512, devices=["cpu"], max_host_memory=int(2.5 * one))
 
 
 def test_wrap_model_steps_synchronously_where_one_engine_keeps_one_version():
@@ -386,9 +386,9 @@ def test_wrap_model_steps_synchronously_where_one_engine_keeps_one_version():
     from rptrain import wrap_model
     from rptrain.optim import Adam as RpAdam
 
-    two = wrap_model(Stack(1), lower_threshold=512).layers[0].placement.total("host")
-    one = wrap_model(Stack(1), lower_threshold=512, single_version=True).layers[0].placement.total("host")
-    model = wrap_model(Stack(2), lower_threshold=512, max_host_memory=two + one)
+    two = wrap_model(Stack(1), lower_threshold=512, devices=["cpu"]).layers[0].placement.total("host")
+    one = wrap_model(Stack(1), lower_threshold=512, devices=["cpu"], single_version=True).layers[0].placement.total("host")
+    model = wrap_model(Stack(2), lower_threshold=512, devices=["cpu"], max_host_memory=two + one)
     assert [e.placement.single_version for _, e in model._engines] == [False, True]
     with OptimizerCtx():
         opt = RpAdam(model.parameters(), lr=1e-2)
