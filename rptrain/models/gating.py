@@ -122,7 +122,7 @@ class _Gated(torch.autograd.Function):
         ctx.save_for_backward(gate_up)
         ctx.args = (activation, float(alpha), float(limit))
         out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.size(-1) // 2)
-        _launch(_forward, gate_up, out, *ctx.args)
+        _launch(_forward, gate_up, (out,), *ctx.args)
         return out
 
     @staticmethod
@@ -130,17 +130,19 @@ class _Gated(torch.autograd.Function):
         (gate_up,) = ctx.saved_tensors
         grad_gate_up = torch.empty_like(gate_up)
         gate_at, up_at = clamp_passes_at_bound()
-        _launch(_backward, gate_up, grad.contiguous(), *ctx.args, grad_gate_up, GATE_AT_BOUND=gate_at, UP_AT_BOUND=up_at)
+        _launch(_backward, gate_up, (grad.contiguous(), grad_gate_up), *ctx.args, GATE_AT_BOUND=gate_at, UP_AT_BOUND=up_at)
         return grad_gate_up, None, None, None
 
 
-def _launch(kernel, gate_up: Tensor, out: Tensor, activation: str, alpha: float, limit: float, *more: Tensor, **flags: bool) -> None:
+def _launch(kernel, gate_up: Tensor, tensors: tuple[Tensor, ...], activation: str, alpha: float, limit: float, **flags: bool) -> None:
+    """``kernel`` over gate_up's output elements; ``tensors``: its other pointers in order (forward: the output;
+    backward: the output's gradient, then gate_up's)."""
     n = gate_up.numel() // 2  # output elements, from the shape: no device read, so CUDA graphs capture it
     if not n:  # tokens = 0: nothing to launch
         return
     # Triton launches on the current device, which need not be gate_up's (one stage per GPU)
     with torch.cuda.device(gate_up.device) if gate_up.is_cuda else contextlib.nullcontext():
-        kernel[(triton.cdiv(n, BLOCK),)](gate_up, out, *more, n, alpha, limit,
+        kernel[(triton.cdiv(n, BLOCK),)](gate_up, *tensors, n, alpha, limit,
                                          I=gate_up.size(-1) // 2, SILU=activation == "silu", B=BLOCK, **flags)
 
 

@@ -109,8 +109,8 @@ void run_blocks(P* __restrict__ p, const G* __restrict__ g, void* m_, void* v_, 
         const float tiny = 1.17549435e-38f;
         const float m_inv = 1.f / std::max(m_scale, tiny), v_inv = 1.f / std::max(v_scale, tiny);
         // The fourth root of v / scale is the square root of sqrt(v) / sqrt(scale): sqrt(v) is the update's
-        // denominator's, so the code costs one square root instead of two (a vector sqrt costs as much as a
-        // division; the loop is bound by them: 0.88-0.91 -> 0.82 ns/param on CI's 2 cores). Its rounding may
+        // denominator's, so the code costs one square root instead of two (0.88-0.91 -> 0.82 ns/param on CI's
+        // 2 cores, separate invocations; approximate square roots, -mrecip, gained nothing more). Its rounding may
         // differ from lowbit.py's sqrt(sqrt(a)) by an fp32 step, moving a code across a boundary now and then.
         const float v_inv_sqrt = std::sqrt(v_inv);
         int8_t* __restrict__ mq = (int8_t*)m_ + lo; uint8_t* __restrict__ vq = (uint8_t*)v_ + lo;
