@@ -11,7 +11,7 @@ from torch import nn
 
 from reference import assert_state_close
 from rptrain import RoundPipe, Tuning
-from rptrain.engine import DoesNotFit
+from rptrain.engine import DoesNotFit, check_model_fits
 from rptrain.engine.gpushare import cuts
 from rptrain.engine.layout import FlatLayout
 from rptrain.engine.placement import HOST
@@ -105,3 +105,40 @@ def test_a_synchronous_step_takes_every_core():
     threads = {single: RoundPipe(mlp(), devices=[SimulatedDevice(0)], tuning=STREAM, single_version=single)._versions.thread._threads
                for single in (False, True)}
     assert threads == {False: max(1, torch.get_num_threads() - 1), True: torch.get_num_threads()}
+
+
+RESIDENT = Tuning(resident_share=1.0, resident_share_gpu_state=1.0, gpu_state_reserve=0.0)  # resident wherever allowed
+
+
+def gpu_budgets(model: nn.Sequential) -> tuple[int, int]:
+    """(a GPU budget where one version streamed keeps every layer's state on the GPU and two versions
+    resident do not; one where two versions resident keep it all too), found by the fit check alone."""
+    def host_params(budget: int, single: bool) -> int:
+        try:
+            return check_model_fits(model, devices=[SimulatedDevice(0)], tuning=RESIDENT, max_gpu_memory=budget,
+                                    single_version=single).params_on(HOST)
+        except DoesNotFit:
+            return -1
+    budgets = range(1 << 12, 1 << 20, 1 << 10)
+    split = next(b for b in budgets if host_params(b, True) == 0 and host_params(b, False) > 0)
+    roomy = next(b for b in budgets if host_params(b, False) == 0)
+    return split, roomy
+
+
+def test_auto_takes_one_version_where_it_keeps_more_state_on_the_gpu():
+    """Two versions where they keep the state on the GPU; one (streamed) where two would step on the host
+    what one keeps on the GPU: a synchronous step then beats an asynchronous host step (Tuning.one_version_host_share)."""
+    model = mlp()
+    split, roomy = gpu_budgets(model)
+    engine, _ = train_both(model, vector_batches(count=3), 2, delayed=False, engine_async=True,
+                           devices=[SimulatedDevice(0)], tuning=RESIDENT, max_gpu_memory=split)
+    assert engine._host.single_version and engine.placement.params_on(HOST) == 0
+    assert not engine._executor.resident  # one version streams: its GPU share's master is the compute copy
+    assert "Tuning.one_version_host_share" in str(engine.placement)
+    kept = RoundPipe(mlp(), devices=[SimulatedDevice(0)], tuning=RESIDENT, max_gpu_memory=roomy)
+    assert not kept._host.single_version and kept.placement.params_on(HOST) == 0
+    never = Tuning(resident_share=1.0, resident_share_gpu_state=1.0, gpu_state_reserve=0.0, one_version_host_share=0.0)
+    two = RoundPipe(mlp(), devices=[SimulatedDevice(0)], tuning=never, max_gpu_memory=split)
+    assert not two._host.single_version and two.placement.params_on(HOST) > 0
+    asked = RoundPipe(mlp(), devices=[SimulatedDevice(0)], tuning=RESIDENT, max_gpu_memory=split, single_version=True)
+    assert asked._host.single_version and asked.placement.params_on(HOST) == 0 and not asked._executor.resident

@@ -8,6 +8,7 @@ memory to build and initialise it (a 8 B model in fp32 is 32 GB and minutes on t
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -17,7 +18,7 @@ from ..optim.state import OptimizerMemory, state_memory_of
 from .device import Device, make_devices
 from .fit import DoesNotFit, Size, check_fit, host_keeps_compute_copies
 from .gpushare import gpu_state_allowed
-from .placement import Placement
+from .placement import HOST, Placement
 from .planning import same_on_all_ranks
 from .tuning import Tuning
 
@@ -41,22 +42,50 @@ def placement_for(layers: list[nn.Module], optim_dtype: torch.dtype, devices: li
                   gpu_state: bool, max_host_memory: Size, max_gpu_memory: Size, optimizer: Optional[OptimizerMemory] = None,
                   single_version: Optional[bool] = None) -> tuple[bool, bool, Placement, bool]:
     """(resident, host compute copies, placement, single version) of an engine over ``layers``; raises
-    DoesNotFit. ``single_version`` None: two versions (asynchronous steps) where they fit, else one."""
+    DoesNotFit. ``single_version`` None: two versions (asynchronous steps) unless one version keeps so much
+    more of the state on the GPU that its synchronous step wins (Tuning.one_version_host_share), or two do
+    not fit. One version considers the weights streamed as well as resident: without a second version a
+    streamed GPU share's master is its compute copy, so streaming frees the resident copies' GPU memory."""
     resident = devices[0].is_cuda and fits_resident(layers, devices, tuning, reducer, gpu_state)
-    copies = host_keeps_compute_copies(resident, tuning.refresh_gpu_share)
 
-    def fit(single: bool) -> Placement:
-        return check_fit(layers, optim_dtype, devices, resident, max_host_memory, max_gpu_memory, tuning.pin_frozen_share,
-                         *gpu_state_allowed(gpu_state, devices, resident, tuning, single), compute_copies=copies,
-                         optimizer=optimizer, single_version=single)
+    def fit(single: bool, resident: bool) -> tuple[bool, bool, Placement, bool]:
+        copies = host_keeps_compute_copies(resident, tuning.refresh_gpu_share)
+        return resident, copies, check_fit(layers, optim_dtype, devices, resident, max_host_memory, max_gpu_memory, tuning.pin_frozen_share,
+                                           *gpu_state_allowed(gpu_state, devices, resident, tuning, single), compute_copies=copies,
+                                           optimizer=optimizer, single_version=single), single
 
-    if single_version is None:
-        try:
-            return resident, copies, fit(False), False
-        except DoesNotFit:
-            pass  # one version needs less: its refusal, if it comes, gives the smaller numbers
-    single = single_version is not False
-    return resident, copies, fit(single), single
+    def one_version() -> tuple[bool, bool, Placement, bool]:
+        """Resident or streamed, whichever steps fewer parameters on the host (resident on a tie)."""
+        choices, refusal = [], None
+        for streamed in ((False, True) if resident else (False,)):
+            try:
+                choices.append(fit(True, resident and not streamed))
+            except DoesNotFit as e:
+                refusal = refusal or e
+        if not choices:
+            raise refusal
+        best = min(choices, key=lambda c: c[2].params_on(HOST))
+        return choices[same_on_all_ranks(reducer, choices.index(best))]
+
+    if single_version is not None:
+        return one_version() if single_version else fit(False, resident)
+    try:
+        two = fit(False, resident)
+    except DoesNotFit:
+        return one_version()  # one version needs less: its refusal, if it comes, gives the smaller numbers
+    host_two = two[2].params_on(HOST)
+    if not host_two or not (gpu_state and devices[0].is_cuda and len(devices) == 1):
+        return two
+    try:
+        one = one_version()
+    except DoesNotFit:
+        return two
+    host_one = one[2].params_on(HOST)
+    if not same_on_all_ranks(reducer, host_one < tuning.one_version_host_share * host_two):
+        return two
+    why = (f"one version of the weights: its host steps {host_one / 1e9:.2f} B parameters, two versions' {host_two / 1e9:.2f} B "
+           f"(Tuning.one_version_host_share {tuning.one_version_host_share})")
+    return one[0], one[1], replace(one[2], notes=one[2].notes + (why,)), True
 
 
 def check_model_fits(model: nn.Module, optim_dtype: torch.dtype = torch.float32, devices: Any = None, *,

@@ -16,6 +16,13 @@ class Tuning:
     # With GPU-resident optimizer state (RoundPipe(gpu_state=True)) the compute copy stays on the GPU
     # up to this share instead: the host then holds no compute copies of the GPU share and casts none.
     resident_share_gpu_state: float = 0.5
+    # With RoundPipe(single_version=None), one version of the weights (synchronous steps; resident or
+    # streamed, whichever keeps more state on the GPU) is chosen over two when its host steps less than this
+    # share of the parameters two versions' host steps. Llama-3.1-8B with the low-memory preset on an H100
+    # (bench/gpu_suite.sh preset-8b, 2026-12-06, one invocation): two versions stepped 7.29 B parameters on
+    # the host, 3,817 tokens/s; one version streamed 0, 8,387 tokens/s (2.2x). The 0.5 between those ends is
+    # a judgement: a synchronous step exposes its host share, an asynchronous one hides up to a call of it.
+    one_version_host_share: float = 0.5
     # Of the GPU's free memory: kept for activations and the schedule's working set when placing the
     # optimizer state before the first call has measured them (the planner then cuts stages to what is
     # left). Llama-3B at 4 x 4096 peaked at 60 GiB on the H200 with about 25 of them weight copies;
