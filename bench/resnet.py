@@ -180,7 +180,8 @@ def library(name: str) -> SimpleNamespace:
 
 def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int | None = None, memory_format: str = "contiguous"):
     lib = library(lib_name)
-    dtype = torch.float16 if args.device == "cuda" else torch.float32
+    cuda = args.device == "cuda"
+    dtype = (torch.bfloat16 if args.bf16 else torch.float16) if cuda else torch.float32
     ours = lib_name == "rptrain"
     extra = dict(cuda_graphs=not args.no_graphs, optimizer_threads=optimizer_threads) if ours else {}
     if ours and args.no_gpu_state:  # passed only when set: gpu_suite.sh engine-ab runs an engine from before the option
@@ -192,7 +193,7 @@ def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int
     model = lib.RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32, **extra)
     with lib.OptimizerCtx():
         optimizer = lib.Adam(model.parameters())
-    scaler = lib.GradScaler(enabled=args.device == "cuda")
+    scaler = lib.GradScaler(enabled=cuda and not args.bf16)  # bf16 has fp32's range: no loss scaling
     criterion = nn.CrossEntropyLoss()
     data = batches(args, dtype)
     read = Reader(args.read_interval)
@@ -312,6 +313,7 @@ def main() -> None:
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--profile", action="store_true", help="report GPU busy time from a torch.profiler trace")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run")
+    p.add_argument("--bf16", action="store_true", help="engine: bf16 compute copy without a GradScaler (the CLI's precision=bf16)")
     p.add_argument("--no-step", action="store_true", help="engine without the Adam step (its ceiling)")
     p.add_argument("--cprofile", action="store_true", help="cProfile 10 engine steps (all Python threads on 3.12+)")
     p.add_argument("--repeat", type=int, default=1, help="alternate plain and engine runs this many times")
@@ -354,7 +356,7 @@ def main() -> None:
                 rate = args.batch / seconds
                 emit(bench="resnet34", impl="rptrain", device=args.device, batch=args.batch, microbatches=args.microbatches, read_interval=args.read_interval,
                      memory_format=fmt, metrics_on_device=args.metrics_on_device, data_on_device=args.data_on_device, cuda_graphs=not args.no_graphs,
-                     whole_call=not args.no_whole_call, optimizer_threads=threads, adam=not args.no_step, step_ms=round(seconds * 1e3, 3),
+                     whole_call=not args.no_whole_call, optimizer_threads=threads, adam=not args.no_step, bf16=args.bf16, step_ms=round(seconds * 1e3, 3),
                      images_per_s=round(rate, 1), **({"rptrain_over_plain": round(rate / plain_rate, 3)} if plain_rate else {}))
         if args.impl in ("roundpipe", "all"):
             seconds = engine(args, model_kwargs, "roundpipe")

@@ -67,6 +67,11 @@ class Device:
         """Order this call's compute after the work the caller queued before it (on the caller's
         thread, before any stream switch): inputs and labels it made on this GPU, e.g. augmentation."""
 
+    def join_caller(self) -> None:
+        """The end of a call whose results nobody reads on the host: order the caller's later work (and
+        the optimizer thread's, on the default stream) after the call's, without waiting for it."""
+        self.synchronize()
+
     def receive(self, value: Any, event: Any, source: Optional["Device"]) -> Any:
         """Make tensors produced on ``source`` (None: the host) usable on this device's compute stream."""
         return map_tensors(lambda t: t.to(self.torch_device), value)
@@ -159,6 +164,12 @@ class CudaDevice(Device):
 
     def follow_caller(self) -> None:
         self.streams["compute"].wait_stream(torch.cuda.current_stream(self.torch_device))
+
+    def join_caller(self) -> None:
+        waiting = {torch.cuda.current_stream(self.torch_device), torch.cuda.default_stream(self.torch_device)}
+        for stream in waiting:
+            for engine_stream in self.streams.values():
+                stream.wait_stream(engine_stream)
 
     def receive(self, value: Any, event: Any, source: Optional[Device]) -> Any:
         if source is self:

@@ -1,0 +1,60 @@
+"""How a call ends (executor.py's ``_host_waits``): the caller waits for the devices only where the host
+reads something the call made (a GradScaler's inf/NaN verdict, gradients landing in host memory, outputs
+copied to another device, a profile); otherwise the device only orders the caller's later work after the
+call (``join_caller``: on a GPU, stream waits). Issue 33: that wait kept host issue and GPU work from
+overlapping. Counted on a SimulatedDevice; the numbers stay plain PyTorch's either way (the equivalence
+tests run both paths)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from rptrain import GradScaler, RoundPipeRunConfig, Tuning
+from rptrain.engine.simulated import SimulatedDevice
+from test_engine_equivalence import make_engine, mlp, train_both, vector_batches
+
+RESIDENT = Tuning(resident_share=1.0, resident_share_gpu_state=1.0, gpu_state_reserve=0.0)
+
+
+class Counting(SimulatedDevice):
+    def __init__(self, index: int):
+        super().__init__(index)
+        self.ends = []
+
+    def synchronize(self) -> None:
+        self.ends.append("wait")
+        super().synchronize()
+
+    def join_caller(self) -> None:  # (the base class's would wait: a device without streams has nothing to order)
+        self.ends.append("join")
+
+
+def ends_of(engine, device: Counting, **call) -> list[str]:
+    x, y = vector_batches(count=1)[0]
+    device.ends.clear()
+    engine.forward_backward(input_args=(x,), label=y, loss_fn=call.pop("loss_fn", nn.CrossEntropyLoss()),
+                            run_config=RoundPipeRunConfig(num_microbatch=2, **call))
+    return device.ends
+
+
+def test_a_call_the_host_reads_nothing_of_ends_without_waiting():
+    device = Counting(0)
+    engine, _ = make_engine(mlp(), devices=[device], tuning=RESIDENT)
+    assert engine.placement.params_on("host") == 0 and engine._executor.resident
+    ends_of(engine, device)  # the first call profiles its stages: the host reads the timings
+    assert ends_of(engine, device) == ["join"]  # outputs stay where the call ran (the simulated GPU's tensors)
+    scaler = GradScaler()
+    assert "wait" in ends_of(engine, device, loss_fn=lambda out, lab: scaler.scale(nn.functional.cross_entropy(out, lab)))
+
+
+def test_a_call_whose_gradients_land_on_the_host_waits():
+    device = Counting(0)
+    engine, _ = make_engine(mlp(), devices=[device], tuning=RESIDENT, gpu_state=False)
+    ends_of(engine, device)
+    assert ends_of(engine, device) == ["wait"]
+
+
+def test_training_that_ends_calls_without_waiting_equals_plain_pytorch():
+    engine, _ = train_both(mlp(), vector_batches(count=4), 2, delayed=True, devices=[Counting(0)], tuning=RESIDENT)
+    assert engine._executor.resident and engine.placement.params_on("host") == 0
