@@ -32,7 +32,7 @@ def state_budget(model: nn.Sequential, layers: int) -> int:
 def test_async_steps_train_exactly_like_synchronous_pytorch(where):
     """``is_async=True`` is synchronous with one version: the reference steps synchronously too."""
     model = mlp()
-    kw = {} if where == "cpu" else dict(devices=[SimulatedDevice(0)], tuning=STREAM)
+    kw = dict(devices=["cpu"]) if where == "cpu" else dict(devices=[SimulatedDevice(0)], tuning=STREAM)
     if where == "stream-host":
         kw["gpu_state"] = False
     if where == "stream-split":
@@ -71,7 +71,7 @@ def test_memory_one_version_against_two():
 
 def test_bf16_model_with_fp32_master_keeps_one_compute_copy():
     model = mlp().to(torch.bfloat16)
-    engine = RoundPipe(model, optim_dtype=torch.float32, single_version=True)
+    engine = RoundPipe(model, optim_dtype=torch.float32, single_version=True, devices=["cpu"])  # (a GPU keeps no host copies)
     host = engine._host
     assert not host.master_is_compute and host.compute[0] is host.compute[1]
     one_copy = sum(n * host.params.dtypes[k].itemsize for k, n in host.host.sizes.items())  # bf16, alignment included

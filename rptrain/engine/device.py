@@ -9,6 +9,7 @@ and its "uploads" hand back the host tensor itself, so the executor's logic runs
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -67,10 +68,16 @@ class Device:
         """Order this call's compute after the work the caller queued before it (on the caller's
         thread, before any stream switch): inputs and labels it made on this GPU, e.g. augmentation."""
 
-    def join_caller(self) -> None:
-        """The end of a call whose results nobody reads on the host: order the caller's later work (and
-        the optimizer thread's, on the default stream) after the call's, without waiting for it."""
+    def join_caller(self) -> Any:
+        """The end of a call whose results nobody reads on the host: order the caller's later work after
+        the call's without waiting for it. Returns what ``stepping`` needs to order a step after the call."""
         self.synchronize()
+        return None
+
+    def stepping(self, ended: Any) -> contextlib.AbstractContextManager:
+        """Where the optimizer thread steps the gradients of a call that ended with ``join_caller``:
+        after that call, not after the calls the caller has issued since."""
+        return contextlib.nullcontext()
 
     def receive(self, value: Any, event: Any, source: Optional["Device"]) -> Any:
         """Make tensors produced on ``source`` (None: the host) usable on this device's compute stream."""
@@ -137,6 +144,11 @@ class CpuDevice(Device):
         super().__init__(index, torch.device("cpu"))
 
 
+# The optimizer threads' streams, by GPU index: a step's GPU work waits for the calls it steps (stepping).
+_STEP_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+_STEP_STREAMS_LOCK = threading.Lock()
+
+
 class CudaDevice(Device):
     is_cuda = True
     pins_memory = True
@@ -165,11 +177,23 @@ class CudaDevice(Device):
     def follow_caller(self) -> None:
         self.streams["compute"].wait_stream(torch.cuda.current_stream(self.torch_device))
 
-    def join_caller(self) -> None:
-        waiting = {torch.cuda.current_stream(self.torch_device), torch.cuda.default_stream(self.torch_device)}
-        for stream in waiting:
-            for engine_stream in self.streams.values():
-                stream.wait_stream(engine_stream)
+    def join_caller(self) -> Any:
+        ended = [stream.record_event() for stream in self.streams.values()]
+        caller = torch.cuda.current_stream(self.torch_device)
+        for event in ended:
+            caller.wait_event(event)
+        return ended
+
+    def stepping(self, ended: Any) -> contextlib.AbstractContextManager:
+        if not ended:
+            return contextlib.nullcontext()
+        with _STEP_STREAMS_LOCK:  # one per GPU, shared by engines: wrap_model's one step nests every engine's context
+            stream = _STEP_STREAMS.get(self.torch_device.index)
+            if stream is None:
+                stream = _STEP_STREAMS[self.torch_device.index] = torch.cuda.Stream(self.torch_device)
+        for event in ended:
+            stream.wait_event(event)
+        return torch.cuda.stream(stream)
 
     def receive(self, value: Any, event: Any, source: Optional[Device]) -> Any:
         if source is self:

@@ -10,6 +10,8 @@ a thread for the call.
 """
 from __future__ import annotations
 
+import contextlib
+
 import operator
 import threading
 from typing import Any, Callable, Optional, Sequence
@@ -40,6 +42,11 @@ _training = operator.attrgetter("training")
 _COMPUTE: dict[Op, Callable] = {Op.FORWARD: compute.forward, Op.FUSED: compute.fused, Op.BACKWARD: compute.backward}
 
 
+def _resolved(device: torch.device) -> torch.device:
+    """``cuda`` without an index is the current GPU, as the tensors made there say."""
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+
+
 class Executor:
     def __init__(self, layers: Sequence[torch.nn.Module], host: HostState, devices: Sequence[Device], tuning: Tuning, *,
                  resident: bool = False, cuda_graphs: bool = False, reducer: Any = None,
@@ -61,6 +68,7 @@ class Executor:
         self._stage_modules: dict[tuple[int, int], list[nn.Module]] = {}  # (start, stop) -> its layers' modules, walked once
         self._lowered: dict[tuple, tuple[Sequence[Job], list[Lowered], CallPath]] = {}  # (id(jobs), facts) -> (jobs, actions, path)
         self._whole: dict[int, Any] = {}  # device index -> its recorded whole calls (wholecall.py)
+        self.ended: dict[int, Any] = {}  # device index -> how its newest call ended (Device.join_caller; None: waited for)
         self._handlers: dict[Op, Callable[[JobRun, Action, PassState], None]] = {
             Op.UPLOAD: self._bring, Op.BIND: self._bring, Op.PREFETCH: self._prefetch, Op.BUFFERS: self._buffers,
             Op.START: self._start, Op.FORWARD: self._compute, Op.FUSED: self._compute, Op.BACKWARD: self._compute, Op.CALL: self._whole_call,
@@ -130,7 +138,9 @@ class Executor:
             host_waits = self._host_waits(state, [self.devices[i] for i in by_device])
             for index in by_device:
                 device = self.devices[index]
-                device.synchronize() if host_waits else device.join_caller()
+                if host_waits:
+                    device.synchronize()
+                self.ended[index] = None if host_waits else device.join_caller()
         if state.error is not None:
             raise state.error
         self.sink.finish(state, [self.devices[i] for i in by_device])
@@ -143,7 +153,7 @@ class Executor:
         ms a step, host issue and GPU work running one after the other)."""
         return (len(used) != 1 or self.reducing or not self.resident or state.error is not None or bool(state.scalers)
                 or bool(state.deferred_adds) or state.profile or state.offload or self.host.host.total > 0
-                or state.output_device != used[0].torch_device)
+                or _resolved(state.output_device) != used[0].torch_device)
 
     def _worker(self, items: list[Lowered], state: PassState) -> None:
         try:
@@ -270,6 +280,14 @@ class Executor:
             state.buffer_events.append(device.record("download"))
 
     # ----------------------------------------------------------------------------- between calls
+    def after_calls(self, ended: dict[int, Any]) -> contextlib.AbstractContextManager:
+        """The optimizer thread's context for a step of the calls that ended as ``ended`` (``self.ended``
+        when the step was submitted): its GPU work follows them, not the calls issued since."""
+        stack = contextlib.ExitStack()
+        for index, events in ended.items():
+            stack.enter_context(self.devices[index].stepping(events))
+        return stack
+
     def publish(self, version: int) -> None:
         """After an optimizer step wrote the master: compute copy ``version`` where jobs read it."""
         self.store.publish(version)

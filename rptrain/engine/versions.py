@@ -51,7 +51,8 @@ class Versions:
     def step(self, step_fn: Callable[[], Any], is_async: bool) -> None:
         """Submit ``step_fn`` with the window's gradients bound, and do the bookkeeping."""
         buffer, scalers = self.close_window()
-        version = self.submit(functools.partial(self.run_step, step_fn, buffer, scalers))
+        ended = dict(self.executor.ended)  # the calls whose gradients it steps: its GPU work follows them
+        version = self.submit(functools.partial(self.run_step, step_fn, buffer, scalers, ended))
         self.stepped(version, buffer, is_async)
 
     def synchronize(self) -> None:
@@ -159,8 +160,9 @@ class Versions:
         return version
 
     # ----------------------------------------------------------------------------- the optimizer thread
-    def run_step(self, step_fn: Callable[[], Any], buffer: Optional[GradBuffer], scalers: dict, version: int) -> None:
-        with self.host.master_lock:  # the master changes and its version is staged: resident.py's copy() waits
+    def run_step(self, step_fn: Callable[[], Any], buffer: Optional[GradBuffer], scalers: dict, ended: dict, version: int) -> None:
+        # The master changes and its version is staged: resident.py's copy() waits.
+        with self.host.master_lock, self.executor.after_calls(ended):
             try:
                 with span("bind_grads"):
                     self.bind_master_grads(buffer)
