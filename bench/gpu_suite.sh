@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|policy-8b|preset-8b|hostwork|experts|lowmem-acc|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|policy-8b|preset-8b|hostwork|hostwork-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -276,6 +276,12 @@ if [[ $what == hostwork ]]; then  # issue 33 (about 4 minutes): where the engine
   run 35 python3 bench/resnet.py --impl rptrain "${as_cli[@]}" --no-step
   run 45 python3 bench/resnet.py --impl rptrain "${as_cli[@]}" --cprofile --trace
   # bf16 without a GradScaler (the graphed loop's precision): no inf verdict to read, so calls end without a host wait
+  run 35 python3 bench/resnet.py --impl rptrain "${as_cli[@]}" --bf16
+  run 45 python3 bench/resnet.py --impl rptrain "${as_cli[@]}" --bf16 --cprofile --trace
+fi
+if [[ $what == hostwork-bf16 ]]; then  # issue 33 (about 1.5 minutes): the graphed loop and the engine in bf16 (no GradScaler)
+  as_cli=(--memory-format channels_last --metrics-on-device --data-on-device --read-interval 25 --steps 60 --warmup 10)
+  run 35 python3 bench/resnet.py --impl graphed --memory-format channels_last --read-interval 25 --steps 60 --warmup 10 --data-on-device
   run 35 python3 bench/resnet.py --impl rptrain "${as_cli[@]}" --bf16
   run 45 python3 bench/resnet.py --impl rptrain "${as_cli[@]}" --bf16 --cprofile --trace
 fi
