@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|policy-8b|preset-8b|hostwork|hostwork-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -143,6 +143,10 @@ if [[ $what == cli ]]; then  # issue 22: the CLI's main job against plain PyTorc
   cli_resnet 200 --timeout 60 --cli-variant trainer.eval_num_microbatch=1
   # The engine's host timeline (wait_devices: the GPU's share of a call; the rest is the issuing thread's)
   run 35 python3 bench/resnet.py --impl rptrain --memory-format channels_last --read-interval 25 --steps 30 --trace
+fi
+if [[ $what == cli-bf16 ]]; then  # issue 33 (about 3.5 minutes): the CLI as precision=auto chooses (fp16 + GradScaler) and in bf16,
+  # against the graphed plain loop, one invocation
+  cli_resnet 230 --timeout 60 --cli-variant precision=bf16
 fi
 if [[ $what == lora ]]; then  # issue 18 (about 8 minutes): the graphs-and-frozen-weights diagnosis, LoRA 8B against PEFT and the original, the largest model
   run 60 python3 bench/graph_frozen.py
