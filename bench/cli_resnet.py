@@ -140,7 +140,12 @@ def main() -> None:
     engines = run_all(args, env, "rptrain", [same] if args.quick else ["channels_last", "contiguous"])
     # The engine used as the CLI uses it: loss and accuracy kept on the GPU, read every --log-interval steps.
     # The batches wait on the GPU as the CLI's GPU-augmented dataset does (data_ms 0.14 there, 2026-12-04).
-    like_cli = run_all(args, env, "rptrain", [same], flags=["--metrics-on-device", "--data-on-device"])
+    # In the CLI's precision too: precision=auto is bf16 (no GradScaler) on a GPU with bf16 (rptrain/train/auto_precision.py).
+    sys.path.insert(0, str(ROOT))
+    from rptrain.train.auto_precision import auto_precision
+
+    bf16 = args.device == "cuda" and auto_precision("compute_dtype") == "bfloat16"
+    like_cli = run_all(args, env, "rptrain", [same], flags=["--metrics-on-device", "--data-on-device"] + (["--bf16"] if bf16 else []))
     # torch.compile traces and compiles during its first steps: 5 more warm-up steps for it.
     plain_formats = ["contiguous", "channels_last"] + ([] if args.quick else ["inputs"])
     plains = run_all(args, env, "plain", plain_formats, ["channels_last"] if args.compile else [], warmup=5,

@@ -50,15 +50,16 @@ def test_defaults_are_the_tutorials_setup(make):
     assert tutorial.grad_scaler.enabled and tutorial.grad_scaler.init_scale == 2.0**16
 
 
-def test_precision_auto_is_the_tutorials_fp16_on_cuda_and_fp32_on_a_cpu(make, monkeypatch):
+def test_precision_auto_is_bf16_on_a_bf16_gpu_the_tutorials_fp16_on_an_older_one_and_fp32_on_a_cpu(make, monkeypatch):
     """precision=auto (the default) picks by device when the config is read; otherwise it is precision=fp16."""
     cfg = make()
     assert OmegaConf.to_container(make("precision=fp16").precision.grad_scaler) == {
         **OmegaConf.to_container(cfg.precision.grad_scaler, resolve=True), "enabled": True}
-    for cuda, dtype in ((False, "float32"), (True, "float16")):
+    for cuda, bf16, dtype, scaled in ((False, False, "float32", False), (True, False, "float16", True), (True, True, "bfloat16", False)):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-        assert cfg.precision.compute_dtype.value == dtype and cfg.precision.grad_scaler.enabled == cuda
-        assert build_scaler(cfg.precision).is_enabled() == cuda
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
+        assert cfg.precision.compute_dtype.value == dtype and cfg.precision.grad_scaler.enabled == scaled
+        assert build_scaler(cfg.precision).is_enabled() == scaled
 
 
 def test_resnet34_from_the_config_is_the_tutorial_network(make):
