@@ -241,3 +241,25 @@ def test_llama_8b_fits_one_h200_without_host_compute_copies(monkeypatch):
     assert copies.gpu_layers == lean.gpu_layers and copies.totals[HOST]["compute"] == 2 * 2 * lean.params_on(HOST)
     assert copies.total(HOST) - lean.total(HOST) == copies.totals[HOST]["compute"]  # pinned: large blocks, mapped exactly
     assert "host memory needed" in str(info.value)
+
+
+def test_engines_of_one_process_fit_against_what_the_open_ones_leave(monkeypatch):
+    """Two hand-built engines used to fit each against the whole machine, together past it (an OOM kill
+    instead of a refusal); the default budget now subtracts what the open engines hold, until they close."""
+    from rptrain.engine import fit
+
+    monkeypatch.setattr(fit, "_held", type(fit._held)())  # engines other tests left uncollected do not count here
+    model = lambda: nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    need = RoundPipe(model(), devices=["cpu"], max_host_memory="1GiB").placement.total(HOST)
+    monkeypatch.setattr(fit, "host_budget", lambda cap: (1_000_000, "a test budget") if cap is None else (fit.parse_size(cap), "max_host_memory"))
+    first = RoundPipe(model(), devices=["cpu"])
+    assert first.placement.host_budget == 1_000_000
+    second = RoundPipe(model(), devices=["cpu"])
+    assert second.placement.host_budget == 1_000_000 - need and "open engine(s) of this process hold" in second.placement.sources[HOST]
+    explicit = RoundPipe(model(), devices=["cpu"], max_host_memory=need)  # an explicit cap is the engine's own
+    assert explicit.placement.host_budget == need
+    with pytest.raises(DoesNotFit, match="open engine"):
+        RoundPipe(nn.Sequential(*[nn.Linear(128, 128) for _ in range(30)]), devices=["cpu"])
+    for engine in (first, second, explicit):
+        engine.close()
+    assert RoundPipe(model(), devices=["cpu"]).placement.host_budget == 1_000_000

@@ -17,10 +17,12 @@ the whole model).
 """
 from __future__ import annotations
 
+import gc
 import os
 import re
+import weakref
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -89,6 +91,31 @@ def host_budget(max_host_memory: Size) -> tuple[int, str]:
     return (physical - reserve) // ranks, f"physical {fmt_bytes(physical)} less a {fmt_bytes(reserve)} reserve{shared}; max_host_memory sets another"
 
 
+# Host bytes each open engine of this process placed there (RoundPipe claims its placement's at construction
+# and releases it at close() or when collected): a default budget is what the machine has less what they hold.
+_held: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def claim_host(owner: Any, nbytes: int) -> None:
+    _held[owner] = nbytes
+
+
+def release_host(owner: Any) -> None:
+    _held.pop(owner, None)
+
+
+def host_budget_left(max_host_memory: Size) -> tuple[int, str]:
+    """``host_budget``, less what the open engines of this process hold where the budget is the machine's
+    (an explicit ``max_host_memory`` is this engine's own cap)."""
+    budget, source = host_budget(max_host_memory)
+    if max_host_memory is None and _held:
+        gc.collect()  # engines nobody can reach any more (cycles not yet collected) hold nothing
+    held = list(_held.values())
+    if max_host_memory is not None or not any(held):
+        return budget, source
+    return budget - sum(held), f"{source}; less {fmt_bytes(sum(held))} that {len(held)} open engine(s) of this process hold"
+
+
 def gpu_budget(devices: Sequence[Device], max_gpu_memory: Size) -> tuple[int, str]:
     """(bytes, where they come from): the least free memory of the engine's GPUs, capped by ``max_gpu_memory``."""
     cuda = [d for d in devices if d.is_cuda]
@@ -151,7 +178,7 @@ def check_fit(layers: Sequence[nn.Module], optim_dtype: torch.dtype, devices: Se
                        host_grad_buffers=buffers_kept, gpu_grad_buffers=buffers_kept)
     flat = lambda layout: [n * layout.dtypes[k].itemsize for k, n in layout.sizes.items()]
     frozen_bytes = sum(flat(frozen))
-    host, host_from = host_budget(max_host_memory)
+    host, host_from = host_budget_left(max_host_memory)
     gpu, gpu_from = gpu_budget(devices, max_gpu_memory)
     weights = [params.nbytes(i, i + 1) + frozen.nbytes(i, i + 1) for i in range(len(layers))]
     grads = [params.nbytes(i, i + 1) for i in range(len(layers))]  # in the compute dtype, as plan.LayerCost counts them

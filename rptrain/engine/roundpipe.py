@@ -24,7 +24,7 @@ from .device import make_devices
 from .explain import explain
 from .executor import Executor
 from ..optim.state import OptimizerMemory, state_memory_of
-from .fit import Size
+from .fit import Size, claim_host, release_host
 from .forwarding import ForwardsAttributes
 from .passstate import Args, PassState, float_tensors
 from .host import HostState
@@ -131,6 +131,7 @@ class RoundPipe(ForwardsAttributes):
         self._closed = False
         self._user = UserModule(self._host, self._versions)  # the wrapped module as its user sees it (user_module.py)
         register_step_queue(self)
+        claim_host(self, self.placement.total("host"))  # engines made after this one fit against what it leaves
         self.keeps_user_weights = keep_user_weights
         self._initialized = True  # from here on, attributes RoundPipe lacks are the wrapped model's
 
@@ -162,8 +163,7 @@ class RoundPipe(ForwardsAttributes):
             yield name, master.get(id(p), p)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        for _, p in self.named_parameters():
-            yield p
+        yield from (p for _, p in self.named_parameters())
 
     def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The master parameters, named (what ``named_parameters()`` gives inside ``OptimizerCtx``)."""
@@ -172,8 +172,7 @@ class RoundPipe(ForwardsAttributes):
         yield from named
 
     def optim_parameters(self) -> Iterator[nn.Parameter]:
-        for _, p in self.optim_named_parameters():
-            yield p
+        yield from (p for _, p in self.optim_named_parameters())
 
     @property
     def devices(self) -> list:
@@ -293,6 +292,7 @@ class RoundPipe(ForwardsAttributes):
         if self._closed:
             return
         self._closed = True
+        release_host(self)
         self.wait_for_steps()
         self._versions.thread.close()
         # Let go of the process group: one still referenced when the interpreter exits is torn

@@ -27,7 +27,7 @@ from torch import nn
 
 from .batching import merge_outputs, split_inputs, split_label
 from .config import RoundPipeRunConfig
-from .fit import DoesNotFit, host_budget
+from .fit import DoesNotFit, host_budget_left
 from .forwarding import ForwardsAttributes
 from .optimizer_ctx import OptimizerCtx, in_optimizer_ctx
 from .placement import HOST, fmt_bytes
@@ -46,7 +46,7 @@ def wrap_model(model: nn.Module, model_run_config: Optional[RoundPipeRunConfig] 
     if isinstance(model, nn.Sequential):
         return make(model)
     engines: list[tuple[str, RoundPipe]] = []
-    claimed = _Claims(host_budget(roundpipe_kwargs.pop("max_host_memory", None))[0])
+    claimed = _Claims(host_budget_left(roundpipe_kwargs.pop("max_host_memory", None))[0])
     _wrap_children(model, "", claimed.checked(make), config, lower_threshold, skip_modules, engines)
     return WrappedModel(model, engines, config)
 
