@@ -26,8 +26,9 @@ class Counting(SimulatedDevice):
         self.ends.append("wait")
         super().synchronize()
 
-    def join_caller(self) -> None:  # (the base class's would wait: a device without streams has nothing to order)
+    def join_caller(self) -> tuple:  # (the base class's waits: a device without streams has nothing to order)
         self.ends.append("join")
+        return ()  # what a GPU returns is its streams' end events: none here
 
 
 def ends_of(engine, device: Counting, **call) -> list[str]:
@@ -58,3 +59,19 @@ def test_a_call_whose_gradients_land_on_the_host_waits():
 def test_training_that_ends_calls_without_waiting_equals_plain_pytorch():
     engine, _ = train_both(mlp(), vector_batches(count=4), 2, delayed=True, devices=[Counting(0)], tuning=RESIDENT)
     assert engine._executor.resident and engine.placement.params_on("host") == 0
+
+
+def test_the_step_of_such_calls_leaves_its_gpu_work_to_the_next_call():
+    """After calls that ended with ``join_caller`` the optimizer thread marks its GPU work with an event the
+    next call's streams wait on (``Executor.step_done``) instead of waiting for it; after a call the host
+    waited for, it waits for its GPU work itself (``wait_queued``)."""
+    device = Counting(0)
+    engine, opt = make_engine(mlp(), devices=[device], tuning=RESIDENT)
+    marked, waited = [], []
+    engine._executor.step_done = lambda: marked.append(True)
+    engine._host.gpu.wait_queued = lambda: waited.append(True)
+    for _ in range(3):
+        ends_of(engine, device)
+        engine.step(lambda: (opt.step(), opt.zero_grad()))
+    engine.wait_for_steps()
+    assert waited == [True] and marked == [True, True]  # the first call profiled (a host wait), the others joined

@@ -64,9 +64,10 @@ class Device:
         """Copy ``src`` into the host tensor ``dst``; call inside ``stream("download")``."""
         dst.copy_(src)
 
-    def follow_caller(self) -> None:
-        """Order this call's compute after the work the caller queued before it (on the caller's
-        thread, before any stream switch): inputs and labels it made on this GPU, e.g. augmentation."""
+    def follow_caller(self, stream: str = "compute") -> None:
+        """Order ``stream``'s next work after what the calling thread queued on its current stream
+        (for a call: inputs and labels it made on this GPU, e.g. augmentation; for a version's staging:
+        the step that wrote the master)."""
 
     def join_caller(self) -> Any:
         """The end of a call whose results nobody reads on the host: order the caller's later work after
@@ -78,6 +79,17 @@ class Device:
         """Where the optimizer thread steps the gradients of a call that ended with ``join_caller``:
         after that call, not after the calls the caller has issued since."""
         return contextlib.nullcontext()
+
+    def step_event(self) -> Any:
+        """Marks the step work issued so far on the current stream (None: it is done already)."""
+        return None
+
+    def follow_step(self, event: Any) -> None:
+        """Order this device's streams after a step's ``step_event``: the next call's writes of the
+        gradient buffer the step read, and its reads of the master the step wrote."""
+
+    def settle_steps(self) -> None:
+        """Wait for the steps queued on the optimizer threads' stream (before the host reads the master)."""
 
     def receive(self, value: Any, event: Any, source: Optional["Device"]) -> Any:
         """Make tensors produced on ``source`` (None: the host) usable on this device's compute stream."""
@@ -174,8 +186,8 @@ class CudaDevice(Device):
     def copy_to_host(self, dst: Tensor, src: Tensor) -> None:
         dst.copy_(src, non_blocking=True)
 
-    def follow_caller(self) -> None:
-        self.streams["compute"].wait_stream(torch.cuda.current_stream(self.torch_device))
+    def follow_caller(self, stream: str = "compute") -> None:
+        self.streams[stream].wait_stream(torch.cuda.current_stream(self.torch_device))
 
     def join_caller(self) -> Any:
         ended = [stream.record_event() for stream in self.streams.values()]
@@ -194,6 +206,19 @@ class CudaDevice(Device):
         for event in ended:
             stream.wait_event(event)
         return torch.cuda.stream(stream)
+
+    def step_event(self) -> Any:
+        return torch.cuda.current_stream(self.torch_device).record_event()
+
+    def follow_step(self, event: Any) -> None:
+        if event is not None:
+            for stream in self.streams.values():
+                stream.wait_event(event)
+
+    def settle_steps(self) -> None:
+        stream = _STEP_STREAMS.get(self.torch_device.index)
+        if stream is not None:
+            stream.synchronize()
 
     def receive(self, value: Any, event: Any, source: Optional[Device]) -> Any:
         if source is self:

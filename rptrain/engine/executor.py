@@ -69,6 +69,7 @@ class Executor:
         self._lowered: dict[tuple, tuple[Sequence[Job], list[Lowered], CallPath]] = {}  # (id(jobs), facts) -> (jobs, actions, path)
         self._whole: dict[int, Any] = {}  # device index -> its recorded whole calls (wholecall.py)
         self.ended: dict[int, Any] = {}  # device index -> how its newest call ended (Device.join_caller; None: waited for)
+        self.step_events: dict[int, Any] = {}  # device index -> the newest step that ended without a wait (Device.step_event)
         self._handlers: dict[Op, Callable[[JobRun, Action, PassState], None]] = {
             Op.UPLOAD: self._bring, Op.BIND: self._bring, Op.PREFETCH: self._prefetch, Op.BUFFERS: self._buffers,
             Op.START: self._start, Op.FORWARD: self._compute, Op.FUSED: self._compute, Op.BACKWARD: self._compute, Op.CALL: self._whole_call,
@@ -119,6 +120,7 @@ class Executor:
         self.sink.begin(state)
         for index in by_device:
             self.devices[index].follow_caller()
+            self.devices[index].follow_step(self.step_events.get(index))
         if len(by_device) == 1:
             try:
                 for item in lowered:
@@ -287,6 +289,16 @@ class Executor:
         for index, events in ended.items():
             stack.enter_context(self.devices[index].stepping(events))
         return stack
+
+    def step_done(self) -> None:
+        """On the optimizer thread, after a step's GPU work was issued on its stream (``after_calls``): the
+        next call's streams wait for it on the GPU instead of the thread waiting for it."""
+        self.step_events = {d.index: d.step_event() for d in self.devices}
+
+    def settle_steps(self) -> None:
+        """Wait for the steps' GPU work (``step_done``): before the host reads or writes the master."""
+        for device in self.devices:
+            device.settle_steps()
 
     def publish(self, version: int) -> None:
         """After an optimizer step wrote the master: compute copy ``version`` where jobs read it."""

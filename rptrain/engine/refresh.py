@@ -60,19 +60,22 @@ def _chunks(key: str, start: int, stop: int, chunk: int) -> list[Range]:
 def stage_version(host: HostState, devices: Sequence[Device], version: int, plan: tuple[list[Range], list[Range]]) -> dict[int, tuple[list[tuple[Range, Tensor]], object]]:
     """Compute copy ``version`` on every device, made from the master: device index -> (one
     (range, tensor) piece per flat tensor, event marking it complete). Blocks until no copy reads
-    host memory any more."""
+    host memory any more (a version cast wholly from the GPU share's master returns at once)."""
     layout = host.params
     on_gpu, on_host = plan
+    in_share = lambda r: host.gpu is not None and r.start < host.gpu.cut[r.key]
+    reads_host = bool(on_host) or not all(in_share(r) for r in on_gpu)
     staged: dict[int, dict[str, Tensor]] = {}
     events: dict[int, object] = {}
     try:
         for device in devices:
+            device.follow_caller("prefetch")  # after the step that wrote the master (queued on this thread's stream)
             with device.stream("prefetch"):
                 flats = {k: torch.empty(n, dtype=layout.dtypes[k], device=device.torch_device) for k, n in layout.sizes.items()}
                 staged[device.index] = flats
                 for r in on_gpu:
                     source = host.master_range(r)
-                    if host.gpu is not None and r.start < host.gpu.cut[r.key]:  # the GPU share: cast where it lives
+                    if in_share(r):  # the GPU share: cast where it lives
                         flats[r.key][r.start : r.stop].copy_(source)
                     elif source.dtype == flats[r.key].dtype:
                         flats[r.key][r.start : r.stop].copy_(source, non_blocking=True)
@@ -87,5 +90,6 @@ def stage_version(host: HostState, devices: Sequence[Device], version: int, plan
         for device in devices:
             with device.stream("prefetch"):
                 events[device.index] = device.record("prefetch")
-            events[device.index].synchronize()
+            if reads_host:
+                events[device.index].synchronize()
     return {index: ([(Range(k, 0, t.numel()), t) for k, t in flats.items()], events[index]) for index, flats in staged.items()}

@@ -74,6 +74,7 @@ class Versions:
         """Wait for queued optimizer work without raising its errors."""
         for ticket in list(self.tickets.values()):
             ticket.wait()
+        self.executor.settle_steps()  # their GPU work too: whoever waits here may read the master next
         self.waited = self.written
 
     def open_buffer(self) -> Optional[GradBuffer]:
@@ -104,6 +105,7 @@ class Versions:
         else:
             try:
                 self.wait(version)
+                self.executor.settle_steps()  # a synchronous step is done when it returns, on the GPU too
             finally:  # a failed step still wrote its version; the buffer its .grad holds stays out of use
                 self.required = version
                 if buffer is not None and not buffer.free.is_set() and not self.host.single_version:  # (one version: one buffer, released once free)
@@ -170,14 +172,24 @@ class Versions:
                     step_fn()
             finally:
                 if self.host.gpu is not None:  # the GPU share's kernels: done before its buffer is reused
-                    with span("finish_gpu_step"):
-                        self.host.gpu.wait_queued()
+                    self.finish_gpu_step(ended)
                 if buffer is not None:
                     buffer.held = any(buffer.owns(p.grad) for p in self.host.master_params)
                     if not buffer.held:
                         buffer.free.set()
                 with span("stage_from_master" if self.executor.resident else "write_compute_copy"):
                     self.executor.publish(version)
+
+    def finish_gpu_step(self, ended: dict) -> None:
+        """The GPU share's step must finish before its gradient buffer is written again and before the master
+        is read. After calls that ended without a host wait (all state on the GPU), the step ran on the step
+        stream after them: the next call's streams wait for it on the GPU (``Executor.step_done``) and this
+        thread goes on, so the host issues the next call while the GPU steps. Otherwise the thread waits."""
+        if ended and all(e is not None for e in ended.values()):
+            self.executor.step_done()
+        else:
+            with span("finish_gpu_step"):
+                self.host.gpu.wait_queued()
 
     def host_refresh(self, version: int) -> None:
         """Compute copy ``version`` := the master, whole on the host (and staged on resident GPUs)."""
