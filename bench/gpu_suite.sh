@@ -249,12 +249,12 @@ if [[ $what == whole-call ]]; then  # issue 33: the whole call as one CUDA graph
 fi
 lowmem=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --fused)
 if [[ $what == lowmem ]]; then  # issues 29 and 30 on one GPU of either kind (about 9 minutes): the host step per parameter, the 8 B
-  # preset, the 14 B shape as the engine chooses (H200: resident, two versions, 1 of 42 layers' state on the GPU; H100: one
-  # version, streamed) and with one version streamed (the meta fit with the H200's 139 GiB: 41 of 42 layers on the GPU, 4.4 GiB host)
+  # preset, the 14 B shape as the engine chooses (one version streamed where it steps under half the host parameters two would:
+  # the meta fit with the H200's 139 GiB puts 41 of 42 layers' state on the GPU, 4.4 GiB host) and with two versions (1 of 42)
   run 120 python3 bench/optim_lowp.py --device cpu --numel 100000000 --rounds 2 --steps 2 --only fused_fp32 lowmem_compiled
   run 150 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8
   run 170 "${lowmem[@]}" --model qwen3_14b --impl rptrain --master-dtype bf16 --state-dtype int8
-  run 170 "${lowmem[@]}" --model qwen3_14b --impl rptrain --master-dtype bf16 --state-dtype int8 --single-version on --stream
+  run 170 "${lowmem[@]}" --model qwen3_14b --impl rptrain --master-dtype bf16 --state-dtype int8 --single-version off
   grep '^{"bench": "\(llm\|optim_lowp\)"' "$out/suite.log" > "$out/lowmem.jsonl"
 fi
 if [[ $what == policy-8b ]]; then  # issue 29 on either GPU (about 9 minutes): the host step per parameter, each variant in its own
@@ -265,11 +265,10 @@ if [[ $what == policy-8b ]]; then  # issue 29 on either GPU (about 9 minutes): t
   run 150 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8 --single-version on
   grep '^{"bench": "\(llm\|optim_lowp\)"' "$out/suite.log" > "$out/policy-8b.jsonl"
 fi
-if [[ $what == preset-8b ]]; then  # issue 29 (about 7 minutes): the 8 B preset against plain PyTorch with the same state, each its own
-  # process; first with one version and the weights streamed (the fit check on the meta device with an 80 GB card then places
-  # 33 of 34 layers' state on the GPU, against 2-3 resident), then as the engine chooses
-  run 290 "${lowmem[@]}" --model llama_8b --impl rptrain plain_ao8 --master-dtype bf16 --state-dtype int8 --single-version on --stream
-  run 150 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8
+if [[ $what == preset-8b ]]; then  # issue 29 (about 7 minutes): the 8 B preset as the engine chooses (one version streamed: all 34 layers'
+  # state on an H100, 2026-12-06) against plain PyTorch with the same state, each its own process; then with two versions
+  run 290 "${lowmem[@]}" --model llama_8b --impl rptrain plain_ao8 --master-dtype bf16 --state-dtype int8
+  run 150 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8 --single-version off
   grep '^{"bench": "llm"' "$out/suite.log" > "$out/preset-8b.jsonl"
 fi
 if [[ $what == hostwork ]]; then  # issue 33 (about 4 minutes): where the engine's host time per call goes, ResNet-34 as the CLI

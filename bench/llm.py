@@ -441,7 +441,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="deepspeed_zero3: the share of the optimizer state offloaded to the CPU (default: chosen from free GPU memory)")
     p.add_argument("--master-dtype", choices=["fp32", "bf16"], default="fp32", help="rptrain: the master weights (issue 29)")
     p.add_argument("--single-version", choices=["auto", "on", "off"], default="auto",
-                   help="rptrain: one version of the weights (synchronous steps); auto: only where two do not fit")
+                   help="rptrain: one version of the weights (synchronous steps); auto: the engine chooses (Tuning.one_version_host_share)")
     p.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"], default="fp32", help="rptrain: AdamW's moments (issue 29)")
     p.add_argument("--fused", action="store_true",
                    help="build the model with fused=True (rptrain.models.fused) for every implementation, so ratios stay like-for-like")
