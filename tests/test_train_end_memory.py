@@ -28,7 +28,9 @@ def current():
 peaks, phase = {"setup": 0, "train": 0, "end": 0}, ["setup"]
 def sample():
     while True:
-        peaks[phase[0]] = max(peaks[phase[0]], current())
+        # The phase read once: read twice, a switch between the reads once stored the training peak as the end's.
+        now = phase[0]
+        peaks[now] = max(peaks[now], current())
         time.sleep(0.002)
 threading.Thread(target=sample, daemon=True).start()
 real_train, real_save = loop.Trainer.train, loop.Trainer.save
