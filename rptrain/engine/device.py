@@ -279,6 +279,11 @@ class CudaDevice(Device):
         return int(0.85 * (free + torch.cuda.memory_reserved(self.torch_device)))
 
 
+def resolved(device: torch.device) -> torch.device:
+    """``cuda`` without an index is the current GPU, as the tensors made there say."""
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+
+
 def make_devices(spec: Any = None) -> list[Device]:
     """``None``: every visible GPU, else the CPU. Or a list such as ``["cuda:0", "cuda:1"]`` or
     ``["cpu", "cpu"]`` (several CPU workers exercise the multi-device schedule without a GPU)."""
@@ -301,7 +306,7 @@ def make_devices(spec: Any = None) -> list[Device]:
         elif dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"device {item!r} requested but CUDA is not available")
-            devices.append(CudaDevice(i, dev.index if dev.index is not None else torch.cuda.current_device()))
+            devices.append(CudaDevice(i, resolved(dev).index))
         else:
             raise ValueError(f"unsupported device {item!r}: use 'cpu' or 'cuda[:N]'")
     if not devices:

@@ -11,7 +11,6 @@ a thread for the call.
 from __future__ import annotations
 
 import contextlib
-
 import operator
 import threading
 from typing import Any, Callable, Optional, Sequence
@@ -23,7 +22,7 @@ from . import compute
 from .actions import Action, Facts, Lowered, Op, Sizes, lower_call
 from .callpath import CallPath
 from .compute import BoundOnUse, JobRun, buffer_versions
-from .device import Device
+from .device import Device, resolved
 from .graphs import StageGraphs
 from .grads import GradSink, ReducingSink
 from .host import HostState
@@ -40,11 +39,6 @@ from .weights import HostStore, StreamedStore
 _training = operator.attrgetter("training")
 
 _COMPUTE: dict[Op, Callable] = {Op.FORWARD: compute.forward, Op.FUSED: compute.fused, Op.BACKWARD: compute.backward}
-
-
-def _resolved(device: torch.device) -> torch.device:
-    """``cuda`` without an index is the current GPU, as the tensors made there say."""
-    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
 
 
 class Executor:
@@ -155,7 +149,7 @@ class Executor:
         ms a step, host issue and GPU work running one after the other)."""
         return (len(used) != 1 or self.reducing or not self.resident or state.error is not None or bool(state.scalers)
                 or bool(state.deferred_adds) or state.profile or state.offload or self.host.host.total > 0
-                or _resolved(state.output_device) != used[0].torch_device)
+                or resolved(state.output_device) != used[0].torch_device)
 
     def _worker(self, items: list[Lowered], state: PassState) -> None:
         try:

@@ -108,10 +108,12 @@ def host_budget_left(max_host_memory: Size) -> tuple[int, str]:
     """``host_budget``, less what the open engines of this process hold where the budget is the machine's
     (an explicit ``max_host_memory`` is this engine's own cap)."""
     budget, source = host_budget(max_host_memory)
-    if max_host_memory is None and sum(_held.values()) > budget // 100:
+    if max_host_memory is not None:
+        return budget, source
+    if sum(_held.values()) > budget // 100:
         gc.collect()  # engines nobody can reach any more (in cycles not yet collected) let go (0.2 s: only where it matters)
     held = list(_held.values())
-    if max_host_memory is not None or not any(held):
+    if not any(held):
         return budget, source
     return budget - sum(held), f"{source}; less {fmt_bytes(sum(held))} that {len(held)} open engine(s) of this process hold"
 

@@ -64,8 +64,8 @@ def placement_for(layers: list[nn.Module], optim_dtype: torch.dtype, devices: li
                 refusal = refusal or e
         if not choices:
             raise refusal
-        best = min(choices, key=lambda c: c[2].params_on(HOST))
-        return choices[same_on_all_ranks(reducer, choices.index(best))]
+        best = min(range(len(choices)), key=lambda i: choices[i][2].params_on(HOST))  # the first on a tie
+        return choices[same_on_all_ranks(reducer, best)]
 
     if single_version is not None:
         return one_version() if single_version else fit(False, resident)
