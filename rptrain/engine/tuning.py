@@ -19,7 +19,7 @@ class Tuning:
     # With RoundPipe(single_version=None), one version of the weights (synchronous steps; resident or
     # streamed, whichever keeps more state on the GPU) is chosen over two when its host steps less than this
     # share of the parameters two versions' host steps. Llama-3.1-8B with the low-memory preset on an H100
-    # (bench/gpu_suite.sh preset-8b, 2026-12-06, one invocation): two versions stepped 7.29 B parameters on
+    # (bench/gpu_suite.sh preset-8b at 3af8b93, 2026-12-06, one invocation): two versions stepped 7.29 B parameters on
     # the host, 3,817 tokens/s; one version streamed 0, 8,387 tokens/s (2.2x). The 0.5 between those ends is
     # a judgement: a synchronous step exposes its host share, an asynchronous one hides up to a call of it.
     one_version_host_share: float = 0.5
