@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import adam_lowp
-from .flat import FlatState, _FlatRuns, _flat, _span, before_torch_step
+from .flat import FlatState, _FlatRuns, _flat, _span, before_torch_step, on_cpu_or_cuda
 from .lowbit import BLOCK
 from .state import OptimizerMemory, StateTensor, moments
 
@@ -97,7 +97,7 @@ class _FlatStepMixin:
         d = self.defaults
         if not d.get("fused") or d.get("amsgrad") or d.get("maximize") or d.get("capturable") or d.get("differentiable"):
             return False
-        return all(p.device.type in ("cpu", "cuda") for g in self.param_groups for p in g["params"])
+        return all(on_cpu_or_cuda(g["params"]) for g in self.param_groups)
 
     def _torch_step(self, closure: Optional[Callable]) -> Any:
         before_torch_step(self)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 flat per-dtype layout), so an optimizer kernel runs once per run instead of once per tensor."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -56,33 +57,67 @@ def _follows(prev: Tensor, t: Tensor) -> bool:
     return gap >= 0 and _gap(prev.grad, t.grad) == gap and _same_order(t, t.grad)
 
 
+def _where(params: list[Tensor]) -> tuple:
+    """Where ``params`` and their gradients sit: their addresses, and the gradients' identities (a
+    gradient tensor keeps its strides and storage; ``runs`` holds it, so its id is not reused). Read
+    every step, so it is C-level maps (ResNet-34's 117 parameters: 0.19 ms a step as a per-tensor
+    tuple on this 2-core machine, 0.03 ms so)."""
+    grads = [p.grad for p in params]
+    if any(g is None for g in grads):
+        return tuple((p.data_ptr(),) if p.grad is None else (p.data_ptr(), id(p.grad), p.grad.data_ptr()) for p in params)
+    return tuple(map(Tensor.data_ptr, params)), tuple(map(id, grads)), tuple(map(Tensor.data_ptr, grads))
+
+
+def on_cpu_or_cuda(params: list[Tensor]) -> bool:
+    """Whether every tensor is on a CPU or a CUDA device (read every step: C-level maps, no device objects)."""
+    return all(map(operator.or_, map(_IS_CPU, params), map(_IS_CUDA, params)))
+
+
+_IS_CPU, _IS_CUDA = operator.attrgetter("is_cpu"), operator.attrgetter("is_cuda")
+
+
+class _Views:
+    """A run's state as ``state`` made it: each state name's tensor for every parameter of the run, to
+    check with C-level maps that nobody has replaced one (a loaded state dict, a user's own tensor)."""
+
+    def __init__(self, run: list[Tensor], views: list[dict[str, Tensor]], step: Optional[Tensor] = None):
+        self.run = list(run)
+        self.by_name = {name: [v[name] for v in views] for name in views[0]} if views else {}
+        if step is not None:  # one count shared by the run
+            self.by_name["step"] = [step] * len(self.run)
+
+
+def _state_unchanged(state: dict, made: _Views) -> bool:
+    dicts = list(map(state.get, made.run))
+    if None in dicts:
+        return False
+    return all(all(map(operator.is_, map(operator.methodcaller("get", name), dicts), values)) for name, values in made.by_name.items())
+
+
 class _FlatRuns:
     """Finds runs of parameters whose data and gradients are both dense, in one order, and keeps their
     moments in flat buffers."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
-        self.cache: dict[tuple, tuple[dict[str, Tensor], Tensor, list[dict[str, Tensor]]]] = {}
-        self._layouts: dict[tuple, list[list[int]]] = {}
+        self.cache: dict[tuple, tuple[dict[str, Tensor], Tensor, _Views]] = {}
+        self._layouts: dict[tuple, tuple[list[list[int]], list]] = {}
 
     def runs(self, group: dict) -> list[list[Tensor]]:
         """The group's runs, as lists of parameters. Where every tensor sits decides them, so they
         are found once per arrangement (the engine's two gradient buffers make two)."""
         params = group["params"]
-        where = tuple(
-            (p.data_ptr(),) if p.grad is None
-            else (p.data_ptr(), p.grad.data_ptr(), p.grad.untyped_storage().data_ptr(), p.grad.stride())
-            for p in params
-        )
-        key = (id(params), where)
+        key = (id(params), _where(params))
         found = self._layouts.get(key)
         if found is None:
             index = {id(p): i for i, p in enumerate(params)}
             found = [[index[id(p)] for p in run] for run in self._find_runs(params)]
             if len(self._layouts) > 16:  # arrangements come and go (users may set .grad themselves)
                 self._layouts.clear()
-            self._layouts[key] = found
-        return [[params[i] for i in run] for run in found]
+            # The gradients are kept with the runs: their ids are in the key, so no later tensor may reuse one.
+            self._layouts[key] = (found, [p.grad for p in params])
+            return [[params[i] for i in run] for run in found]
+        return [[params[i] for i in run] for run in found[0]]
 
     @staticmethod
     def _find_runs(params: list[Tensor]) -> list[list[Tensor]]:
@@ -101,14 +136,11 @@ class _FlatRuns:
     def state(self, run: list[Tensor], layout: tuple["FlatState", ...]) -> tuple[dict[str, Tensor], Tensor]:
         """The run's state tensors (flat, by name, as ``layout`` describes them) and its shared step
         count, viewed per parameter in optimizer.state (exactly torch's state dict for full-size tensors)."""
-        key = tuple(id(p) for p in run)
+        key = tuple(map(id, run))
         state = self.optimizer.state
         cached = self.cache.get(key)
-        if cached is not None:
-            flats, step, views = cached
-            if all(state[p].get(name) is view for p, per_param in zip(run, views) for name, view in per_param.items()) \
-                    and all(state[p].get("step") is step for p in run):
-                return flats, step
+        if cached is not None and _state_unchanged(state, cached[2]):
+            return cached[0], cached[1]
         numel, device = _span(run), run[0].device  # a GPU share's state lives on its GPU (engine/gpushare.py)
         flats = {s.name: torch.zeros(s.numel(numel), dtype=s.dtype or run[0].dtype, device=device) for s in layout}
         steps = [state[p]["step"] for p in run if "step" in state[p]]
@@ -122,7 +154,7 @@ class _FlatRuns:
                     view.copy_(state[p][name])
             state[p].update(per_param, step=step)
             views.append(per_param)
-        self.cache[key] = (flats, step, views)
+        self.cache[key] = (flats, step, _Views(run, views, step))
         return flats, step
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 from torch import Tensor
 
-from .flat import _FlatRuns, _flat, _like, _span, before_torch_step
+from .flat import _FlatRuns, _Views, _flat, _like, _span, _state_unchanged, before_torch_step, on_cpu_or_cuda
 from .kernels import Elementwise
 from .state_spec import StateSpec, optimizer_memory
 
@@ -35,7 +35,7 @@ def fused_by_default(params: Any, kwargs: dict, devices: tuple[str, ...] = ("cpu
 class _RunState:
     """One run's flat state buffers (by torch's state name) and the per-parameter views of them."""
 
-    def __init__(self, flat: dict[str, Tensor], views: list[dict[str, Tensor]], fresh: bool):
+    def __init__(self, flat: dict[str, Tensor], views: _Views, fresh: bool):
         self.flat, self.views, self.fresh = flat, views, fresh
 
 
@@ -66,8 +66,7 @@ class FlatStepMixin:
 
     def _flat_eligible(self) -> bool:
         return all(
-            self._flat_supported(group)
-            and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in group["params"])
+            self._flat_supported(group) and on_cpu_or_cuda(group["params"]) and all(map(Tensor.is_floating_point, group["params"]))
             for group in self.param_groups
         )
 
@@ -116,12 +115,10 @@ class FlatStepMixin:
         eager initial state, a loaded state dict, an earlier arrangement). None where the run's
         parameters disagree (some without state, different step counts): torch steps those."""
         specs = self.state_specs(group, run[0].shape)
-        key = tuple(id(p) for p in run)
+        key = tuple(map(id, run))
         state = self.state  # type: ignore[attr-defined]
         cached = self._run_states.get(key)
-        if cached is not None and all(
-            state[p].get(name) is view for p, views in zip(run, cached.views) for name, view in views.items()
-        ):
+        if cached is not None and _state_unchanged(state, cached.views):
             return cached
         present = [all(state[p].get(spec.name) is not None for spec in specs) for p in run]
         if any(present) and not all(present):
@@ -154,7 +151,7 @@ class FlatStepMixin:
                 raise ValueError(f"{type(self).__name__}: state {spec.name!r} of shape {spec.shape!r} cannot be flat")
         for p, view in zip(run, views):
             state[p].update(view)
-        made = _RunState(flat, views, fresh=not loaded)
+        made = _RunState(flat, _Views(run, views), fresh=not loaded)
         if len(self._run_states) > 64:  # arrangements come and go (users may set .grad themselves)
             self._run_states.clear()
         self._run_states[key] = made
