@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from . import pinned
 from .gpushare import GpuShare
 from .host_fill import fill
-from .layout import FlatLayout, Range, Slot, _align, shaped
+from .layout import ALIGN_ATTR, FlatLayout, Range, Slot, _align, align_step, shaped
 
 
 def grad_dtype(optim_dtype: torch.dtype) -> torch.dtype:
@@ -164,6 +164,8 @@ class HostState:
         self._shown: dict[int, list] = {}  # version parity -> the user's parameters' views of that host copy
         self._showing: Optional[int] = None  # the parity the user's parameters show now
         self.master_params = [nn.Parameter(self._master_view(slot), requires_grad=slot.requires_grad) for slot in self.params.slots]
+        for slot, p in zip(self.params.slots, self.master_params):
+            setattr(p, ALIGN_ATTR, align_step(self.params.dtypes[slot.key]))
         self.buffers = {k: pinned.zeros(n, self.buffer_layout.dtypes[k], pin_memory) for k, n in self.buffer_layout.sizes.items()}
         self.keeps_user_weights = keep_user_weights
         # Layer by layer: each layer's own tensors go once copied (host_fill.py); the user's modules then

@@ -61,9 +61,20 @@ def _dtype_key(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def align_step(dtype: torch.dtype) -> int:
+    """Elements between the boundaries a ``dtype`` flat tensor's slots start on."""
+    return max(1, ALIGN_BYTES // dtype.itemsize)
+
+
 def _align(offset: int, dtype: torch.dtype) -> int:
-    step = max(1, ALIGN_BYTES // dtype.itemsize)
+    step = align_step(dtype)
     return -(-offset // step) * step
+
+
+# A master parameter's attribute: the boundaries (in elements) its layout starts slots on. The master
+# is wider than the compute copy whose offsets it shares (an fp32 master at a bf16 copy's 128-element
+# boundaries: 512 bytes), so rptrain.optim's runs (optim/flat.py) read the layout's step from here.
+ALIGN_ATTR = "_rptrain_align_step"
 
 
 class FlatLayout:

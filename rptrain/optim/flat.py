@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..engine.layout import ALIGN_BYTES
+from ..engine.layout import ALIGN_ATTR, ALIGN_BYTES
 
 
 def _span(run: list[Tensor]) -> int:
@@ -37,14 +37,13 @@ def _like(flat: Tensor, offset: int, p: Tensor) -> Tensor:
     return flat.as_strided(p.shape, p.stride(), offset)
 
 
-def _gap(prev: Tensor, t: Tensor) -> int:
+def _gap(prev: Tensor, t: Tensor, step: int) -> int:
     """Elements of padding between the end of ``prev`` and ``t`` in one storage, or -1 if ``t`` does
-    not come next. Only alignment padding counts (``t`` on the first 256-byte boundary after
-    ``prev``, the engine's layout): no other tensor can sit in such a gap."""
+    not come next. Only alignment padding counts (``t`` on the first boundary of ``step`` elements
+    after ``prev``, as the engine lays tensors out): no other tensor can sit in such a gap."""
     if t.dtype != prev.dtype or not _dense(t) or t.untyped_storage().data_ptr() != prev.untyped_storage().data_ptr():
         return -1
     end = prev.storage_offset() + prev.numel()
-    step = max(1, ALIGN_BYTES // t.element_size())
     if t.storage_offset() == end or t.storage_offset() == -(-end // step) * step:
         return t.storage_offset() - end
     return -1
@@ -52,9 +51,11 @@ def _gap(prev: Tensor, t: Tensor) -> int:
 
 def _follows(prev: Tensor, t: Tensor) -> bool:
     """``t`` continues ``prev``'s run, gradients laid out alike. Padding inside a run holds zero
-    weights and zero gradients, so Adam leaves it at zero."""
-    gap = _gap(prev, t)
-    return gap >= 0 and _gap(prev.grad, t.grad) == gap and _same_order(t, t.grad)
+    weights and zero gradients, so Adam leaves it at zero. The boundaries are 256 bytes in the
+    parameters' dtype, or what the engine's layout says it used (layout.ALIGN_ATTR)."""
+    step = getattr(t, ALIGN_ATTR, 0) or max(1, ALIGN_BYTES // t.element_size())
+    gap = _gap(prev, t, step)
+    return gap >= 0 and _gap(prev.grad, t.grad, step) == gap and _same_order(t, t.grad)
 
 
 def _where(params: list[Tensor]) -> tuple:
