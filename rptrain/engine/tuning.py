@@ -23,6 +23,13 @@ class Tuning:
     # the host, 3,817 tokens/s; one version streamed 0, 8,387 tokens/s (2.2x). The 0.5 between those ends is
     # a judgement: a synchronous step exposes its host share, an asynchronous one hides up to a call of it.
     one_version_host_share: float = 0.5
+    # With one version of the weights (synchronous steps) the GPU would wait while the host steps its share:
+    # this share of each host run's low-precision step (bf16 master or 8-bit moments) is streamed through the
+    # GPU instead, the host stepping the rest meanwhile (rptrain/optim/assist.py). Estimated from the parts'
+    # speeds on the H200 machine (2026-12-06): the host's 8-bit step 0.30 ns a parameter on 16 cores (the 32 B
+    # shape's 5.4 s for 18.3 B), the GPU's about 0.12 ns (6 bytes a parameter up at 50 GB/s): they end
+    # together near 0.7. 0 turns it off.
+    host_step_gpu_share: float = 0.7
     # Of the GPU's free memory: kept for activations and the schedule's working set when placing the
     # optimizer state before the first call has measured them (the planner then cuts stages to what is
     # left). Llama-3B at 4 x 4096 peaked at 60 GiB on the H200 with about 25 of them weight copies;

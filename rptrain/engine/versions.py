@@ -24,12 +24,21 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
+from ..optim.assist import Assist, assisting
 from .executor import Executor
 from .host import GradBuffer, HostState
 from .scaler import step_context
 from .step_guard import stepping, watch
 from .trace import span
 from .worker import TaskThread, Ticket
+
+
+def _step_assist(host: HostState, executor: Executor) -> Optional[Assist]:
+    """With one version of the weights the GPU waits while the host steps: it takes a share (rptrain/optim/assist.py)."""
+    share, devices = executor.tuning.host_step_gpu_share, executor.devices
+    if not host.single_version or share <= 0 or len(devices) != 1 or not devices[0].is_cuda:
+        return None
+    return Assist(devices[0].torch_device, share)
 
 
 class Versions:
@@ -47,6 +56,7 @@ class Versions:
         self.window_scalers: dict = {}  # GradScaler -> (scale used, an inf/NaN seen) in this window
         self.damage: dict[int, str] = {}  # version -> what its failed step had written (step_guard.py)
         self.damaged: Optional[str] = None  # reported damage: calls are refused until whole weights are loaded
+        self.assist = _step_assist(host, executor)
 
     def step(self, step_fn: Callable[[], Any], is_async: bool) -> None:
         """Submit ``step_fn`` with the window's gradients bound, and do the bookkeeping."""
@@ -168,7 +178,8 @@ class Versions:
             try:
                 with span("bind_grads"):
                     self.bind_master_grads(buffer)
-                with step_context(scalers), self.optimizer_ctx(), span("step_fn"), watch(self.host.master_params, self.damage, version):
+                with step_context(scalers), self.optimizer_ctx(), assisting(self.assist), span("step_fn"), \
+                        watch(self.host.master_params, self.damage, version):
                     step_fn()
             finally:
                 if self.host.gpu is not None:  # the GPU share's kernels: done before its buffer is reused

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import cpu_kernel, triton_step
+from . import assist, cpu_kernel, triton_step
 from .lowbit import BLOCK, dequantize_signed, dequantize_unsigned, quantize_signed, quantize_unsigned, round_to_bf16
 
 CHUNK = 1 << 18  # elements: 1 MiB per fp32 temporary (bench/optim_lowp.py)
@@ -86,18 +86,24 @@ def hyper(group: dict, step: Tensor, grad_scale: Optional[Tensor]) -> Tensor:
 
 
 def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Tensor, run_key: int, decoupled: bool,
-             compiled: bool, chunk: Optional[int] = None) -> None:
+             compiled: bool, chunk: Optional[int] = None, start: int = 0) -> None:
     """One step of a flat run: ``p`` (master, fp32 or bf16) and ``g`` its gradient, 1-D; ``state``:
     exp_avg and exp_avg_sq flat (fp32 or bf16), or with 8 bits also their ``*_scale`` per block.
     ``run_key`` tells runs' random streams apart. ``chunk``: elements per call (a multiple of BLOCK; the
-    result does not depend on it); None: CHUNK on the CPU, GPU_CHUNK on a GPU."""
+    result does not depend on it); None: CHUNK on the CPU, GPU_CHUNK on a GPU. ``start``: the element of
+    the whole run ``p`` begins at (a multiple of BLOCK). A host run stepped while a GPU assists
+    (assist.py) sends its first part through that GPU."""
+    helper = assist.current() if p.device.type == "cpu" else None
+    if helper is not None and helper.gpu_part(p.numel()):
+        _assisted(helper, p, g, state, step, h, run_key, decoupled, compiled, chunk)
+        return
     if compiled and p.device.type == "cpu":
         seed_int = (int(step.item()) * _SEED_MIX + run_key) & 0xFFFFFFFF
-        if cpu_kernel.step(p, g, state, h, seed_int, decoupled):
+        if cpu_kernel.step(p, g, state, h, seed_int, decoupled, start):
             return
     seed = (step.to(torch.int64) * _SEED_MIX + run_key) & 0xFFFFFFFF
     if compiled and chunk is None and triton_step.available(p):
-        triton_step.step(p, g, state, seed, h, decoupled)
+        triton_step.step(p, g, state, seed, h, decoupled, start)
         return
     n = p.numel()
     if chunk is None:
@@ -105,10 +111,10 @@ def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Te
     int8 = "exp_avg_scale" in state
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
-        start = torch.full((), a, dtype=torch.int64, device=p.device)
+        at = torch.full((), start + a, dtype=torch.int64, device=p.device)
         pc, gc = p[a:b], g[a:b]
         if not int8:
-            _chunk_float(pc, gc, state["exp_avg"][a:b], state["exp_avg_sq"][a:b], h, seed, start, decoupled)
+            _chunk_float(pc, gc, state["exp_avg"][a:b], state["exp_avg_sq"][a:b], h, seed, at, decoupled)
             continue
         padded = -(-(b - a) // BLOCK) * BLOCK
         if padded != b - a:  # the run's last partial block: zero-padded copies (state buffers are padded already)
@@ -116,9 +122,29 @@ def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Te
             gc = torch.cat([gc, gc.new_zeros(padded - (b - a))])
         blocks = slice(a // BLOCK, a // BLOCK + padded // BLOCK)
         _chunk_int8(pc, gc, state["exp_avg"][a : a + padded], state["exp_avg_scale"][blocks],
-              state["exp_avg_sq"][a : a + padded], state["exp_avg_sq_scale"][blocks], h, seed, start, decoupled)
+              state["exp_avg_sq"][a : a + padded], state["exp_avg_sq_scale"][blocks], h, seed, at, decoupled)
         if padded != b - a:
             p[a:b].copy_(pc[: b - a])
+
+
+def _assisted(helper: assist.Assist, p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Tensor, run_key: int,
+              decoupled: bool, compiled: bool, chunk: Optional[int]) -> None:
+    """The run's first ``helper.gpu_part`` elements stepped on the helper's GPU while the host steps the rest."""
+    stop = helper.gpu_part(p.numel())
+    on_gpu_step, on_gpu_h = step.to(helper.device), h.to(helper.device)
+
+    def piece(t: dict[str, Tensor], at: int) -> None:
+        moments = {k: v for k, v in t.items() if k not in ("param", "grad")}
+        with assist.assisting(None):  # (a piece on the CPU, in tests, is not split again)
+            step_run(t["param"], t["grad"], moments, on_gpu_step, on_gpu_h, run_key, decoupled, compiled, start=at)
+
+    wait = assist.stream_through(helper, {"param": p, "grad": g, **state}, stop, piece)
+    try:
+        rest = {k: v[stop // BLOCK :] if k.endswith("_scale") else v[stop:] for k, v in state.items()}
+        with assist.assisting(None):
+            step_run(p[stop:], g[stop:], rest, step, h, run_key, decoupled, compiled, chunk, start=stop)
+    finally:
+        wait()
 
 
 def padded_numel(numel: int) -> int:

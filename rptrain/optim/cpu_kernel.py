@@ -56,7 +56,7 @@ template <> inline float load<uint16_t>(const uint16_t* a, int64_t i) { return f
 template <typename P, typename G, int STATE, bool DECOUPLED>
 void run_blocks(P* __restrict__ p, const G* __restrict__ g, void* m_, void* v_, float* __restrict__ ms, float* __restrict__ vs,
                 const float lr, const float beta1, const float beta2, const float eps, const float wd, const float c1,
-                const float c2, const float inv, const int64_t n, const uint32_t seed, const int64_t b0, const int64_t b1) {
+                const float c2, const float inv, const int64_t n, const uint32_t seed, const int64_t start, const int64_t b0, const int64_t b1) {
   const float step_size = lr / c1, decay = 1.f - lr * wd, one_b1 = 1.f - beta1, one_b2 = 1.f - beta2;
   const uint32_t m_seed = seed ^ 0x5BD1E995u, v_seed = seed ^ 0x27D4EB2Fu;
 #if defined(__SSE__)
@@ -93,14 +93,14 @@ void run_blocks(P* __restrict__ p, const G* __restrict__ g, void* m_, void* v_, 
         pi = pi - step_size * mi / (si / c2 + eps);
         mo[j] = mi; vo[j] = vi; so[j] = si;
         if constexpr (std::is_same<P, float>::value) pb[j] = pi;
-        else pb[j] = to_bf16_stochastic(pi, mix(uint32_t(lo + j) ^ seed));
+        else pb[j] = to_bf16_stochastic(pi, mix(uint32_t(start + lo + j) ^ seed));
       }
       if (STATE == 0) {
         std::memcpy((float*)m_ + lo, mo, len * 4); std::memcpy((float*)v_ + lo, vo, len * 4);
       } else if (STATE == 1) {
         uint16_t* __restrict__ mb = (uint16_t*)m_ + lo; uint16_t* __restrict__ vb = (uint16_t*)v_ + lo;
         for (int64_t j = 0; j < len; ++j) {
-          const uint32_t idx = uint32_t(lo + j);
+          const uint32_t idx = uint32_t(start + lo + j);
           mb[j] = to_bf16_stochastic(mo[j], mix(idx ^ m_seed)); vb[j] = to_bf16_stochastic(vo[j], mix(idx ^ v_seed));
         }
       } else {
@@ -117,7 +117,7 @@ void run_blocks(P* __restrict__ p, const G* __restrict__ g, void* m_, void* v_, 
         // lowbit._code: stochastic rounding in value space. Constant divisors are multiplications by their
         // reciprocal, as in lowbit.py: a vector division costs several multiplications' time.
         for (int64_t j = 0; j < len; ++j) {
-          const uint32_t idx = uint32_t(lo + j);
+          const uint32_t idx = uint32_t(start + lo + j);
           const float am = std::fabs(mo[j]) * m_inv, um = float(mix(idx ^ m_seed) & 0xFFFFFFu) * (1.f / 16777216.f);
           const float cm = std::min(std::floor(std::sqrt(am) * 127.f), 126.f);
           const float tm = cm * (1.f / 127.f), tm1 = (cm + 1.f) * (1.f / 127.f), bm = tm * tm, abm = tm1 * tm1;
@@ -142,11 +142,11 @@ void run_blocks(P* __restrict__ p, const G* __restrict__ g, void* m_, void* v_, 
 }
 
 template <typename P, typename G, int STATE, bool DECOUPLED>
-void run(P* p, const G* g, void* m_, void* v_, float* ms, float* vs, const float* h, int64_t n, uint32_t seed, bool unused) {
+void run(P* p, const G* g, void* m_, void* v_, float* ms, float* vs, const float* h, int64_t n, uint32_t seed, int64_t start) {
   const int64_t blocks = (n + B - 1) / B;
   const float lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4], c1 = h[5], c2 = h[6], inv = h[7];
   at::parallel_for(0, blocks, 16, [=](int64_t b0, int64_t b1) {
-    run_blocks<P, G, STATE, DECOUPLED>(p, g, m_, v_, ms, vs, lr, beta1, beta2, eps, wd, c1, c2, inv, n, seed, b0, b1);
+    run_blocks<P, G, STATE, DECOUPLED>(p, g, m_, v_, ms, vs, lr, beta1, beta2, eps, wd, c1, c2, inv, n, seed, start, b0, b1);
   });
 }
 
@@ -158,9 +158,9 @@ void dispatch_state(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Te
   int64_t n = p.numel();
   void* mp = m.data_ptr(); void* vp = v.data_ptr();
   const int kind = m.scalar_type() == torch::kFloat ? 0 : m.scalar_type() == torch::kBFloat16 ? 1 : 2;
-  if (kind == 0) { if (decoupled) run<P, G, 0, true>(pp, gp, mp, vp, msp, vsp, h, n, seed, false); else run<P, G, 0, false>(pp, gp, mp, vp, msp, vsp, h, n, seed, false); }
-  else if (kind == 1) { if (decoupled) run<P, G, 1, true>(pp, gp, mp, vp, msp, vsp, h, n, seed, false); else run<P, G, 1, false>(pp, gp, mp, vp, msp, vsp, h, n, seed, false); }
-  else { if (decoupled) run<P, G, 2, true>(pp, gp, mp, vp, msp, vsp, h, n, seed, false); else run<P, G, 2, false>(pp, gp, mp, vp, msp, vsp, h, n, seed, false); }
+  if (kind == 0) { if (decoupled) run<P, G, 0, true>(pp, gp, mp, vp, msp, vsp, h, n, seed, start); else run<P, G, 0, false>(pp, gp, mp, vp, msp, vsp, h, n, seed, start); }
+  else if (kind == 1) { if (decoupled) run<P, G, 1, true>(pp, gp, mp, vp, msp, vsp, h, n, seed, start); else run<P, G, 1, false>(pp, gp, mp, vp, msp, vsp, h, n, seed, start); }
+  else { if (decoupled) run<P, G, 2, true>(pp, gp, mp, vp, msp, vsp, h, n, seed, start); else run<P, G, 2, false>(pp, gp, mp, vp, msp, vsp, h, n, seed, start); }
 }
 }  // namespace
 
@@ -177,7 +177,9 @@ void adam_step(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor 
   else dispatch_state<float, float>(p, g, m, v, ms, vs, hp, s, start, decoupled);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("adam_step", &adam_step); }
+// The GIL is released while the loop runs (seconds for a large host share): the thread issuing the next call
+// goes on meanwhile, and so does a GPU-assisted step's issuing of its chunks (optim/assist.py).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("adam_step", &adam_step, py::call_guard<py::gil_scoped_release>()); }
 """
 
 _module: Any = None
@@ -205,7 +207,7 @@ def kernel() -> Optional[Any]:
             from torch.utils.cpp_extension import load_inline
             # -fopenmp: at::parallel_for is a header-inline `#pragma omp parallel`; without the flag the loop ran
             # on one thread (3.67 ns a parameter on the GPU machine's 16 cores, 18.6x torch's fused fp32 AdamW).
-            _module = load_inline(f"rptrain_adam_lowp_v10_{_cpu_tag()}", cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffinite-math-only"],
+            _module = load_inline(f"rptrain_adam_lowp_v11_{_cpu_tag()}", cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffinite-math-only"],
                                   extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as error:  # noqa: BLE001 - any build failure means: use the torch formulas
             _failed = True
@@ -213,12 +215,13 @@ def kernel() -> Optional[Any]:
     return _module
 
 
-def step(p: Tensor, g: Tensor, state: dict[str, Tensor], h: Tensor, seed: int, decoupled: bool) -> bool:
-    """One step of a flat run with the C++ loop; False where it is not available."""
+def step(p: Tensor, g: Tensor, state: dict[str, Tensor], h: Tensor, seed: int, decoupled: bool, start: int = 0) -> bool:
+    """One step of a flat run with the C++ loop; False where it is not available. ``start``: the
+    element of the whole run ``p`` begins at (a multiple of the block): its random bits are that element's."""
     module = kernel()
     if module is None:
         return False
     empty = torch.empty(0)
     module.adam_step(p, g, state["exp_avg"], state["exp_avg_sq"], state.get("exp_avg_scale", empty),
-                     state.get("exp_avg_sq_scale", empty), h, seed, 0, decoupled)
+                     state.get("exp_avg_sq_scale", empty), h, seed, start, decoupled)
     return True

@@ -9,7 +9,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..engine import pinned
 from ..engine.layout import ALIGN_ATTR, ALIGN_BYTES
+from . import assist
 
 
 def _span(run: list[Tensor]) -> int:
@@ -67,6 +69,15 @@ def _where(params: list[Tensor]) -> tuple:
     if any(g is None for g in grads):
         return tuple((p.data_ptr(),) if p.grad is None else (p.data_ptr(), id(p.grad), p.grad.data_ptr()) for p in params)
     return tuple(map(Tensor.data_ptr, params)), tuple(map(id, grads)), tuple(map(Tensor.data_ptr, grads))
+
+
+def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A run's flat state: pinned on the host while a GPU assists the host's step (assist.py), so its chunks
+    travel by DMA at full speed."""
+    helper = assist.current()
+    if device.type == "cpu" and helper is not None and helper.device.type == "cuda":
+        return pinned.zeros(numel, dtype, True)
+    return torch.zeros(numel, dtype=dtype, device=device)
 
 
 def on_cpu_or_cuda(params: list[Tensor]) -> bool:
@@ -143,7 +154,7 @@ class _FlatRuns:
         if cached is not None and _state_unchanged(state, cached[2]):
             return cached[0], cached[1]
         numel, device = _span(run), run[0].device  # a GPU share's state lives on its GPU (engine/gpushare.py)
-        flats = {s.name: torch.zeros(s.numel(numel), dtype=s.dtype or run[0].dtype, device=device) for s in layout}
+        flats = {s.name: _zeros(s.numel(numel), s.dtype or run[0].dtype, device) for s in layout}
         steps = [state[p]["step"] for p in run if "step" in state[p]]
         step = torch.tensor(float(steps[0]) if steps else 0.0, dtype=torch.float32, device=device)
         views = []

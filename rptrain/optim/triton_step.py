@@ -68,12 +68,13 @@ if triton is not None:
         return lo + tl.where(a - below > u * (above - below), 1.0, 0.0)
 
     @triton.jit
-    def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, h_ptr, seed_ptr, n,
+    def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, h_ptr, seed_ptr, n, start,
                      STATE: tl.constexpr, DECOUPLED: tl.constexpr, P_BF16: tl.constexpr, B: tl.constexpr, R: tl.constexpr):
         row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
         index = row[:, None] * B + tl.arange(0, B)[None, :]
         inside = index < n
         seed = tl.load(seed_ptr)  # int64 in [0, 2^32)
+        at = index + start  # the element of the whole run: its random bits do not depend on where a chunk begins
         lr, beta1, beta2 = tl.load(h_ptr), tl.load(h_ptr + 1), tl.load(h_ptr + 2)
         eps, wd, c1, c2, inv = tl.load(h_ptr + 3), tl.load(h_ptr + 4), tl.load(h_ptr + 5), tl.load(h_ptr + 6), tl.load(h_ptr + 7)
 
@@ -100,38 +101,39 @@ if triton is not None:
         p = p - tl.div_rn((tl.div_rn(lr, c1)) * m, tl.div_rn(tl.sqrt_rn(v), c2) + eps)
 
         if P_BF16:
-            tl.store(p_ptr + index, _round_to_bf16(p, index, seed), mask=inside)
+            tl.store(p_ptr + index, _round_to_bf16(p, at, seed), mask=inside)
         else:
             tl.store(p_ptr + index, p, mask=inside)
         if STATE == 0:
             tl.store(m_ptr + index, m, mask=inside)
             tl.store(v_ptr + index, v, mask=inside)
         elif STATE == 1:
-            tl.store(m_ptr + index, _round_to_bf16(m, index, seed ^ 0x5BD1E995), mask=inside)
-            tl.store(v_ptr + index, _round_to_bf16(v, index, seed ^ 0x27D4EB2F), mask=inside)
+            tl.store(m_ptr + index, _round_to_bf16(m, at, seed ^ 0x5BD1E995), mask=inside)
+            tl.store(v_ptr + index, _round_to_bf16(v, at, seed ^ 0x27D4EB2F), mask=inside)
         else:
             tiny = 1.1754943508222875e-38
             m_scale = tl.max(tl.abs(m), axis=1)
             a = tl.div_rn(tl.abs(m), tl.maximum(m_scale, tiny)[:, None])
-            code = _code(a, tl.sqrt_rn(a) * 127.0, 127.0, 0.007874015748031496, False, _uniform(index, seed ^ 0x5BD1E995))
+            code = _code(a, tl.sqrt_rn(a) * 127.0, 127.0, 0.007874015748031496, False, _uniform(at, seed ^ 0x5BD1E995))
             tl.store(m_ptr + index, tl.where(m < 0, -code, code).to(tl.int8), mask=in_rows)
             tl.store(ms_ptr + row, m_scale, mask=has_row)
             v_scale = tl.max(v, axis=1)
             a = tl.div_rn(v, tl.maximum(v_scale, tiny)[:, None])
-            code = _code(a, tl.sqrt_rn(tl.sqrt_rn(a)) * 255.0, 255.0, 0.00392156862745098, True, _uniform(index, seed ^ 0x27D4EB2F))
+            code = _code(a, tl.sqrt_rn(tl.sqrt_rn(a)) * 255.0, 255.0, 0.00392156862745098, True, _uniform(at, seed ^ 0x27D4EB2F))
             code = tl.where(v > 0, tl.maximum(code, 1.0), 0.0)
             tl.store(v_ptr + index, code.to(tl.uint8), mask=in_rows)
             tl.store(vs_ptr + row, v_scale, mask=has_row)
 
 
-def step(p: Tensor, g: Tensor, state: dict[str, Tensor], seed: Tensor, h: Tensor, decoupled: bool) -> None:
-    """adam_lowp.step_run's update of one flat run on a GPU, in one launch; ``seed``: its int64 0-d seed tensor."""
+def step(p: Tensor, g: Tensor, state: dict[str, Tensor], seed: Tensor, h: Tensor, decoupled: bool, start: int = 0) -> None:
+    """adam_lowp.step_run's update of one flat run on a GPU, in one launch; ``seed``: its int64 0-d seed tensor;
+    ``start``: the element of the whole run ``p`` begins at (a multiple of the block; optim/assist.py's chunks)."""
     n = p.numel()
     kind = _STATE_KIND[state["exp_avg"].dtype]
     scales: tuple[Optional[Tensor], Optional[Tensor]] = (state.get("exp_avg_scale"), state.get("exp_avg_sq_scale"))
     m_scale = scales[0] if scales[0] is not None else h  # a placeholder pointer: never read without 8-bit state
     v_scale = scales[1] if scales[1] is not None else h
     grid = (triton.cdiv(triton.cdiv(n, BLOCK), ROWS),)
-    _adam_kernel[grid](p, g, state["exp_avg"], state["exp_avg_sq"], m_scale, v_scale, h, seed, n,
+    _adam_kernel[grid](p, g, state["exp_avg"], state["exp_avg_sq"], m_scale, v_scale, h, seed, n, start,
                        STATE=kind, DECOUPLED=decoupled, P_BF16=p.dtype == torch.bfloat16, B=BLOCK, R=ROWS,
                        enable_fp_fusion=False)
