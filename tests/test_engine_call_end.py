@@ -68,10 +68,43 @@ def test_the_step_of_such_calls_leaves_its_gpu_work_to_the_next_call():
     device = Counting(0)
     engine, opt = make_engine(mlp(), devices=[device], tuning=RESIDENT)
     marked, waited = [], []
-    engine._executor.step_done = lambda: marked.append(True)
+    engine._executor.step_done = lambda buffer: marked.append(True)
     engine._host.gpu.wait_queued = lambda: waited.append(True)
     for _ in range(3):
         ends_of(engine, device)
         engine.step(lambda: (opt.step(), opt.zero_grad()))
     engine.wait_for_steps()
     assert waited == [True] and marked == [True, True]  # the first call profiled (a host wait), the others joined
+
+
+class Stepping(Counting):
+    """Numbers its step events and remembers which the calls followed."""
+
+    def __init__(self, index: int):
+        super().__init__(index)
+        self.marked, self.followed = 0, []
+
+    def step_event(self):
+        self.marked += 1
+        return self.marked
+
+    def follow_step(self, event) -> None:
+        self.followed.append(event)
+
+
+def test_a_training_call_follows_the_step_that_read_its_buffer_not_the_newest():
+    """With two versions, call k+1 writes the other gradient buffer than step k reads: it follows step k-1 (which
+    read that buffer), so step k's GPU work overlaps it. Forward-only calls follow the newest step."""
+    device = Stepping(0)
+    engine, opt = make_engine(mlp(), devices=[device], tuning=RESIDENT)
+    for _ in range(4):
+        ends_of(engine, device)
+        engine.step(lambda: (opt.step(), opt.zero_grad()))
+        engine.wait_for_steps()  # (each step's event is marked before the next call: the order is fixed)
+    # Step 1 follows call 1, which profiled its stages (a host wait): no event. Steps 2 and 3 mark events 1 and 2,
+    # reading buffers B and A. Call 3 writes A (last read by step 1: nothing to follow), call 4 writes B (step 2,
+    # event 1); following the newest step would have been [None, None, 1, 2].
+    assert device.followed == [None, None, None, 1]
+    x, _ = vector_batches(count=1)[0]
+    engine.forward(x)
+    assert device.followed[-1] == device.marked

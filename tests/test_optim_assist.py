@@ -77,3 +77,16 @@ def test_a_one_version_engine_assists_its_host_step_and_trains_the_same(share):
     _, reference = train(0.0)
     for a, b in zip(weights, reference):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_streamed_pieces_on_a_gpu_match(compiled):
+    """Through CUDA streams and slots (several rounds of them): the eager formulas bit for bit; with the
+    compiled kernels (Triton on the GPU, the C++ loop on the host) to their rounding."""
+    numel = 40 * BLOCK + 5
+    plain = run(numel, torch.bfloat16, "int8", compiled, None)
+    helper = Assist(torch.device("cuda"), share=0.8, chunk=3 * BLOCK)  # 32 blocks in 11 chunks through 3 slots
+    split = run(numel, torch.bfloat16, "int8", compiled, helper)
+    exact = dict(rtol=0, atol=0) if not compiled else dict(rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(split[0].float(), plain[0].float(), **exact)

@@ -25,7 +25,7 @@ from .compute import BoundOnUse, JobRun, buffer_versions
 from .device import Device, resolved
 from .graphs import StageGraphs
 from .grads import GradSink, ReducingSink
-from .host import HostState
+from .host import GradBuffer, HostState
 from .batching import map_tensors
 from .memory_format import convert_inputs
 from .passstate import PassState
@@ -112,9 +112,13 @@ class Executor:
             by_device.setdefault(item.job.device, []).append(item)
         state.reduce_order = {j.index: k for k, j in enumerate(j for j in state.jobs if j.kind is not JobKind.FORWARD)}
         self.sink.begin(state)
+        # A training call writes its window's buffer: it follows the step that last read that buffer, not the newest
+        # step (which reads the other buffer, and overlaps this call). With one version the master is the weights.
+        buffer = state.grad_buffer
+        steps = buffer.stepped if buffer is not None and not self.host.single_version else self.step_events
         for index in by_device:
             self.devices[index].follow_caller()
-            self.devices[index].follow_step(self.step_events.get(index))
+            self.devices[index].follow_step(steps.get(index))
         if len(by_device) == 1:
             try:
                 for item in lowered:
@@ -284,10 +288,13 @@ class Executor:
             stack.enter_context(self.devices[index].stepping(events))
         return stack
 
-    def step_done(self) -> None:
+    def step_done(self, buffer: Optional[GradBuffer]) -> None:
         """On the optimizer thread, after a step's GPU work was issued on its stream (``after_calls``): the
-        next call's streams wait for it on the GPU instead of the thread waiting for it."""
+        calls that write ``buffer`` next, and those that read the newest weights, wait for it on the GPU
+        instead of the thread waiting for it."""
         self.step_events = {d.index: d.step_event() for d in self.devices}
+        if buffer is not None:
+            buffer.stepped = self.step_events
 
     def settle_steps(self) -> None:
         """Wait for the steps' GPU work (``step_done``): before the host reads or writes the master."""

@@ -105,6 +105,7 @@ class GradBuffer:
         self.free = threading.Event()  # set when nothing (optimizer .grad views) refers to it
         self.free.set()
         self.held = False  # a failed or partial step left master .grad views into it (roundpipe.py)
+        self.stepped: dict[int, Any] = {}  # device index -> the event after the GPU work of the last step that read it
 
     def reset(self) -> None:
         self.written = [False] * len(self.written)

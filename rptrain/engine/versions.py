@@ -183,7 +183,7 @@ class Versions:
                     step_fn()
             finally:
                 if self.host.gpu is not None:  # the GPU share's kernels: done before its buffer is reused
-                    self.finish_gpu_step(ended)
+                    self.finish_gpu_step(ended, buffer)
                 if buffer is not None:
                     buffer.held = any(buffer.owns(p.grad) for p in self.host.master_params)
                     if not buffer.held:
@@ -191,13 +191,13 @@ class Versions:
                 with span("stage_from_master" if self.executor.resident else "write_compute_copy"):
                     self.executor.publish(version)
 
-    def finish_gpu_step(self, ended: dict) -> None:
+    def finish_gpu_step(self, ended: dict, buffer: Optional[GradBuffer]) -> None:
         """The GPU share's step must finish before its gradient buffer is written again and before the master
         is read. After calls that ended without a host wait (all state on the GPU), the step ran on the step
         stream after them: the next call's streams wait for it on the GPU (``Executor.step_done``) and this
         thread goes on, so the host issues the next call while the GPU steps. Otherwise the thread waits."""
         if ended and all(e is not None for e in ended.values()):
-            self.executor.step_done()
+            self.executor.step_done(buffer)
         else:
             with span("finish_gpu_step"):
                 self.host.gpu.wait_queued()
@@ -223,6 +223,8 @@ class Versions:
                 p.grad = view
             elif any(b.owns(p.grad) for b in held):
                 p.grad = p.grad.clone()  # keep the user's gradient but let its buffer go
+        if held and self.host.gpu is not None:
+            self.host.gpu.wait_queued()  # (rare: a step kept .grad) the clones are done before a call writes the buffer
         for b in held:
             b.held = False
             b.free.set()
