@@ -294,10 +294,11 @@ if [[ $what == lowmem-big ]]; then  # issues 29 and 30 on the H200 (about 9 minu
   run 200 "${lowmem[@]}" --model gpt_oss_20b --impl rptrain --master-dtype bf16 --state-dtype int8 --steps 2 --warmup 1
   grep '^{"bench": "llm"' "$out/suite.log" > "$out/lowmem-big.jsonl"
 fi
-if [[ $what == split-big ]]; then  # issue 29 on the H200 (about 7 minutes): where the 32 B step's time goes (the GPU call against
-  # the optimizer task, one traced step) and the host step per parameter on this machine's cores
-  run 110 python3 bench/optim_lowp.py --device cpu --numel 100000000 --rounds 1 --steps 2 --only fused_fp32 lowmem_compiled
-  run 320 "${lowmem[@]}" --model qwen3_32b --impl rptrain --master-dtype bf16 --state-dtype int8 --steps 2 --warmup 1 --trace-steps 1
+if [[ $what == split-big ]]; then  # issues 29 and 30 on the H200 (about 8 minutes): the assisted host step's CUDA tests, then where the
+  # 32 B step's time goes (the GPU call against the optimizer task, one traced step) and GPT-OSS-20B, both with one version
+  run 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_optim_triton.py tests/test_optim_assist.py tests/test_engine_call_end.py
+  run 300 "${lowmem[@]}" --model qwen3_32b --impl rptrain --master-dtype bf16 --state-dtype int8 --steps 2 --warmup 1 --trace-steps 1
+  run 200 "${lowmem[@]}" --model gpt_oss_20b --impl rptrain --master-dtype bf16 --state-dtype int8 --steps 2 --warmup 1 --trace-steps 1
   grep '^{"bench": "\(llm\|optim_lowp\)"' "$out/suite.log" > "$out/split-big.jsonl"
 fi
 if [[ $what == endrun ]]; then  # issue 32: an 8 B full fine-tune from a HF folder to its end; issue 29: time to the first step (about 7 minutes)
