@@ -136,15 +136,17 @@ def run_rptrain(args, cfg, name):
         options["gpu_state"] = False
     if args.single_version != "auto":  # the engine's single_version (one version of the weights, synchronous steps)
         options["single_version"] = args.single_version == "on"
-    if args.gpu_reserve is not None or args.stream:
+    if args.gpu_reserve is not None or args.stream or args.host_step_gpu_share is not None:
         from rptrain import Tuning
         tuning = dict(gpu_state_reserve=args.gpu_reserve) if args.gpu_reserve is not None else {}
+        if args.host_step_gpu_share is not None:  # passed only when set: an engine from before the option
+            tuning["host_step_gpu_share"] = args.host_step_gpu_share
         if args.stream:  # stream every stage instead of keeping the model resident (three copies of it on the GPU)
             tuning.update(resident_share=0.0, resident_share_gpu_state=0.0)
         options["tuning"] = Tuning(**tuning)
     fits_first(args, name, options)
     model = host_model(args, name, torch.bfloat16)
-    note(f"{name} built")
+    note(f"{name} built" + (f" with {args.overrides}" if args.overrides else ""))
     engine = RoundPipe(model, **options)
     note(str(engine.placement))
     on_gpu = getattr(engine.placement, "params_on", lambda _: 0)("gpu")  # trainable parameters whose state and step are on the GPU
@@ -256,7 +258,7 @@ def run_roundpipe(args, cfg, name):
     import roundpipe
 
     model = host_model(args, name, torch.bfloat16)
-    note(f"{name} built")
+    note(f"{name} built" + (f" with {args.overrides}" if args.overrides else ""))
     engine = roundpipe.RoundPipe(model, optim_dtype=torch.float32)
     with roundpipe.OptimizerCtx():
         opt = roundpipe.optim.Adam(engine.parameters(), lr=1e-4, weight_decay=0.01, decoupled_weight_decay=True)
@@ -430,6 +432,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the engine's gpu_state option: the leading layers' optimizer state on the GPU (--no-gpu-state: all on the host)")
     p.add_argument("--async", dest="is_async", action=argparse.BooleanOptionalAction, default=True,
                    help="the engines' step(is_async=...): --no-async steps synchronously, as plain PyTorch does (same losses)")
+    p.add_argument("--host-step-gpu-share", type=float, default=None,
+                   help="rptrain: Tuning.host_step_gpu_share, the share of a one-version step's host runs the GPU steps (0: off)")
     p.add_argument("--gpu-reserve", type=float, default=None,
                    help="Tuning.gpu_state_reserve: the share of free GPU memory kept for activations when placing the state")
     p.add_argument("--stream", action="store_true", help="rptrain: stream the weights even where the model could stay resident "
