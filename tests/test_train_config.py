@@ -62,6 +62,20 @@ def test_precision_auto_is_bf16_on_a_bf16_gpu_the_tutorials_fp16_on_an_older_one
         assert build_scaler(cfg.precision).is_enabled() == scaled
 
 
+def test_num_microbatch_null_is_one_for_an_image_model_on_one_gpu_and_the_engines_default_otherwise(make, monkeypatch):
+    """An image model on one GPU keeps everything there: one microbatch (validate.num_microbatch says why); a
+    language model, or several GPUs in one process, take the engine's GPUs + 1. The engine is handed the same."""
+    from rptrain.train import validate
+
+    lm = ["model=llama_tiny", "data=synthetic_tokens"]
+    for gpus, image, language in ((0, 1, 1), (1, 1, 2), (2, 3, 3)):
+        monkeypatch.setattr(validate, "default_microbatches", lambda: gpus + 1 if gpus else 1)
+        assert validate.num_microbatch(make()) == image
+        assert build_run_config(make().run_config, 20, validate.num_microbatch(make())).num_microbatch == image
+        assert validate.num_microbatch(make(*lm)) == language
+        assert validate.num_microbatch(make("run_config.num_microbatch=4")) == 4
+
+
 def test_resnet34_from_the_config_is_the_tutorial_network(make):
     model = build_model(make(), torch.float16, device="meta")
     assert sum(p.numel() for p in model.parameters()) == 21_311_108  # the tutorial's build_resnet()

@@ -35,10 +35,11 @@ def default_num_microbatch() -> int:
     return RoundPipe.default_num_microbatch(devices)
 
 
-def build_run_config(cfg: DictConfig, num_layers: int) -> RoundPipeRunConfig:
-    """Every field of cfg (the run_config group) as RoundPipeRunConfig, with errors as ConfigError."""
+def build_run_config(cfg: DictConfig, num_layers: int, num_microbatch: Optional[int] = None) -> RoundPipeRunConfig:
+    """Every field of cfg (the run_config group) as RoundPipeRunConfig, with errors as ConfigError;
+    ``num_microbatch``: the run's resolved count (validate.num_microbatch) where cfg leaves it null."""
     kwargs: dict[str, Any] = {
-        "num_microbatch": cfg.num_microbatch,
+        "num_microbatch": cfg.num_microbatch or num_microbatch,
         "requires_grad": cfg.requires_grad,
         "output_device": cfg.output_device,
         "preserve_rng_state": cfg.preserve_rng_state,

@@ -77,7 +77,7 @@ def build_engine(cfg: DictConfig, model: torch.nn.Sequential, d: Dist, materiali
     """The engine around ``model``; with ``materialise`` the model is on the meta device and the engine makes
     each layer real as it takes it in (no whole host copy of the model: engine/host_fill.py)."""
     with peer_errors("the comparison of the ranks' initial weights", d.world > 1):
-        return RoundPipe(model, master_dtype(cfg.optim), build_run_config(cfg.run_config, len(model)), optimizer=optimizer_memory(cfg.optim),
+        return RoundPipe(model, master_dtype(cfg.optim), build_run_config(cfg.run_config, len(model), num_microbatch(cfg)), optimizer=optimizer_memory(cfg.optim),
                          devices=d.devices, process_group=d.group, cuda_graphs=cfg.engine.cuda_graphs,
                          optimizer_threads=cfg.engine.optimizer_threads,
                          max_host_memory=cfg.engine.max_host_memory, max_gpu_memory=cfg.engine.max_gpu_memory,

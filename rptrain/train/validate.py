@@ -33,7 +33,14 @@ def default_microbatches() -> int:
 
 
 def num_microbatch(cfg: DictConfig) -> int:
-    return cfg.run_config.num_microbatch or default_microbatches()
+    """run_config.num_microbatch; null: 1 for an image model on one GPU or the CPU, else the engine's default (GPUs + 1).
+    Microbatches let transfers overlap compute; an image model and its state stay on the GPU, where splitting the
+    batch only makes smaller kernels (and BatchNorm statistics of half a batch): ResNet-34 in bf16 on an H100 took
+    3.62 ms a step with one microbatch against 6.11 with two, plain PyTorch graphed 3.36 (one invocation, 2026-12-06)."""
+    if cfg.run_config.num_microbatch:
+        return cfg.run_config.num_microbatch
+    engine_default = default_microbatches()
+    return 1 if model_kind(cfg.model) == IMAGE and engine_default <= 2 else engine_default
 
 
 def _positive(key: str, value: Optional[int], allow_none: bool = True) -> None:
@@ -108,8 +115,8 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.num_workers={t.num_workers} must be >= 0")
     micro = cfg.run_config.num_microbatch
     _positive("run_config.num_microbatch", micro)
-    micro = micro or default_microbatches()
-    source = "run_config.num_microbatch" if cfg.run_config.num_microbatch else "the default num_microbatch (GPUs + 1)"
+    micro = num_microbatch(cfg)
+    source = "run_config.num_microbatch" if cfg.run_config.num_microbatch else f"the default num_microbatch ({micro})"
     _positive("engine.optimizer_threads", cfg.engine.optimizer_threads)
     _positive("engine.threads", cfg.engine.threads)
     for key in ("max_host_memory", "max_gpu_memory"):
