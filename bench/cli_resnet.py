@@ -142,10 +142,13 @@ def main() -> None:
     # The batches wait on the GPU as the CLI's GPU-augmented dataset does (data_ms 0.14 there, 2026-12-04).
     # In the CLI's precision too: precision=auto is bf16 (no GradScaler) on a GPU with bf16 (rptrain/train/auto_precision.py).
     sys.path.insert(0, str(ROOT))
+    import torch
     from rptrain.train.auto_precision import auto_precision
 
     bf16 = args.device == "cuda" and auto_precision("compute_dtype") == "bfloat16"
-    like_cli = run_all(args, env, "rptrain", [same], flags=["--metrics-on-device", "--data-on-device"] + (["--bf16"] if bf16 else []))
+    # And with the CLI's one microbatch on a single GPU (rptrain/train/validate.py's num_microbatch).
+    one = ["--microbatches", "1"] if args.device == "cuda" and torch.cuda.device_count() == 1 else []
+    like_cli = run_all(args, env, "rptrain", [same], flags=["--metrics-on-device", "--data-on-device"] + (["--bf16"] if bf16 else []) + one)
     # torch.compile traces and compiles during its first steps: 5 more warm-up steps for it.
     plain_formats = ["contiguous", "channels_last"] + ([] if args.quick else ["inputs"])
     plains = run_all(args, env, "plain", plain_formats, ["channels_last"] if args.compile else [], warmup=5,
