@@ -25,11 +25,12 @@ class Tuning:
     one_version_host_share: float = 0.5
     # With one version of the weights (synchronous steps) the GPU would wait while the host steps its share:
     # this share of each host run's low-precision step (bf16 master or 8-bit moments) is streamed through the
-    # GPU instead, the host stepping the rest meanwhile (rptrain/optim/assist.py). Estimated from the parts'
-    # speeds on the H200 machine (2026-12-06): the host's 8-bit step 0.30 ns a parameter on 16 cores (the 32 B
-    # shape's 5.4 s for 18.3 B), the GPU's about 0.12 ns (6 bytes a parameter up at 50 GB/s): they end
-    # together near 0.7. 0 turns it off.
-    host_step_gpu_share: float = 0.7
+    # GPU instead, the host stepping the rest meanwhile (rptrain/optim/assist.py). Measured on an H100 machine
+    # (gpu_suite assist-14b at e63aeb1, 2026-12-06, the 14 B shape's 6.9 B host parameters): the host alone 1.37 s
+    # (0.20 ns a parameter); at 0.7 the step took 0.84 s (1.11x the run's tokens/s), so the GPU's part moved
+    # 0.17 ns a parameter, and the two parts end together near 0.53 there; the H200 machine's host steps at
+    # 0.30 ns a parameter (split-big at c8a111c), where they would at about 0.63. 0.6 lies between; 0 turns it off.
+    host_step_gpu_share: float = 0.6
     # Of the GPU's free memory: kept for activations and the schedule's working set when placing the
     # optimizer state before the first call has measured them (the planner then cuts stages to what is
     # left). Llama-3B at 4 x 4096 peaked at 60 GiB on the H200 with about 25 of them weight copies;
