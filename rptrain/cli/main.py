@@ -29,7 +29,6 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from rptrain.data import DataError
 from rptrain.train import dist, rundir
 from rptrain.train.errors import USER_ERRORS
 from rptrain.train.explain import explain_config
@@ -79,8 +78,8 @@ def _main(argv: Optional[list[str]]) -> None:
             dist.end_before_start(done.dist, str(done))
         raise SystemExit(0)
     except (*USER_ERRORS, HydraException, OmegaConfBaseException) as err:
-        if dist.other_rank() and not isinstance(err, DataError):
-            raise SystemExit(2)  # the same command line on every rank: rank 0 reports it
+        # Every rank says it, named (fail's rank prefix): a rank that exited silently made torchrun stop the others,
+        # rank 0 among them, before rank 0 had printed, and the run ended with no line (tests/test_cli_dist.py).
         fail(describe(err), to_log=False)
     except OSError as err:  # the output directory could not be created
         fail(f"cannot create the run directory {err.filename or ''}: {err.strerror or err}: choose another output_root or hydra.run.dir", to_log=False)
