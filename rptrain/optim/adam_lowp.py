@@ -94,8 +94,9 @@ def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Te
     the whole run ``p`` begins at (a multiple of BLOCK). A host run stepped while a GPU assists
     (assist.py) sends its first part through that GPU."""
     helper = assist.current() if p.device.type == "cpu" else None
-    if helper is not None and helper.gpu_part(p.numel()):
-        _assisted(helper, p, g, state, step, h, run_key, decoupled, compiled, chunk)
+    stop = helper.gpu_part(p.numel()) if helper is not None else 0
+    if stop:
+        _assisted(helper, stop, p, g, state, step, h, run_key, decoupled, compiled, chunk)
         return
     if compiled and p.device.type == "cpu":
         seed_int = (int(step.item()) * _SEED_MIX + run_key) & 0xFFFFFFFF
@@ -127,10 +128,9 @@ def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Te
             p[a:b].copy_(pc[: b - a])
 
 
-def _assisted(helper: assist.Assist, p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Tensor, run_key: int,
-              decoupled: bool, compiled: bool, chunk: Optional[int]) -> None:
-    """The run's first ``helper.gpu_part`` elements stepped on the helper's GPU while the host steps the rest."""
-    stop = helper.gpu_part(p.numel())
+def _assisted(helper: assist.Assist, stop: int, p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Tensor,
+              run_key: int, decoupled: bool, compiled: bool, chunk: Optional[int]) -> None:
+    """The run's first ``stop`` elements (``helper.gpu_part``) stepped on the helper's GPU while the host steps the rest."""
     on_gpu_step, on_gpu_h = step.to(helper.device), h.to(helper.device)
 
     def piece(t: dict[str, Tensor], at: int) -> None:
