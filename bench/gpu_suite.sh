@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -309,6 +309,16 @@ if [[ $what == assist-14b ]]; then  # issue 29 on an H100 (about 7 minutes): the
       --trace-steps 1 --host-step-gpu-share $share
   done
   grep '^{"bench": "llm"' "$out/suite.log" > "$out/assist-14b.jsonl"
+fi
+if [[ $what == overlap-14b ]]; then  # issue 29 on either GPU (about 7 minutes): the CUDA tests of the step's pieces, then the 14 B shape
+  # with one version, the next call overlapping the step (Tuning.step_overlap) and waiting for it, each its own process
+  run 90 python3 -m pytest -q -x -p no:cacheprovider tests/test_optim_triton.py tests/test_optim_assist.py tests/test_engine_step_overlap.py \
+    tests/test_engine_single_version.py tests/test_engine_call_end.py
+  for overlap in --step-overlap --no-step-overlap; do
+    run 170 "${lowmem[@]}" --model qwen3_14b --impl rptrain --master-dtype bf16 --state-dtype int8 --single-version on --steps 3 --warmup 1 \
+      --trace-steps 1 $overlap
+  done
+  grep '^{"bench": "llm"' "$out/suite.log" > "$out/overlap-14b.jsonl"
 fi
 if [[ $what == endrun ]]; then  # issue 32: an 8 B full fine-tune from a HF folder to its end; issue 29: time to the first step (about 7 minutes)
   # A random Llama-3.1-8B-shaped folder (bf16, 14.96 GiB), then `rptrain model=hf` with the low-memory preset for 3 steps

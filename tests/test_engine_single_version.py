@@ -5,6 +5,8 @@ streams, and every step synchronous. Checked against plain PyTorch's synchronous
 SimulatedDevice that streams (the CUDA code paths on the CPU), with the memory it saves."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -101,10 +103,14 @@ def test_single_version_must_be_a_bool():
 
 
 def test_a_synchronous_step_takes_every_core():
-    """With one version the issuing thread waits for the step, so the optimizer thread takes its core too."""
-    threads = {single: RoundPipe(mlp(), devices=[SimulatedDevice(0)], tuning=STREAM, single_version=single)._versions.thread._threads
-               for single in (False, True)}
-    assert threads == {False: max(1, torch.get_num_threads() - 1), True: torch.get_num_threads()}
+    """With one version and steps the next call does not overlap the issuing thread waits for the step, so the
+    optimizer thread takes its core too; a step the next call overlaps (Tuning.step_overlap) leaves it that core."""
+    waits = replace(STREAM, step_overlap=False)
+    threads = {(single, tuning.step_overlap): RoundPipe(mlp(), devices=[SimulatedDevice(0)], tuning=tuning,
+                                                        single_version=single)._versions.thread._threads
+               for single in (False, True) for tuning in (STREAM, waits)}
+    fewer = max(1, torch.get_num_threads() - 1)
+    assert threads == {(False, True): fewer, (False, False): fewer, (True, True): fewer, (True, False): torch.get_num_threads()}
 
 
 RESIDENT = Tuning(resident_share=1.0, resident_share_gpu_state=1.0, gpu_state_reserve=0.0)  # resident wherever allowed

@@ -114,8 +114,8 @@ class Executor:
         self.sink.begin(state)
         # A training call writes its window's buffer: it follows the step that last read that buffer, not the newest
         # step (which reads the other buffer, and overlaps this call). With one version the master is the weights.
-        buffer = state.grad_buffer
-        steps = buffer.stepped if buffer is not None and not self.host.single_version else self.step_events
+        buffer = None if self.host.single_version else state.grad_buffer
+        steps = buffer.stepped if buffer is not None else self.step_events
         for index in by_device:
             self.devices[index].follow_caller()
             self.devices[index].follow_step(steps.get(index))
@@ -187,11 +187,11 @@ class Executor:
     def _bring(self, run: JobRun, action: Action, state: PassState) -> None:
         """UPLOAD or BIND: the stage's weights (prefetched by the job before it, or fetched now)."""
         found = state.prefetched.pop(run.job.index, None)
-        run.weights, run.frozen = found or self.store.weights(run.device, run.job, state.version)
+        run.weights, run.frozen = found or self.store.weights(run.device, run.job, state.version, state.step_front)
 
     def _prefetch(self, run: JobRun, action: Action, state: PassState) -> None:
         job = state.jobs[action.job]
-        state.prefetched[job.index] = self.store.weights(run.device, job, state.version)
+        state.prefetched[job.index] = self.store.weights(run.device, job, state.version, state.step_front)
 
     def _buffers(self, run: JobRun, action: Action, state: PassState) -> None:
         job = run.job

@@ -53,10 +53,10 @@ class GradSink:
         with device.stream("download"):
             device.wait("download", ready)
             device.check_ready("download", (g for _, g in pieces))
-            converted = []
+            converted, buffer = [], state.window()
             for r, g in pieces:  # the GPU share's gradients are cast as they land (not when reduced: averaged in fp32)
-                dtype = state.grad_buffer.dtype if self.lands_as_is else torch.float32  # a reducer averages in fp32
-                converted.append((r, g if self.lands_as_is and state.grad_buffer.on_gpu(r) else g.to(dtype)))
+                dtype = buffer.dtype if self.lands_as_is else torch.float32  # a reducer averages in fp32
+                converted.append((r, g if self.lands_as_is and buffer.on_gpu(r) else g.to(dtype)))
                 device.keep_alive(g, "download")
             self._deliver(device, job, converted, state)
 
@@ -64,7 +64,7 @@ class GradSink:
         self._land(device, converted, state)
 
     def _land(self, device: Device, pieces: list[tuple[Range, Tensor]], state: PassState) -> None:
-        layout, buffer = self.layout, state.grad_buffer
+        layout, buffer = self.layout, state.window()
         with device.stream("download"):
             for r, g32 in pieces:
                 with state.lock:

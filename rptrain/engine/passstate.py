@@ -15,6 +15,7 @@ from .schedule import Job
 
 if TYPE_CHECKING:
     from .graphs import StageGraphs
+    from ..optim.front import StepFront
 
 
 class Args(NamedTuple):
@@ -81,6 +82,10 @@ class PassState:
     labels: Sequence[Any] = ()
     loss_fn: Optional[Callable] = None
     grad_buffer: Optional[GradBuffer] = None
+    # A call overlapping the step that writes its weights (versions.py): what that step has finished, and the
+    # gradient buffer's opening, deferred to the first gradient (the step reads the buffer until it ends).
+    step_front: Optional[StepFront] = None
+    open_grad_buffer: Optional[Callable[[], GradBuffer]] = None
     preserve_rng: bool = True
     want_outputs: bool = False
     output_device: torch.device = torch.device("cpu")
@@ -111,11 +116,20 @@ class PassState:
     buffer_events: list = field(default_factory=list, init=False)  # written-back buffers' download events
     reduce_order: dict = field(default_factory=dict, init=False)  # job index -> its turn among reducing jobs
     lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _opening: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def __post_init__(self) -> None:
         self.chain = Mailbox(self)
         n = self.num_microbatch
         self.losses, self.outputs, self.input_grads = [None] * n, [None] * n, [None] * n
+
+    def window(self) -> GradBuffer:
+        """The gradient buffer this call writes (opened at the first gradient where the opening was deferred)."""
+        if self.grad_buffer is None and self.open_grad_buffer is not None:
+            with self._opening:
+                if self.grad_buffer is None:
+                    self.grad_buffer = self.open_grad_buffer()
+        return self.grad_buffer
 
     def fail(self, error: BaseException) -> None:
         with self.lock:

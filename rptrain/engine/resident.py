@@ -15,7 +15,7 @@ parameters stay on the host (host.py: written from the master at synchronize()).
 from __future__ import annotations
 
 import threading
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -58,7 +58,9 @@ class ResidentStore(StreamedStore):
         self.prefetch_version(0)  # on every GPU now: a step may change the master before a GPU's first call
 
     # ----------------------------------------------------------------------------- weights
-    def weights(self, device: Device, job: Job, version: int) -> tuple[StageTensors, StageTensors]:
+    def weights(self, device: Device, job: Job, version: int, front: Any = None) -> tuple[StageTensors, StageTensors]:
+        if front is not None:  # (calls overlap a step only where the weights stream: versions.py)
+            front.wait_finished()
         return self._live(device, version), self._frozen(device, job)
 
     def _frozen(self, device: Device, job: Job) -> StageTensors:

@@ -56,12 +56,10 @@ class RoundPipe(ForwardsAttributes):
     (layers that cannot be captured fall back to eager, with a warning).
     ``process_group``: a torch.distributed group to train data-parallel over (NCCL or gloo): gradients
     are averaged before each step; BatchNorm statistics stay per rank (DDP's ``broadcast_buffers=False``).
-    ``optimizer_threads``: OpenMP threads of the optimizer step. Default on GPU engines: one fewer than
-    torch's (torch's with a single version), so the thread issuing GPU work keeps a core; a statically
-    scheduled parallel loop that shares a core with it waits for its slowest thread.
-    ``name``: kept as ``.name``. ``pin_model`` (GPU engines): "alloc" pins host copies, large ones as exact
-    registered mappings, small ones through PyTorch's allocator (rounded up to a power of two); "register"
-    registers every copy at its exact size (slower to set up); "off" pins nothing (slower uploads).
+    ``optimizer_threads``: OpenMP threads of the optimizer step. Default on GPU engines: one fewer than torch's (torch's
+    with a single version), so the issuing thread keeps a core (a static parallel loop waits for its slowest thread).
+    ``name``: kept as ``.name``. ``pin_model`` (GPU engines): "alloc" pins host copies (large ones as exact registered
+    mappings, small ones through PyTorch's allocator); "register" all at their exact size; "off" none (slower uploads).
     ``memory_format``: ``torch.channels_last`` converts 4-D inputs to channels-last on the
     device and stores 4-D weights (and so their gradients and state-dict tensors) channels-last,
     so convolutions run NHWC kernels (faster on recent GPUs; memory_format.py). None: as given.
@@ -79,8 +77,9 @@ class RoundPipe(ForwardsAttributes):
     ``OptimizerMemory``: rptrain/optim/state.py), so the fit check counts its state; None: rptrain.optim.Adam.
     ``materialise``: a meta-device model's layer ``i`` is made real by ``materialise(i)`` as it is copied in (host_fill.py).
     ``single_version``: True keeps one version of the weights (host.py: the master is the host's compute
-    copy where their dtypes agree, one gradient buffer, a GPU share also while streaming) and makes every
-    step synchronous (``is_async=True`` acts as False); False: two, as the original; None: two where they fit."""
+    copy where their dtypes agree, one gradient buffer, a GPU share also while streaming): every call uses the
+    newest weights; ``step(is_async=True)`` returns at once and the next ``forward_backward`` reads each stage
+    once the step wrote it (versions.py). False: two, as the original; None: two where they fit."""
 
     def __init__(
         self,
@@ -142,8 +141,8 @@ class RoundPipe(ForwardsAttributes):
 
     def _optimizer_thread(self, threads: Optional[int]) -> TaskThread:
         inline = not self._cuda and not self._tuning.cpu_optimizer_thread  # tuning.py says why
-        if threads is None and self._cuda:  # one core kept for the issuing thread, idle while a synchronous step (one version) runs
-            threads = max(1, torch.get_num_threads() - (0 if self._host.single_version else 1))
+        if threads is None and self._cuda:  # one core kept for the issuing thread, idle only while a synchronous step runs
+            threads = max(1, torch.get_num_threads() - (0 if self._host.single_version and not self._tuning.step_overlap else 1))
         thread = TaskThread(f"rptrain-optimizer-{id(self):x}", inline=inline, threads=threads)
         weakref.finalize(self, thread.close)
         return thread
@@ -179,9 +178,8 @@ class RoundPipe(ForwardsAttributes):
         return [d.torch_device for d in self._devices]
 
     def memory_report(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
-        """Host bytes this engine allocated, per kind: ``master``, ``grads``, ``compute`` (copies),
-        ``frozen`` (requires_grad=False weights, stored once), ``buffers``, and ``optimizer`` (the
-        state tensors of ``optimizer``, when given: it allocates them, not the engine), plus ``total``."""
+        """Host bytes this engine allocated, per kind: ``master``, ``grads``, ``compute`` (copies), ``frozen``
+        (requires_grad=False weights, once), ``buffers``, ``optimizer`` (``optimizer``'s state, when given), ``total``."""
         return self._host.report(optimizer)
 
     @property
@@ -229,12 +227,12 @@ class RoundPipe(ForwardsAttributes):
         cfg = call.cfg
         micro = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
         labels = split_label(label, cfg.num_microbatch, cfg.split_label)
-        version = self._versions.use()
-        buffer = self._versions.open_window()
+        version = self._versions.use(early=True)
+        window = self._versions.call_window()
         inputs = [float_tensors(Args(a, k)) for a, k in micro]
         state = PassState(
             call.jobs, cfg.num_microbatch,
-            [Args(a, k) for a, k in micro], version, labels=labels, loss_fn=loss_fn, grad_buffer=buffer,
+            [Args(a, k) for a, k in micro], version, labels=labels, loss_fn=loss_fn, **window,
             preserve_rng=cfg.preserve_rng_state, want_outputs=return_outputs, output_device=cfg.output_device,
             profile=call.profile, offload=call.offload,
             input_requires_grad=torch.is_grad_enabled() and any(t.requires_grad for i in inputs for t in i),
@@ -256,29 +254,31 @@ class RoundPipe(ForwardsAttributes):
             with span("forward_backward"):
                 self._executor.run(state)
         except BaseException as e:
-            state.grad_buffer.reset()
+            if state.grad_buffer is not None:
+                state.grad_buffer.reset()
             if hasattr(e, "add_note"):
                 e.add_note("rptrain: the gradients accumulated since the last step() were discarded")
+            self._versions.end_call(state, failed=True)  # (an overlapped step's error is raised instead, chained)
             raise
+        self._versions.end_call(state, failed=False)
         found_inf = any(bool(flag) for flag in state.nonfinite.values())
         if self._reducer is not None and state.scalers:  # every rank must skip the same steps
             found_inf = self._reducer.any_flag(found_inf, self._devices[0].torch_device)
         self._versions.observe(state.scalers, found_inf)
 
     def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
-        """Run ``step_fn(*args, **kwargs)`` (e.g. ``scaler.step(opt); opt.zero_grad()``) on the
-        optimizer thread with the gradients accumulated since the last step as the master
-        parameters' ``.grad``; there ``parameters()`` gives the master parameters."""
+        """Run ``step_fn(*args, **kwargs)`` (e.g. ``scaler.step(opt); opt.zero_grad()``) on the optimizer thread with
+        the gradients accumulated since the last step as the master parameters' ``.grad`` (``parameters()`` there)."""
         self._check_open()
         if not callable(step_fn):
             raise TypeError(f"step() needs a callable, got {type(step_fn).__name__}")
         self._versions.step(functools.partial(step_fn, *args, **kwargs), is_async)
 
     def synchronize(self) -> None:
-        """Wait for queued steps and make the compute copy (and the wrapped model's parameters) equal to
-        the master copy; the gradients accumulated since the last step show as the parameters' ``.grad``.
-        A user's own optimizer may then step those parameters (the original library's documented use):
-        the next call finds them changed, takes them as the new weights and drops the gradients they used."""
+        """Wait for queued steps and make the compute copy (and the wrapped model's parameters) equal to the
+        master; the gradients accumulated since the last step show as the parameters' ``.grad``. A user's own
+        optimizer may then step those parameters (the original library's documented use): the next call
+        takes them as the new weights and drops the gradients they used."""
         self._check_open()
         self._user.synchronize()
 
@@ -287,8 +287,8 @@ class RoundPipe(ForwardsAttributes):
         self._versions.wait_all()
 
     def close(self) -> None:
-        """Stop the optimizer thread and free device memory; the object is not usable afterwards (every
-        call but ``close()`` then raises). Raises the error of a step nobody has seen fail yet."""
+        """Stop the optimizer thread and free device memory (every later call but ``close()`` raises).
+        Raises the error of a step nobody has seen fail yet."""
         if self._closed:
             return
         self._closed = True

@@ -31,6 +31,10 @@ class Tuning:
     # 0.17 ns a parameter, and the two parts end together near 0.53 there; the H200 machine's host steps at
     # 0.30 ns a parameter (split-big at c8a111c), where they would at about 0.63. 0.6 lies between; 0 turns it off.
     host_step_gpu_share: float = 0.6
+    # With one version and streamed weights, an asynchronous step() returns at once and the next call reads each
+    # stage's weights as soon as the step has written them (rptrain/optim/front.py), so the next forward runs
+    # while the host steps its share; the weights are those of a synchronous step. Not measured yet: False waits.
+    step_overlap: bool = True
     # Of the GPU's free memory: kept for activations and the schedule's working set when placing the
     # optimizer state before the first call has measured them (the planner then cuts stages to what is
     # left). Llama-3B at 4 x 4096 peaked at 60 GiB on the H200 with about 25 of them weight copies;

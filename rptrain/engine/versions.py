@@ -25,11 +25,13 @@ import functools
 from typing import Any, Callable, Optional
 
 from ..optim.assist import Assist, assisting
+from ..optim.front import StepFront, tracking
 from .executor import Executor
 from .host import GradBuffer, HostState
 from .scaler import step_context
 from .step_guard import stepping, watch
 from .trace import span
+from .weights import StreamedStore
 from .worker import TaskThread, Ticket
 
 
@@ -57,13 +59,50 @@ class Versions:
         self.damage: dict[int, str] = {}  # version -> what its failed step had written (step_guard.py)
         self.damaged: Optional[str] = None  # reported damage: calls are refused until whole weights are loaded
         self.assist = _step_assist(host, executor)
+        self.front: Optional[StepFront] = None  # the step the next training call may overlap (front.py)
 
     def step(self, step_fn: Callable[[], Any], is_async: bool) -> None:
         """Submit ``step_fn`` with the window's gradients bound, and do the bookkeeping."""
+        self.end_front()
         buffer, scalers = self.close_window()
         ended = dict(self.executor.ended)  # the calls whose gradients it steps: its GPU work follows them
-        version = self.submit(functools.partial(self.run_step, step_fn, buffer, scalers, ended))
-        self.stepped(version, buffer, is_async)
+        front = StepFront(self.written + 1) if self.overlaps(is_async) else None
+        version = self.submit(functools.partial(self.run_step, step_fn, buffer, scalers, ended, front))
+        self.stepped(version, buffer, is_async, front)
+
+    def overlaps(self, is_async: bool) -> bool:
+        """Whether the next training call may run while this step does: one version (so the step writes the
+        weights that call reads; several write another copy, overlapping anyway), asynchronous (the caller reads
+        nothing of the master until that call), and weights uploaded per stage (each upload waits for its part)."""
+        return (is_async and self.host.single_version and self.executor.tuning.step_overlap
+                and type(self.executor.store) is StreamedStore)
+
+    def end_front(self) -> None:
+        """Wait for the step a call may have overlapped, on the GPU too; its error is raised here."""
+        front, self.front = self.front, None
+        if front is not None:
+            self.wait(front.version)
+            self.executor.settle_steps()
+
+    def call_window(self) -> dict:
+        """A training call's gradient buffer (PassState's fields): the open window's, or where the call overlaps
+        the step that still reads it (``use(early=True)``), its opening at the call's first gradient."""
+        front = self.front
+        if front is None or front.version != self.required:
+            return dict(grad_buffer=self.open_window())
+        return dict(step_front=front, open_grad_buffer=self.open_after_step)
+
+    def open_after_step(self) -> GradBuffer:
+        self.end_front()
+        return self.open_window()
+
+    def end_call(self, state: Any, failed: bool) -> None:
+        """After a training call: one that overlapped a step waits for it (the step's error is the call's) and
+        opens the window even if no gradient did, as every other call does."""
+        if state.open_grad_buffer is not None:
+            self.end_front()
+            if not failed:
+                state.window()
 
     def synchronize(self) -> None:
         self.drain()
@@ -105,10 +144,12 @@ class Versions:
         self.window_open = False
         return buffer, scalers
 
-    def stepped(self, version: int, buffer: Optional[GradBuffer], is_async: bool) -> None:
+    def stepped(self, version: int, buffer: Optional[GradBuffer], is_async: bool, front: Optional[StepFront] = None) -> None:
         """Bookkeeping after submitting the step that writes ``version``."""
         previous, self.last_step = self.last_step, version
-        if is_async and not self.host.single_version:  # one version: nothing may read the weights while a step writes them
+        if front is not None:  # the next call uses the step's weights, reading each part once it is written
+            self.front, self.required = front, version
+        elif is_async and not self.host.single_version:  # one version: nothing may read the weights while a step writes them
             self.required = max(self.required, previous)
             if buffer is not None:
                 self.window = 1 - self.window
@@ -162,17 +203,32 @@ class Versions:
         self.wait_all()
         self.raise_errors()
 
-    def use(self) -> int:
+    def use(self, early: bool = False) -> int:
+        """The version the next call reads, once written; ``early``: a training call (forward_backward) may
+        start while the step writing it runs (``front``), its weights' uploads waiting for their parts."""
         version = self.required
         with span("wait_weights"):
-            self.wait(version)
+            if early and self.front is not None and self.front.version == version:
+                self.wait(version - 1)
+            else:
+                self.end_front()
+                self.wait(version)
         if self.shown != version:
             self.host.show_version(version)
             self.shown = version
         return version
 
     # ----------------------------------------------------------------------------- the optimizer thread
-    def run_step(self, step_fn: Callable[[], Any], buffer: Optional[GradBuffer], scalers: dict, ended: dict, version: int) -> None:
+    def run_step(self, step_fn: Callable[[], Any], buffer: Optional[GradBuffer], scalers: dict, ended: dict,
+                 front: Optional[StepFront], version: int) -> None:
+        try:
+            with tracking(front):
+                self._run_step(step_fn, buffer, scalers, ended, version)
+        finally:
+            if front is not None:  # last: a call overlapping the step reads what no part reported only now
+                front.finish()
+
+    def _run_step(self, step_fn: Callable[[], Any], buffer: Optional[GradBuffer], scalers: dict, ended: dict, version: int) -> None:
         # The master changes and its version is staged: resident.py's copy() waits.
         with self.host.master_lock, self.executor.after_calls(ended):
             try:

@@ -10,7 +10,7 @@ Chosen once per engine (``make_store``):
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import Tensor
 
@@ -19,6 +19,9 @@ from .host import HostState
 from .layout import FlatLayout, Range, Slot, shaped
 from .schedule import Job
 from .tuning import Tuning
+
+if TYPE_CHECKING:
+    from ..optim.front import StepFront
 
 
 class StageTensors:
@@ -52,8 +55,10 @@ class HostStore:
         self.host = host
         self.tuning = tuning
 
-    def weights(self, device: Device, job: Job, version: int) -> tuple[StageTensors, StageTensors]:
+    def weights(self, device: Device, job: Job, version: int, front: Optional[StepFront] = None) -> tuple[StageTensors, StageTensors]:
         host = self.host
+        if front is not None:  # (calls overlap a step only where the weights stream: versions.py)
+            front.wait_finished()
         return StageTensors(host.params, _whole(host.params, host.compute[version % 2])), StageTensors(host.frozen_layout, _whole(host.frozen_layout, host.frozen))
 
     def buffers(self, device: Device, job: Job, scratch: bool, static: bool, events: list) -> StageTensors:
@@ -84,10 +89,12 @@ class HostStore:
 class StreamedStore(HostStore):
     """GPUs: every job uploads its stage's tensors on the upload stream."""
 
-    def weights(self, device: Device, job: Job, version: int) -> tuple[StageTensors, StageTensors]:
+    def weights(self, device: Device, job: Job, version: int, front: Optional[StepFront] = None) -> tuple[StageTensors, StageTensors]:
+        """``front``: the step writing ``version`` still runs (a call overlapping it): each range is read once done."""
         host, params = self.host, self.host.params
         with device.stream("upload"):
-            pieces = [(part, device.upload(self._source(version, part))) for r in params.ranges(job.start, job.stop) for part in self._split(r)]
+            pieces = [(part, device.upload(self._source(version, part, device, front)))
+                      for r in params.ranges(job.start, job.stop) for part in self._split(r)]
             weights = StageTensors(params, pieces, device.record("upload"))
         return weights, self._frozen(device, job)
 
@@ -95,12 +102,16 @@ class StreamedStore(HostStore):
         """``r`` as its part in the GPU share and its part on the host (where there is a share)."""
         return [part for part in self.host.gpu.split(r) if part is not None] if self.host.gpu is not None else [r]
 
-    def _source(self, version: int, r: Range) -> Tensor:
+    def _source(self, version: int, r: Range, device: Device, front: Optional[StepFront]) -> Tensor:
         """Where range ``r`` of compute copy ``version`` comes from: the host's copy, or for the GPU share
-        (a single version, so no step writes it while a call runs: gpushare.py) its master on the GPU, cast."""
-        if self.host.on_gpu_range(r):
-            return self.host.gpu.master[r.key][r.start : r.stop].to(self.host.params.dtypes[r.key], copy=True)
-        return self.host.compute_range(version, r)
+        (a single version, so no step writes it while a call runs: gpushare.py) its master on the GPU, cast.
+        Under ``front`` the upload stream first waits for the step to have written it."""
+        gpu = self.host.on_gpu_range(r)
+        source = self.host.gpu.master[r.key][r.start : r.stop] if gpu else self.host.compute_range(version, r)
+        if front is not None:
+            for event in front.wait(source):
+                device.wait("upload", event)
+        return source.to(self.host.params.dtypes[r.key], copy=True) if gpu else source
 
     def _frozen(self, device: Device, job: Job) -> StageTensors:
         layout = self.host.frozen_layout

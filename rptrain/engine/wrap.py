@@ -206,7 +206,7 @@ class WrappedModel(ForwardsAttributes):
         versions = [e.claim() for e in engines]
         task = functools.partial(step_fn, *args, **kwargs)
         for engine, (buffer, _), version in reversed(list(zip(engines, closed, versions))):
-            task = functools.partial(engine.run_step, task, buffer, scalers, dict(engine.executor.ended), version)
+            task = functools.partial(engine.run_step, task, buffer, scalers, dict(engine.executor.ended), None, version)
         ticket = engines[0].thread.submit(task)
         for engine, version in zip(engines, versions):
             engine.tickets[version] = ticket

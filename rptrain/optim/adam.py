@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from . import adam_lowp
+from . import adam_lowp, front
 from .flat import FlatState, _FlatRuns, _flat, _span, before_torch_step, on_cpu_or_cuda
 from .lowbit import BLOCK
 from .state import OptimizerMemory, StateTensor, moments
@@ -140,16 +140,17 @@ class _FlatStepMixin:
             numel, device = _span(run), run[0].device
             if device not in scales:
                 scales[device] = None if grad_scale is None else grad_scale.to(device)
+            param = _flat(run[0], numel)
             if _low_precision(run[0].dtype, self.state_dtype):
                 h = adam_lowp.hyper(group, step, scales[device])
-                adam_lowp.step_run(_flat(run[0], numel), _flat(run[0].grad, numel), flats, step, h, run[0].storage_offset(),
-                                   decoupled, self.compile_step)
-                continue
-            kernel(
-                [_flat(run[0], numel)], [_flat(run[0].grad, numel)], [flats["exp_avg"]], [flats["exp_avg_sq"]], [], [step],
-                lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                amsgrad=False, maximize=False, grad_scale=scales[device], found_inf=None,
-            )
+                adam_lowp.step_run(param, _flat(run[0].grad, numel), flats, step, h, run[0].storage_offset(), decoupled, self.compile_step)
+            else:
+                kernel(
+                    [param], [_flat(run[0].grad, numel)], [flats["exp_avg"]], [flats["exp_avg_sq"]], [], [step],
+                    lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                    amsgrad=False, maximize=False, grad_scale=scales[device], found_inf=None,
+                )
+            front.report(param)  # a call overlapping this step may read the run now (front.py)
         return loss
 
 

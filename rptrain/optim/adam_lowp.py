@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import assist, cpu_kernel, triton_step
+from . import assist, cpu_kernel, front, triton_step
 from .lowbit import BLOCK, dequantize_signed, dequantize_unsigned, quantize_signed, quantize_unsigned, round_to_bf16
 
 CHUNK = 1 << 18  # elements: 1 MiB per fp32 temporary (bench/optim_lowp.py)
@@ -72,6 +72,9 @@ def _chunk_int8(p: Tensor, g: Tensor, mq: Tensor, ms: Tensor, vq: Tensor, vs: Te
     vs.copy_(s)
 
 
+# Elements of a host run stepped between two reports to a call that overlaps the step (front.py): about 7 ms
+# of the 16-core host's C++ loop (0.41 ns a parameter, 2026-12-06), small against a 32 B layer's 0.2 s.
+FRONT_PIECE = 1 << 24
 GPU_CHUNK = 1 << 22  # 4 M elements: 16 MB per fp32 temporary (16 M ran a 14 B plan out of GPU memory, 2026-12-04)
 
 
@@ -97,6 +100,9 @@ def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Te
     stop = helper.gpu_part(p.numel()) if helper is not None else 0
     if stop:
         _assisted(helper, stop, p, g, state, step, h, run_key, decoupled, compiled, chunk)
+        return
+    if p.device.type == "cpu" and p.numel() > FRONT_PIECE and front.current() is not None:
+        _in_pieces(p, g, state, step, h, run_key, decoupled, compiled, chunk, start)
         return
     if compiled and p.device.type == "cpu":
         seed_int = (int(step.item()) * _SEED_MIX + run_key) & 0xFFFFFFFF
@@ -126,6 +132,21 @@ def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Te
               state["exp_avg_sq"][a : a + padded], state["exp_avg_sq_scale"][blocks], h, seed, at, decoupled)
         if padded != b - a:
             p[a:b].copy_(pc[: b - a])
+
+
+def _in_pieces(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Tensor, run_key: int, decoupled: bool,
+               compiled: bool, chunk: Optional[int], start: int) -> None:
+    """A host run stepped in pieces of ``FRONT_PIECE``, each reported done as it ends (front.py): a call that
+    overlaps this step reads a layer once its piece is written, not after the whole run."""
+    n = p.numel()
+    for a in range(0, n, FRONT_PIECE):
+        b = min(a + FRONT_PIECE, n)
+        last = b == n  # (the last piece's state keeps the padding of the run's last block)
+        piece = {k: v[a // BLOCK : None if last else b // BLOCK] if k.endswith("_scale") else v[a : None if last else b]
+                 for k, v in state.items()}
+        with front.tracking(None):
+            step_run(p[a:b], g[a:b], piece, step, h, run_key, decoupled, compiled, chunk, start + a)
+        front.report(p[a:b])
 
 
 def _assisted(helper: assist.Assist, stop: int, p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Tensor,

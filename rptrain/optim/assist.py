@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import Tensor
 
+from . import front
 from .lowbit import BLOCK
 
 SLOTS = 3  # chunks in flight: one uploading, one stepping, one downloading
@@ -86,6 +87,7 @@ def stream_through(assist: Assist, host: dict[str, Tensor], stop: int, step_piec
             for name, t in host.items():
                 if name not in read_only:
                     _piece(t, a, b, blocks[name]).copy_(pieces[name])
+                    front.report(_piece(t, a, b, blocks[name]))
         return lambda: None
     up, work, down = _streams(device)
     caller = torch.cuda.current_stream(device)
@@ -110,6 +112,9 @@ def stream_through(assist: Assist, host: dict[str, Tensor], stop: int, step_piec
                 if name not in read_only:
                     _piece(t, a, b, blocks[name]).copy_(pieces[name], non_blocking=True)
         freed[k] = down.record_event()
+        for name, t in host.items():  # a call overlapping this step reads the chunk once it is home (front.py)
+            if name not in read_only:
+                front.report(_piece(t, a, b, blocks[name]), freed[k])
     end = down.record_event()
     caller.wait_event(end)
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 from torch import Tensor
 
+from . import front
 from .flat import _FlatRuns, _Views, _flat, _like, _span, _state_unchanged, before_torch_step, on_cpu_or_cuda
 from .kernels import Elementwise
 from .state_spec import StateSpec, optimizer_memory
@@ -106,8 +107,10 @@ class FlatStepMixin:
             numel, device = _span(run), run[0].device
             if device not in scales:
                 scales[device] = None if grad_scale is None else grad_scale.to(device)
-            self._step_run(group, _flat(run[0], numel), _flat(run[0].grad, numel), state, scales[device])
+            param = _flat(run[0], numel)
+            self._step_run(group, param, _flat(run[0].grad, numel), state, scales[device])
             state.fresh = False
+            front.report(param)  # a call overlapping this step may read the run now (front.py)
         return loss
 
     def _run_state(self, group: dict, run: list[Tensor]) -> Optional[_RunState]:
