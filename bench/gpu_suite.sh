@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -309,6 +309,12 @@ if [[ $what == assist-14b ]]; then  # issue 29 on an H100 (about 7 minutes): the
       --trace-steps 1 --host-step-gpu-share $share
   done
   grep '^{"bench": "llm"' "$out/suite.log" > "$out/assist-14b.jsonl"
+fi
+if [[ $what == overlap-big ]]; then  # issues 29 and 30 on the H200 (about 9 minutes): the 32 B shape and GPT-OSS-20B with one version,
+  # the assisted host step (0.6) and the next call overlapping the step (the defaults)
+  run 330 "${lowmem[@]}" --model qwen3_32b --impl rptrain --master-dtype bf16 --state-dtype int8 --steps 3 --warmup 1 --trace-steps 1
+  run 200 "${lowmem[@]}" --model gpt_oss_20b --impl rptrain --master-dtype bf16 --state-dtype int8 --steps 3 --warmup 1
+  grep '^{"bench": "llm"' "$out/suite.log" > "$out/overlap-big.jsonl"
 fi
 if [[ $what == overlap-14b ]]; then  # issue 29 on either GPU (about 7 minutes): the CUDA tests of the step's pieces, then the 14 B shape
   # with one version, the next call overlapping the step (Tuning.step_overlap) and waiting for it, each its own process
