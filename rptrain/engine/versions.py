@@ -10,8 +10,11 @@ the optimizer thread (as the master parameters' ``.grad``) and the next call ope
 so the next iteration's backward overlaps the optimizer step. A step that fails, or a step function
 that keeps a ``.grad``, leaves the buffer ``held`` until the next step lets it go.
 
-With a single version of the weights (host.py's ``single_version``) every step is synchronous: the
-master is the compute copy, and there is one gradient buffer.
+With a single version of the weights (host.py's ``single_version``) the master is the compute copy and
+there is one gradient buffer, so every call uses the newest weights. ``step(is_async=False)`` waits for the
+step. ``step(is_async=True)`` returns at once where the weights stream (``overlaps``). The next training
+call then runs while the step does: each stage's upload waits for the step to have written that stage
+(rptrain/optim/front.py). The call opens the gradient buffer at its first gradient, after the step.
 
 A step's error is raised once the caller has waited for that step (a call using its version or a
 later one, ``synchronize()``, a synchronous step, ``close()``), never because the thread happened
