@@ -83,8 +83,9 @@ def gpu_state_allowed(requested: bool, devices: list[Device], resident: bool, tu
     stage of the schedule, so no one of them owns a layer's state; the state stays on the host there.
     The model must stay resident (the GPU share's compute copy is cast from its master on the GPU,
     into the resident store's upload slot), unless the engine keeps a single version of the weights:
-    then steps are synchronous, nothing writes the master while a call runs, and a streaming call
-    copies the share's weights from its master on the GPU (weights.py)."""
+    then a call reads no stage before the step has written it (a call overlapping a step waits for its
+    parts: rptrain/optim/front.py), and a streaming call copies the share's weights from its master on
+    the GPU (weights.py)."""
     if not isinstance(requested, bool):
         raise TypeError(f"gpu_state must be True or False, got {requested!r}")
     if not requested:
