@@ -170,14 +170,17 @@ class Trainer:
             if batch is None:
                 return
             t1 = time.perf_counter()
-            with stop.deferred():  # a signal now: this step ends and is counted, then a checkpoint
+            # A signal now: this step ends, is counted and logged, then a checkpoint. (Logged inside: a signal
+            # between the count and the log stopped the run with the step in its checkpoint but not in
+            # metrics.jsonl, test_cli_resume's pre-emption test, 2026-12-06.)
+            with stop.deferred():
                 stopping, scale, result, skipped = self._step(batch, stop)
                 c.report.add_step(p, result, t1 - t0, time.perf_counter() - t1, skipped)
                 self.unstepped = None
-            logged = p.step % every.log == 0 or p.step == c.total_steps
-            bar.advance(c.report.bar_stats, logged)  # off a terminal, a heartbeat line reads them
-            if logged:
-                c.report.log_step(p, epoch, c.steps.lr(p.step - 1), scale, bar)
+                logged = p.step % every.log == 0 or p.step == c.total_steps
+                bar.advance(c.report.bar_stats, logged)  # off a terminal, a heartbeat line reads them
+                if logged:
+                    c.report.log_step(p, epoch, c.steps.lr(p.step - 1), scale, bar)
             # One process: a signal during the step stops after it. Several: after the step all agreed on.
             self._after_step(epoch, c.data.train.next_batch >= len(c.data.train), stop, bool(stop) if self.dist.world == 1 else stopping)
 
