@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor
 
+from ..thread_setting import setting
 from .batching import map_tensors
 
 _local = threading.local()
@@ -28,26 +29,14 @@ _local = threading.local()
 _step_queues: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-@contextlib.contextmanager
-def recording_scalers(registry: dict) -> Iterator[None]:
+def recording_scalers(registry: dict) -> contextlib.AbstractContextManager:
     """Within the block, ``GradScaler.scale`` records ``registry[scaler] = scale``."""
-    previous = getattr(_local, "registry", None)
-    _local.registry = registry
-    try:
-        yield
-    finally:
-        _local.registry = previous
+    return setting(_local, "registry", registry)
 
 
-@contextlib.contextmanager
-def step_context(infos: dict) -> Iterator[None]:
+def step_context(infos: dict) -> contextlib.AbstractContextManager:
     """Within the block, ``GradScaler.step`` uses ``infos[scaler] = (scale, found_inf)``."""
-    previous = getattr(_local, "step_infos", None)
-    _local.step_infos = infos
-    try:
-        yield
-    finally:
-        _local.step_infos = previous
+    return setting(_local, "step_infos", infos)
 
 
 @contextlib.contextmanager

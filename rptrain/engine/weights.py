@@ -91,7 +91,7 @@ class StreamedStore(HostStore):
 
     def weights(self, device: Device, job: Job, version: int, front: Optional[StepFront] = None) -> tuple[StageTensors, StageTensors]:
         """``front``: the step writing ``version`` still runs (a call overlapping it): each range is read once done."""
-        host, params = self.host, self.host.params
+        params = self.host.params
         with device.stream("upload"):
             pieces = [(part, device.upload(self._source(version, part, device, front)))
                       for r in params.ranges(job.start, job.stop) for part in self._split(r)]

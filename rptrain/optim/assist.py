@@ -20,12 +20,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from . import front
+from ..thread_setting import setting
 from .lowbit import BLOCK
 
 SLOTS = 3  # chunks in flight: one uploading, one stepping, one downloading
@@ -46,15 +47,9 @@ class Assist:
         return int(numel * min(max(self.share, 0.0), 1.0)) // BLOCK * BLOCK
 
 
-@contextlib.contextmanager
-def assisting(assist: Optional[Assist]) -> Iterator[None]:
+def assisting(assist: Optional[Assist]) -> contextlib.AbstractContextManager:
     """Host runs stepped inside take ``assist`` (the engine wraps a synchronous step in it)."""
-    outer = getattr(_local, "assist", None)
-    _local.assist = assist
-    try:
-        yield
-    finally:
-        _local.assist = outer
+    return setting(_local, "assist", assist)
 
 
 def current() -> Optional[Assist]:

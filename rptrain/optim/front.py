@@ -17,10 +17,12 @@ from __future__ import annotations
 import bisect
 import contextlib
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+from ..thread_setting import setting
 
 _local = threading.local()
 
@@ -80,15 +82,9 @@ class StepFront:
             return [e for a, b, e in self._events if a < hi and lo < b]
 
 
-@contextlib.contextmanager
-def tracking(front: Optional[StepFront]) -> Iterator[None]:
+def tracking(front: Optional[StepFront]) -> contextlib.AbstractContextManager:
     """Steps run inside report what they finish to ``front``."""
-    outer = getattr(_local, "front", None)
-    _local.front = front
-    try:
-        yield
-    finally:
-        _local.front = outer
+    return setting(_local, "front", front)
 
 
 def current() -> Optional[StepFront]:
