@@ -136,13 +136,13 @@ def run_rptrain(args, cfg, name):
         options["gpu_state"] = False
     if args.single_version != "auto":  # the engine's single_version (one version of the weights, synchronous steps)
         options["single_version"] = args.single_version == "on"
-    if args.gpu_reserve is not None or args.stream or args.host_step_gpu_share is not None or not args.step_overlap:
+    if args.gpu_reserve is not None or args.stream or args.host_step_gpu_share is not None or args.step_overlap is not None:
         from rptrain import Tuning
         tuning = dict(gpu_state_reserve=args.gpu_reserve) if args.gpu_reserve is not None else {}
         if args.host_step_gpu_share is not None:  # passed only when set: an engine from before the option
             tuning["host_step_gpu_share"] = args.host_step_gpu_share
-        if not args.step_overlap:
-            tuning["step_overlap"] = False
+        if args.step_overlap is not None:  # passed only when set, as the share
+            tuning["step_overlap"] = args.step_overlap
         if args.stream:  # stream every stage instead of keeping the model resident (three copies of it on the GPU)
             tuning.update(resident_share=0.0, resident_share_gpu_state=0.0)
         options["tuning"] = Tuning(**tuning)
@@ -434,7 +434,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the engine's gpu_state option: the leading layers' optimizer state on the GPU (--no-gpu-state: all on the host)")
     p.add_argument("--async", dest="is_async", action=argparse.BooleanOptionalAction, default=True,
                    help="the engines' step(is_async=...): --no-async steps synchronously, as plain PyTorch does (same losses)")
-    p.add_argument("--step-overlap", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--step-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="rptrain: Tuning.step_overlap (one version: the next call runs while the step does); --no-step-overlap waits")
     p.add_argument("--host-step-gpu-share", type=float, default=None,
                    help="rptrain: Tuning.host_step_gpu_share, the share of a one-version step's host runs the GPU steps (0: off)")

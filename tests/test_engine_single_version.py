@@ -105,10 +105,10 @@ def test_single_version_must_be_a_bool():
 def test_a_synchronous_step_takes_every_core():
     """With one version and steps the next call does not overlap the issuing thread waits for the step, so the
     optimizer thread takes its core too; a step the next call overlaps (Tuning.step_overlap) leaves it that core."""
-    waits = replace(STREAM, step_overlap=False)
+    overlapping = replace(STREAM, step_overlap=True)
     threads = {(single, tuning.step_overlap): RoundPipe(mlp(), devices=[SimulatedDevice(0)], tuning=tuning,
                                                         single_version=single)._versions.thread._threads
-               for single in (False, True) for tuning in (STREAM, waits)}
+               for single in (False, True) for tuning in (overlapping, STREAM)}
     fewer = max(1, torch.get_num_threads() - 1)
     assert threads == {(False, True): fewer, (False, False): fewer, (True, True): fewer, (True, False): torch.get_num_threads()}
 

@@ -78,8 +78,8 @@ class RoundPipe(ForwardsAttributes):
     ``materialise``: a meta-device model's layer ``i`` is made real by ``materialise(i)`` as it is copied in (host_fill.py).
     ``single_version``: True keeps one version of the weights (host.py: the master is the host's compute
     copy where their dtypes agree, one gradient buffer, a GPU share also while streaming): every call uses the
-    newest weights; ``step(is_async=True)`` returns at once and the next ``forward_backward`` reads each stage
-    once the step wrote it (versions.py). False: two, as the original; None: two where they fit."""
+    newest weights; with ``Tuning.step_overlap`` ``step(is_async=True)`` returns at once and the next
+    ``forward_backward`` reads each stage once the step wrote it (versions.py). False: two, as the original; None: two where they fit."""
 
     def __init__(
         self,

@@ -33,8 +33,10 @@ class Tuning:
     host_step_gpu_share: float = 0.6
     # With one version and streamed weights, an asynchronous step() returns at once and the next call reads each
     # stage's weights as soon as the step has written them (rptrain/optim/front.py), so the next forward runs
-    # while the host steps its share; the weights are those of a synchronous step. Not measured yet: False waits.
-    step_overlap: bool = True
+    # while the host steps its share; the weights are those of a synchronous step (tests/test_engine_step_overlap.py,
+    # on a simulated GPU). Off until a GPU has run it: no machine started on 2026-12-06 (gpu_suite overlap-14b
+    # measures it on and off); False waits for the whole step.
+    step_overlap: bool = False
     # Of the GPU's free memory: kept for activations and the schedule's working set when placing the
     # optimizer state before the first call has measured them (the planner then cuts stages to what is
     # left). Llama-3B at 4 x 4096 peaked at 60 GiB on the H200 with about 25 of them weight copies;
