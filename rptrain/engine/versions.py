@@ -90,10 +90,13 @@ class Versions:
     def call_window(self) -> dict:
         """A training call's gradient buffer (PassState's fields): the open window's, or where the call overlaps
         the step that still reads it (``use(early=True)``), its opening at the call's first gradient."""
-        front = self.front
-        if front is None or front.version != self.required:
+        if not self.call_overlaps():
             return dict(grad_buffer=self.open_window())
-        return dict(step_front=front, open_grad_buffer=self.open_after_step)
+        return dict(step_front=self.front, open_grad_buffer=self.open_after_step)
+
+    def call_overlaps(self) -> bool:
+        """Whether the step writing the version the next call uses still may run (``front``)."""
+        return self.front is not None and self.front.version == self.required
 
     def open_after_step(self) -> GradBuffer:
         self.end_front()
@@ -211,7 +214,7 @@ class Versions:
         start while the step writing it runs (``front``), its weights' uploads waiting for their parts."""
         version = self.required
         with span("wait_weights"):
-            if early and self.front is not None and self.front.version == version:
+            if early and self.call_overlaps():
                 self.wait(version - 1)
             else:
                 self.end_front()

@@ -134,6 +134,12 @@ def step_run(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Te
             p[a:b].copy_(pc[: b - a])
 
 
+def _state_part(state: dict[str, Tensor], a: int, b: Optional[int]) -> dict[str, Tensor]:
+    """The run's state for elements ``[a, b)`` (``a``, ``b`` on blocks; None: to the end, keeping the padding of
+    the run's last block): per-element moments sliced by element, ``*_scale`` by block."""
+    return {k: v[a // BLOCK : None if b is None else b // BLOCK] if k.endswith("_scale") else v[a:b] for k, v in state.items()}
+
+
 def _in_pieces(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: Tensor, run_key: int, decoupled: bool,
                compiled: bool, chunk: Optional[int], start: int) -> None:
     """A host run stepped in pieces of ``FRONT_PIECE``, each reported done as it ends (front.py): a call that
@@ -141,11 +147,8 @@ def _in_pieces(p: Tensor, g: Tensor, state: dict[str, Tensor], step: Tensor, h: 
     n = p.numel()
     for a in range(0, n, FRONT_PIECE):
         b = min(a + FRONT_PIECE, n)
-        last = b == n  # (the last piece's state keeps the padding of the run's last block)
-        piece = {k: v[a // BLOCK : None if last else b // BLOCK] if k.endswith("_scale") else v[a : None if last else b]
-                 for k, v in state.items()}
         with front.tracking(None):
-            step_run(p[a:b], g[a:b], piece, step, h, run_key, decoupled, compiled, chunk, start + a)
+            step_run(p[a:b], g[a:b], _state_part(state, a, b if b < n else None), step, h, run_key, decoupled, compiled, chunk, start + a)
         front.report(p[a:b])
 
 
@@ -161,7 +164,7 @@ def _assisted(helper: assist.Assist, stop: int, p: Tensor, g: Tensor, state: dic
 
     wait = assist.stream_through(helper, {"param": p, "grad": g, **state}, stop, piece)
     try:
-        rest = {k: v[stop // BLOCK :] if k.endswith("_scale") else v[stop:] for k, v in state.items()}
+        rest = _state_part(state, stop, None)
         with assist.assisting(None):
             step_run(p[stop:], g[stop:], rest, step, h, run_key, decoupled, compiled, chunk, start=stop)
     finally:
