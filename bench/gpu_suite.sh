@@ -313,7 +313,8 @@ fi
 if [[ $what == overlap-big ]]; then  # issues 29 and 30 on the H200 (about 9 minutes): the 32 B shape and GPT-OSS-20B with one version,
   # the assisted host step (0.6) and the next call overlapping the step (the defaults)
   run 330 "${lowmem[@]}" --model qwen3_32b --impl rptrain --master-dtype bf16 --state-dtype int8 --steps 3 --warmup 1 --trace-steps 1 --step-overlap
-  run 200 "${lowmem[@]}" --model gpt_oss_20b --impl rptrain --master-dtype bf16 --state-dtype int8 --steps 3 --warmup 1 --step-overlap
+  run 200 "${lowmem[@]}" --model gpt_oss_20b --impl rptrain --master-dtype bf16 --state-dtype int8 --steps 3 --warmup 1 --trace-steps 1 \
+    --step-overlap
   grep '^{"bench": "llm"' "$out/suite.log" > "$out/overlap-big.jsonl"
 fi
 if [[ $what == overlap-14b ]]; then  # issue 29 on either GPU (about 7 minutes): the CUDA tests of the step's pieces, then the 14 B shape
