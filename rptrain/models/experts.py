@@ -139,7 +139,9 @@ class Experts(nn.Module):
             out = mm(inputs, weight)
             if lora and name in lora:
                 a, b, scaling = lora[name]
-                out = out + mm(mm(inputs, a), b) * scaling
+                # The scaling goes into b (E x r x out) rather than onto the (rows, out) update: one pass over the
+                # update fewer, forward and backward. out is no operand of its GEMM's backward, so it takes the add.
+                out = out.add_(mm(mm(inputs, a), b * scaling))
             return out
 
         h = project(rows, w_gate_up, "gate_up_proj")
