@@ -2,7 +2,8 @@
 
 The overlapped call must train bit for bit as if it had waited for the whole step (``Tuning.step_overlap``
 False), start before the step ends, read no stage before the step has written it, and report the step's
-error. On a SimulatedDevice (the CUDA code paths on the CPU) with the low-precision AdamW.
+error. On a SimulatedDevice (the CUDA code paths on the CPU) with the low-precision AdamW; the bit-for-bit test
+also on a real GPU where there is one (its events and streams, not simulated ones).
 """
 from __future__ import annotations
 
@@ -27,9 +28,16 @@ def mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 5))
 
 
-def engine_and_optimizer(overlap: bool, share: float = 0.0):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def device_of(where: str):
+    return SimulatedDevice(0) if where == "simulated" else "cuda:0"
+
+
+def engine_and_optimizer(overlap: bool, share: float = 0.0, where: str = "simulated"):
     tuning = Tuning(resident_share=0.0, resident_share_gpu_state=0.0, host_step_gpu_share=share, step_overlap=overlap)
-    engine = RoundPipe(mlp().to(torch.bfloat16), optim_dtype=torch.bfloat16, devices=[SimulatedDevice(0)], tuning=tuning,
+    engine = RoundPipe(mlp().to(torch.bfloat16), optim_dtype=torch.bfloat16, devices=[device_of(where)], tuning=tuning,
                        gpu_state=False, single_version=True, optimizer=state_memory_of(AdamW, torch.bfloat16, state_dtype="int8"))
     with OptimizerCtx():
         opt = AdamW(engine.parameters(), lr=1e-2, state_dtype="int8", compile_step=False)
@@ -45,8 +53,8 @@ def loss_fn(outputs, target):
     return nn.functional.cross_entropy(outputs.float(), target)
 
 
-def train(overlap: bool, step_fn_of, share: float = 0.0):
-    engine, opt = engine_and_optimizer(overlap, share)
+def train(overlap: bool, step_fn_of, share: float = 0.0, where: str = "simulated"):
+    engine, opt = engine_and_optimizer(overlap, share, where)
     losses = []
     for x, y in batches():
         losses.append(engine.forward_backward((x,), label=y, loss_fn=loss_fn, run_config=RoundPipeRunConfig(num_microbatch=2)).item())
@@ -64,11 +72,12 @@ def slow_step(opt, before: float = 0.15, after: float = 0.0):
     return step
 
 
+@pytest.mark.parametrize("where", ["simulated", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("share", [0.0, 0.5])
-def test_an_overlapped_call_trains_bit_for_bit_as_one_that_waited(share):
-    engine, losses, weights = train(True, slow_step, share)
+def test_an_overlapped_call_trains_bit_for_bit_as_one_that_waited(share, where):
+    engine, losses, weights = train(True, slow_step, share, where)
     assert engine._versions.overlaps(True) and engine._versions.front is None
-    _, ref_losses, ref_weights = train(False, slow_step, share)
+    _, ref_losses, ref_weights = train(False, slow_step, share, where)
     assert losses == ref_losses
     for a, b in zip(weights, ref_weights):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
