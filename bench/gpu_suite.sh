@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|preset-8b-mb|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|preset-8b-mb|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == moe-ft || $what == preset-8b-mb || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == moe-ft || $what == h200-close || $what == preset-8b-mb || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -316,6 +316,13 @@ if [[ $what == overlap-big ]]; then  # issues 29 and 30 on the H200 (about 9 min
   run 200 "${lowmem[@]}" --model gpt_oss_20b --impl rptrain --master-dtype bf16 --state-dtype int8 --steps 3 --warmup 1 --trace-steps 1 \
     --step-overlap
   grep '^{"bench": "llm"' "$out/suite.log" > "$out/overlap-big.jsonl"
+fi
+if [[ $what == h200-close ]]; then  # issues 29 and 33 (about 7 minutes): the overlapped call bit for bit on a real GPU, the 20-epoch main
+  # job with CIFAR-100 on disk (goal: under 60 s), then the CLI against the graphed plain loop, standard and compiled, each its own process
+  run 60 python3 -m pytest -q -rf -p no:cacheprovider tests/test_engine_step_overlap.py
+  run 120 python3 bench/main_job.py
+  run 300 python3 bench/cli_resnet.py --quick --timeout 90
+  grep '^{"bench": "\(cli_resnet\|main_job\)"' "$out/suite.log" > "$out/h200-close.jsonl"
 fi
 if [[ $what == moe-ft ]]; then  # issue 30 on the H200 (about 9 minutes): Qwen3-30B-A3B fully fine-tuned with the low-memory state (the fit
   # check on the meta device places 24 of 50 layers' state on the GPU, 90.6 GiB of host state), then GPT-OSS-20B keeping 25% of the
