@@ -105,12 +105,15 @@ def test_single_version_must_be_a_bool():
 def test_a_synchronous_step_takes_every_core():
     """With one version and steps the next call does not overlap the issuing thread waits for the step, so the
     optimizer thread takes its core too; a step the next call overlaps (Tuning.step_overlap) leaves it that core."""
-    overlapping = replace(STREAM, step_overlap=True)
+    overlapping, waiting = replace(STREAM, step_overlap=True), replace(STREAM, step_overlap=False)
     threads = {(single, tuning.step_overlap): RoundPipe(mlp(), devices=[SimulatedDevice(0)], tuning=tuning,
                                                         single_version=single)._versions.thread._threads
-               for single in (False, True) for tuning in (overlapping, STREAM)}
+               for single in (False, True) for tuning in (overlapping, waiting)}
     fewer = max(1, torch.get_num_threads() - 1)
     assert threads == {(False, True): fewer, (False, False): fewer, (True, True): fewer, (True, False): torch.get_num_threads()}
+    # Resident weights: no call overlaps a step (versions.py), so a synchronous step keeps every core there.
+    resident = RoundPipe(mlp(), devices=[SimulatedDevice(0)], tuning=replace(RESIDENT, step_overlap=True), single_version=True)
+    assert not resident._versions.overlaps(True) and resident._versions.thread._threads == torch.get_num_threads()
 
 
 RESIDENT = Tuning(resident_share=1.0, resident_share_gpu_state=1.0, gpu_state_reserve=0.0)  # resident wherever allowed

@@ -32,13 +32,16 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 def device_of(where: str):
-    return SimulatedDevice(0) if where == "simulated" else "cuda:0"
+    # "gpu share": a simulated GPU with room for the state of the first two layers (Linear, Tanh), the host the rest
+    return {"simulated": SimulatedDevice(0), "gpu share": SimulatedDevice(0, memory=60_000)}.get(where, "cuda:0")
 
 
 def engine_and_optimizer(overlap: bool, share: float = 0.0, where: str = "simulated"):
-    tuning = Tuning(resident_share=0.0, resident_share_gpu_state=0.0, host_step_gpu_share=share, step_overlap=overlap)
+    tuning = Tuning(resident_share=0.0, resident_share_gpu_state=0.0, host_step_gpu_share=share, step_overlap=overlap, gpu_state_reserve=0.0)
     engine = RoundPipe(mlp().to(torch.bfloat16), optim_dtype=torch.bfloat16, devices=[device_of(where)], tuning=tuning,
-                       gpu_state=False, single_version=True, optimizer=state_memory_of(AdamW, torch.bfloat16, state_dtype="int8"))
+                       gpu_state=where == "gpu share", single_version=True,
+                       optimizer=state_memory_of(AdamW, torch.bfloat16, state_dtype="int8"))
+    assert engine.placement.gpu_layers == (2 if where == "gpu share" else 0)
     with OptimizerCtx():
         opt = AdamW(engine.parameters(), lr=1e-2, state_dtype="int8", compile_step=False)
     return engine, opt
@@ -72,7 +75,7 @@ def slow_step(opt, before: float = 0.15, after: float = 0.0):
     return step
 
 
-@pytest.mark.parametrize("where", ["simulated", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("where", ["simulated", "gpu share", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("share", [0.0, 0.5])
 def test_an_overlapped_call_trains_bit_for_bit_as_one_that_waited(share, where):
     engine, losses, weights = train(True, slow_step, share, where)

@@ -40,7 +40,7 @@ from .scaler import register_step_queue
 from .trace import span
 from .tuning import Tuning
 from .user_module import UserModule
-from .versions import Versions
+from .versions import Versions, calls_may_overlap_steps
 from .worker import TaskThread
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
@@ -78,7 +78,7 @@ class RoundPipe(ForwardsAttributes):
     ``materialise``: a meta-device model's layer ``i`` is made real by ``materialise(i)`` as it is copied in (host_fill.py).
     ``single_version``: True keeps one version of the weights (host.py: the master is the host's compute
     copy where their dtypes agree, one gradient buffer, a GPU share also while streaming): every call uses the
-    newest weights; with ``Tuning.step_overlap`` ``step(is_async=True)`` returns at once and the next
+    newest weights; with ``Tuning.step_overlap`` (the default) ``step(is_async=True)`` returns at once and the next
     ``forward_backward`` reads each stage once the step wrote it (versions.py). False: two, as the original; None: two where they fit."""
 
     def __init__(
@@ -142,7 +142,8 @@ class RoundPipe(ForwardsAttributes):
     def _optimizer_thread(self, threads: Optional[int]) -> TaskThread:
         inline = not self._cuda and not self._tuning.cpu_optimizer_thread  # tuning.py says why
         if threads is None and self._cuda:  # one core kept for the issuing thread, idle only while a synchronous step runs
-            threads = max(1, torch.get_num_threads() - (0 if self._host.single_version and not self._tuning.step_overlap else 1))
+            waits = self._host.single_version and not calls_may_overlap_steps(self._host, self._executor)  # for every step
+            threads = max(1, torch.get_num_threads() - (not waits))
         thread = TaskThread(f"rptrain-optimizer-{id(self):x}", inline=inline, threads=threads)
         weakref.finalize(self, thread.close)
         return thread
@@ -167,8 +168,7 @@ class RoundPipe(ForwardsAttributes):
     def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The master parameters, named (what ``named_parameters()`` gives inside ``OptimizerCtx``)."""
         with OptimizerCtx():
-            named = list(self.named_parameters(prefix=prefix, remove_duplicate=remove_duplicate))
-        yield from named
+            return iter(list(self.named_parameters(prefix=prefix, remove_duplicate=remove_duplicate)))
 
     def optim_parameters(self) -> Iterator[nn.Parameter]:
         yield from (p for _, p in self.optim_named_parameters())

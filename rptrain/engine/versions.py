@@ -46,6 +46,11 @@ def _step_assist(host: HostState, executor: Executor) -> Optional[Assist]:
     return Assist(devices[0].torch_device, share)
 
 
+def calls_may_overlap_steps(host: HostState, executor: Executor) -> bool:
+    """Whether an asynchronous step of this engine lets the next call run meanwhile (Versions.overlaps)."""
+    return host.single_version and executor.tuning.step_overlap and type(executor.store) is StreamedStore
+
+
 class Versions:
     def __init__(self, host: HostState, executor: Executor, thread: TaskThread, optimizer_ctx: Callable[[], Any]):
         """``optimizer_ctx``: the context step functions run in (``OptimizerCtx``)."""
@@ -77,8 +82,7 @@ class Versions:
         """Whether the next training call may run while this step does: one version (so the step writes the
         weights that call reads; several write another copy, overlapping anyway), asynchronous (the caller reads
         nothing of the master until that call), and weights uploaded per stage (each upload waits for its part)."""
-        return (is_async and self.host.single_version and self.executor.tuning.step_overlap
-                and type(self.executor.store) is StreamedStore)
+        return is_async and calls_may_overlap_steps(self.host, self.executor)
 
     def end_front(self) -> None:
         """Wait for the step a call may have overlapped, on the GPU too; its error is raised here."""
