@@ -138,7 +138,8 @@ def run_rptrain(args, cfg, name):
         options["single_version"] = args.single_version == "on"
     if args.gpu_reserve is not None or args.stream or args.host_step_gpu_share is not None or args.step_overlap is not None:
         from rptrain import Tuning
-        tuning = dict(gpu_state_reserve=args.gpu_reserve) if args.gpu_reserve is not None else {}
+        reserve = args.gpu_reserve
+        tuning = dict(gpu_state_reserve=reserve, streamed_gpu_state_reserve=reserve) if reserve is not None else {}
         if args.host_step_gpu_share is not None:  # passed only when set: an engine from before the option
             tuning["host_step_gpu_share"] = args.host_step_gpu_share
         if args.step_overlap is not None:  # passed only when set, as the share
@@ -439,7 +440,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-step-gpu-share", type=float, default=None,
                    help="rptrain: Tuning.host_step_gpu_share, the share of a one-version step's host runs the GPU steps (0: off)")
     p.add_argument("--gpu-reserve", type=float, default=None,
-                   help="Tuning.gpu_state_reserve: the share of free GPU memory kept for activations when placing the state")
+                   help="Tuning.gpu_state_reserve and streamed_gpu_state_reserve: the share of free GPU memory kept for activations when placing the state")
     p.add_argument("--stream", action="store_true", help="rptrain: stream the weights even where the model could stay resident "
                    "(Tuning.resident_share 0): with one version, more of the state fits on the GPU")
     p.add_argument("--max-gpu-memory", default=None, help="the engine's max_gpu_memory, e.g. 100GiB: caps the GPU state's budget")

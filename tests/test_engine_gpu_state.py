@@ -22,7 +22,7 @@ from test_engine_equivalence import mlp, train_both, vector_batches
 from test_engine_scaler import model16, train_scaled_against_reference
 
 CUDA = torch.cuda.is_available()
-NO_RESERVE = Tuning(gpu_state_reserve=0.0)  # budgets below are exact: nothing kept back for activations
+NO_RESERVE = Tuning(gpu_state_reserve=0.0, streamed_gpu_state_reserve=0.0)  # budgets below are exact: nothing kept back for activations
 PLAN = ExecutePlan.from_cuts(7, forward=[2, 5], backward=[1, 3, 5])
 
 

@@ -20,7 +20,7 @@ from rptrain.engine.placement import HOST
 from rptrain.engine.simulated import SimulatedDevice
 from test_engine_equivalence import mlp, train_both, vector_batches
 
-STREAM = Tuning(resident_share=0.0, resident_share_gpu_state=0.0, gpu_state_reserve=0.0)  # never resident, no activation reserve
+STREAM = Tuning(resident_share=0.0, resident_share_gpu_state=0.0, gpu_state_reserve=0.0, streamed_gpu_state_reserve=0.0)  # never resident, no activation reserve
 
 
 def state_budget(model: nn.Sequential, layers: int) -> int:
@@ -116,7 +116,7 @@ def test_a_synchronous_step_takes_every_core():
     assert not resident._versions.overlaps(True) and resident._versions.thread._threads == torch.get_num_threads()
 
 
-RESIDENT = Tuning(resident_share=1.0, resident_share_gpu_state=1.0, gpu_state_reserve=0.0)  # resident wherever allowed
+RESIDENT = Tuning(resident_share=1.0, resident_share_gpu_state=1.0, gpu_state_reserve=0.0, streamed_gpu_state_reserve=0.0)  # resident wherever allowed
 
 
 def gpu_budgets(model: nn.Sequential) -> tuple[int, int]:
@@ -146,7 +146,7 @@ def test_auto_takes_one_version_where_it_keeps_more_state_on_the_gpu():
     assert "Tuning.one_version_host_share" in str(engine.placement)
     kept = RoundPipe(mlp(), devices=[SimulatedDevice(0)], tuning=RESIDENT, max_gpu_memory=roomy)
     assert not kept._host.single_version and kept.placement.params_on(HOST) == 0
-    never = Tuning(resident_share=1.0, resident_share_gpu_state=1.0, gpu_state_reserve=0.0, one_version_host_share=0.0)
+    never = Tuning(resident_share=1.0, resident_share_gpu_state=1.0, gpu_state_reserve=0.0, streamed_gpu_state_reserve=0.0, one_version_host_share=0.0)
     two = RoundPipe(mlp(), devices=[SimulatedDevice(0)], tuning=never, max_gpu_memory=split)
     assert not two._host.single_version and two.placement.params_on(HOST) > 0
     asked = RoundPipe(mlp(), devices=[SimulatedDevice(0)], tuning=RESIDENT, max_gpu_memory=split, single_version=True)

@@ -97,4 +97,4 @@ def gpu_state_allowed(requested: bool, devices: list[Device], resident: bool, tu
     if not resident and not single_version:
         return False, 0.0, ("state on the host: the model streams (two versions of its weights exceed Tuning.resident_share_gpu_state "
                        "of the GPU); GPU state needs the whole compute copy on the GPU, or single_version",)
-    return True, tuning.gpu_state_reserve, ()
+    return True, tuning.gpu_state_reserve if resident else tuning.streamed_gpu_state_reserve, ()

@@ -47,6 +47,13 @@ class Tuning:
     # out of GPU memory (its 152k vocabulary's logits); at 0.35 both trained (peaks 131.4 and 136.8 GiB;
     # 9 and 10 layers on the GPU, 107-109 GiB of the 113 GiB host budget).
     gpu_state_reserve: float = 0.35
+    # The same where the weights stream (one version: a GPU share's master is its compute copy): the planner then
+    # cuts stages to the memory left, so the calls use what they are given. On one H200 start (2026-12-06, llm.py
+    # --fused --master-dtype bf16 --state-dtype int8, 4 x 4096, each run its own process), 0.35 -> 0.2: the
+    # Qwen3-32B shape 1,580 -> 1,649 tokens/s (GPU peak 120.5 -> 118.7 GiB; 29 -> 36 of 66 layers' state on the
+    # GPU), GPT-OSS-20B 4,936 -> 6,764 (peak 118.3 -> 125.2; 0.25: 5,678), Qwen3-30B-A3B 3,174 -> 4,741 (peak
+    # 124.9 -> 127.4 of 139 GiB). Not measured on an 80 GB card, where 0.2 keeps 16 GiB.
+    streamed_gpu_state_reserve: float = 0.2
     # Move saved activations to pinned host memory when one call's would take over this share of
     # the GPU: GPU memory then bounds one layer's activations, not the whole sequence's.
     offload_share: float = 0.25
