@@ -144,6 +144,22 @@ def state_nbytes(state: Any) -> int:
     return sum(layout.nbytes(t) + layout.ALIGN for t in tensors) + 2**20
 
 
+def snapshot(state: Any, _copies: Optional[dict] = None) -> Any:
+    """A copy of ``state`` that training cannot change: its tensors copied to host memory (a tensor shared
+    between places stays shared), its dicts, lists and tuples rebuilt; anything else is kept (immutable)."""
+    copies = {} if _copies is None else _copies
+    if isinstance(state, torch.Tensor):
+        if id(state) not in copies:
+            copies[id(state)] = state.detach().to("cpu", copy=True)
+        return copies[id(state)]
+    if isinstance(state, dict):
+        return {k: snapshot(v, copies) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        items = [snapshot(v, copies) for v in state]
+        return items if isinstance(state, list) else type(state)(*items) if hasattr(state, "_fields") else tuple(items)
+    return state
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write the shards, then the manifest under a temporary name, renamed into place: complete or absent."""
     path = Path(path)

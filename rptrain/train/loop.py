@@ -91,6 +91,7 @@ class Trainer:
         c, cfg, main = self.c, self.cfg, self.dist.main
         if c.checkpoints.last_step != c.progress.step:  # not the file's existence: every rank must decide the same
             self._checkpoint()
+        c.checkpoints.wait()  # the summary names the newest checkpoint: it is on disk
         c.report.write_files()
         if main and cfg.trainer.hf_export and wants_adapter(cfg):
             folder = export_adapter(cfg, c.engine.model, c.engine.state_dict(), self.run_dir)
@@ -154,6 +155,7 @@ class Trainer:
             self.unstepped = None
         if p.step > 0 and c.checkpoints.last_step != p.step:
             self._checkpoint()
+        c.checkpoints.wait()
         if p.step > 0:
             c.report.write_files(plot=False)
         return Interrupted(stop, p.step, str(c.checkpoints.path) if c.checkpoints.last_step >= 0 else "")
@@ -221,7 +223,7 @@ class Trainer:
         interval = every.checkpoint
         if stopping or last or (p.step % interval == 0 if interval else epoch_done):
             with stop.deferred(then_stop=not stopping):  # a checkpoint write is finished, not cut short
-                self._checkpoint()
+                self._checkpoint(background=not (stopping or last))
         if stopping:
             c.report.write_files(plot=False)
             raise Interrupted(stop, p.step, str(c.checkpoints.path))
@@ -241,6 +243,6 @@ class Trainer:
         if result is not None:
             c.report.evaluated(p, epoch, result, time.perf_counter() - start)
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, background: bool = False) -> None:
         c = self.c
-        c.checkpoints.save(c.progress, c.engine, c.optimizer, c.scheduler, c.scaler, c.data, c.metrics)
+        c.checkpoints.save(c.progress, c.engine, c.optimizer, c.scheduler, c.scaler, c.data, c.metrics, background)

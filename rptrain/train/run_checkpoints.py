@@ -6,6 +6,7 @@ the synchronisation before a write, so all of them compute with the same weights
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -14,7 +15,7 @@ from rich.console import Console
 
 from rptrain import GradScaler, RoundPipe
 
-from .checkpoint import LAST, rng_state, save_rotating, set_rng_state
+from .checkpoint import LAST, rng_state, save_rotating, set_rng_state, snapshot, state_nbytes
 from .console import log, say
 from .data import TrainData
 from .dist import Dist, FailedOnRankZero
@@ -67,8 +68,19 @@ def restore(state: dict, path: Path, engine: RoundPipe, optimizer: Any, schedule
     return progress
 
 
+# A checkpoint of at most this many bytes may be copied to host memory and written by a background thread while
+# training goes on (save(background=True)); a larger one is written from where it lives, with training waiting (a
+# copy of a 32 B model's state would not fit the host). The main job's ResNet-34 writes 256 MB at every epoch's
+# end; on the 2-core CI machine (`rptrain model=resnet34 data=synthetic trainer.checkpoint_interval=1`, cProfile of
+# the loop's thread) a checkpoint took 0.75 s of the loop written in place, 0.08 s handed over (the copy 0.02 s).
+BACKGROUND_MAX_BYTES = 2**30
+
+
 class RunCheckpoints:
-    """Writes checkpoints/step-N.pt (+ last.pt) and remembers the step of the newest one."""
+    """Writes checkpoints/step-N.pt (+ last.pt) and remembers the step of the newest one.
+
+    At most one write is in flight: every save waits for the one before, and so do ``wait`` and ``close``;
+    a background write's error is raised there (the checkpoint it names is absent; the one before it is kept)."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, overrides: list[str], fingerprint: dict, d: Dist,
                  param_names: set[str], last_step: int = -1) -> None:
@@ -76,6 +88,8 @@ class RunCheckpoints:
         self.path = Path(run_dir) / "checkpoints" / LAST
         self.param_names = param_names  # compared across ranks (BatchNorm buffers differ per rank)
         self.last_step = last_step  # a resumed run: the checkpoint it resumed from is the newest there is
+        self._pending: Optional[tuple[Future, int]] = None  # a background write, and the newest step on disk before it
+        self._writer: Optional[ThreadPoolExecutor] = None
 
     def kept(self) -> str:
         """What a failure leaves behind, for its message."""
@@ -84,9 +98,12 @@ class RunCheckpoints:
         return f"the last checkpoint (step {self.last_step}, {self.path}) is kept"
 
     def save(self, p: RunProgress, engine: RoundPipe, optimizer: Any, scheduler: Any, scaler: GradScaler,
-             data: TrainData, metrics: MetricsLog) -> None:
+             data: TrainData, metrics: MetricsLog, background: bool = False) -> None:
+        """``background``: a small state (BACKGROUND_MAX_BYTES, one process) is copied and written while training
+        goes on; the run's last checkpoint and a stop's are written before this returns."""
+        self.wait()
         engine.synchronize()  # the master weights after this step, and no step in flight (every rank: same weights)
-        self.last_step = p.step
+        before, self.last_step = self.last_step, p.step
         total = global_progress(p, self.dist)
         model_state = engine.master_state()  # nothing copied: the writer streams a GPU share a chunk at a time
         d = self.dist
@@ -95,7 +112,7 @@ class RunCheckpoints:
             log.info(f"step {p.step}: the {d.world} ranks hold identical weights")
         if not d.main:
             return
-        save_rotating(self.path.parent, {
+        state = {
             "fingerprint": self.fingerprint,
             "model": model_state,
             "optimizer": optimizer.state_dict(),
@@ -107,5 +124,33 @@ class RunCheckpoints:
             "history": metrics.records,
             "config": shown_config(self.cfg),  # resolved, but a value from the environment as written
             "overrides": self.overrides,
-        }, p.step, self.cfg.trainer.keep_checkpoints)
+        }
+        if background and d.world == 1 and state_nbytes(state) <= BACKGROUND_MAX_BYTES:
+            self._writer = self._writer or ThreadPoolExecutor(1, thread_name_prefix="rptrain-checkpoint")
+            write = self._writer.submit(save_rotating, self.path.parent, snapshot(state), p.step, self.cfg.trainer.keep_checkpoints)
+            self._pending = (write, before)
+        else:
+            save_rotating(self.path.parent, state, p.step, self.cfg.trainer.keep_checkpoints)
         metrics.write_csv()
+
+    def wait(self) -> None:
+        """Until the checkpoint being written is on disk; its write's error, if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            write, before = pending
+            try:
+                write.result()
+            except BaseException:
+                self.last_step = before  # what is on disk now
+                raise
+
+    def close(self) -> None:
+        """Wait for a write in flight (its error goes to the log: one on its way out is the one to show), end the writer."""
+        try:
+            self.wait()
+        except Exception as err:
+            log.warning("the checkpoint being written when the run ended failed: %s", one_line(err))
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None

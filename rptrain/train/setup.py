@@ -68,6 +68,7 @@ class Components:
 
     def close(self) -> None:
         try:
+            self.checkpoints.close()
             self.metrics.close()
         finally:
             self.engine.close()
