@@ -68,6 +68,22 @@ def choose_ratio(params: int, free: int, activations: int) -> float:
     return round(1.0 - steps * RATIO_STEP, 4)
 
 
+class WouldNotFit(Exception):
+    """ZeRO's own accounting says this configuration runs out of memory: a result, reported before the build
+    (a host out of memory would bring the operating system's killer, not an error)."""
+
+
+def check_fits(params: int, ratio: float, gpu_free: int, activations: int, host_available: int) -> None:
+    """Raise WouldNotFit where the GPU cannot hold the bf16 weights and gradients (4 bytes a parameter), the
+    activations and the optimizer state not offloaded, or the host the offloaded share (GPU_STATE_BYTES a
+    parameter: DeepSpeedCPUAdam's fp32 master, moments and gradients)."""
+    gpu = 4 * params + activations + (1 - ratio) * GPU_STATE_BYTES * params
+    host = ratio * GPU_STATE_BYTES * params
+    if gpu > gpu_free or host > host_available:
+        raise WouldNotFit(f"offload ratio {ratio}: GPU {gpu / 2**30:.1f} GiB of {gpu_free / 2**30:.1f} free, "
+                          f"host {host / 2**30:.1f} GiB of {host_available / 2**30:.1f} available")
+
+
 def engine_step(model: torch.nn.Module, ds_config: dict, batch: tuple, device: str, normalizer: int) -> tuple[Callable[[], torch.Tensor], Any]:
     """(one training step, the engine) for ``model`` under ``ds_config``; one process of world size 1."""
     import deepspeed

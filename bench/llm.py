@@ -347,9 +347,7 @@ def run_deepspeed(args, cfg, name, setting: str):
     """DeepSpeed's ZeRO-Offload (deepspeed_zero2) or ZeRO-3 partial offload (deepspeed_zero3) on the
     same Sequential, tokens and loss, bf16 weights built on the device."""
     free = torch.cuda.mem_get_info()[0] if args.device == "cuda" else 0
-    model = build_model(name, device=args.device, dtype=torch.bfloat16, **args.overrides)
-    checkpoint_blocks(model, args.checkpoint)
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in build_model(name, device="meta", dtype=torch.bfloat16, **args.overrides).parameters())
     ratio, extra = None, {}
     if setting == "deepspeed_zero3":
         d = decoder_config(cfg) if isinstance(cfg, LlamaConfig) else cfg
@@ -359,6 +357,10 @@ def run_deepspeed(args, cfg, name, setting: str):
         ratio = chosen if args.ds_ratio is None else args.ds_ratio
         extra = dict(ds_offload_ratio=ratio, ds_ratio_chosen=chosen, gpu_free_gib=round(free / 2**30, 2),
                      activation_estimate_gib=round(activations / 2**30, 2))
+        if free:
+            deepspeed_zero.check_fits(params, ratio, free, activations, host_available())
+    model = build_model(name, device=args.device, dtype=torch.bfloat16, **args.overrides)
+    checkpoint_blocks(model, args.checkpoint)
     note(f"{name} built ({params:,} parameters); DeepSpeed {setting}, offload ratio {ratio}")
     ds_config = deepspeed_zero.config(setting, args.batch, ratio)
     x, y = tokens(args, cfg.vocab_size, args.device)
@@ -371,6 +373,12 @@ def run_deepspeed(args, cfg, name, setting: str):
     del engine, step, model
     torch.cuda.empty_cache()
     return timing, float(args.checkpoint), extra
+
+
+def host_available() -> int:
+    """MemAvailable: the host memory a new allocation can take without swapping or the OOM killer."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 
 
 def release_host_memory() -> None:
@@ -515,6 +523,8 @@ def measure(args, name: str, impl: str) -> dict:
         p = e.placement
         return dict(bench="llm", model=name, impl=impl, seq=args.seq, error=f"does not fit: {e}",
                     host_needed_gib=round(p.total("host") / 2**30, 2), host_budget_gib=round(p.host_budget / 2**30, 2))
+    except deepspeed_zero.WouldNotFit as e:
+        return dict(bench="llm", model=name, impl=impl, seq=args.seq, error=f"out of memory by ZeRO's accounting, before the build: {e}")
     except ModuleNotFoundError as e:  # deepspeed, roundpipe: benchmark requirements (bench/README.md)
         return dict(bench="llm", model=name, impl=impl, seq=args.seq, error=f"{e.name} is not installed: pip install {e.name}")
     if args.device == "cuda":  # how far the sequence could still grow on this GPU

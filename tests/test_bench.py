@@ -182,6 +182,12 @@ def test_deepspeed_command_line_and_configs(monkeypatch):
     # hidden 10, intermediate 20, 3 layers, vocab 100, 50 tokens, loss chunks of 40: graph 2 x (160 + 100) = 520 bytes a token
     assert dz.activation_bytes(10, 20, 3, 100, 50, 40, checkpoint=True) == (2 * 10 * 3 + 520) * 50 + 12 * 100 * 40
     assert dz.activation_bytes(10, 20, 3, 100, 50, 40, checkpoint=False) == 520 * 3 * 50 + 12 * 100 * 40
+    # ZeRO's own accounting before the build: 4 Gi parameters, 0.6 offloaded: GPU 16 + 10 + 25.6 GiB, host 38.4 GiB
+    dz.check_fits(4 * GiB, 0.6, 60 * GiB, 10 * GiB, 40 * GiB)
+    with pytest.raises(dz.WouldNotFit, match="host 38.4 GiB of 30.0 available"):
+        dz.check_fits(4 * GiB, 0.6, 60 * GiB, 10 * GiB, 30 * GiB)
+    with pytest.raises(dz.WouldNotFit, match="GPU 51.6 GiB of 50.0 free"):
+        dz.check_fits(4 * GiB, 0.6, 50 * GiB, 10 * GiB, 40 * GiB)
 
 
 def test_lora_lean_build_fills_the_engines_frozen_storage(monkeypatch):
