@@ -39,3 +39,27 @@ def test_curves_per_step_then_per_epoch(tmp_path):
     for name in ("a.png", "b.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "b.png"]
+
+
+def test_curves_are_redrawn_at_an_epoch_end_only_after_a_while_and_always_at_the_end(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from rptrain.train import report as report_module
+    from rptrain.train.dist import Dist
+
+    drawn = []
+    monkeypatch.setattr(report_module, "plot_curves", lambda records, path, metric: drawn.append(len(records)))
+    clock = [100.0]
+    monkeypatch.setattr(report_module.time, "monotonic", lambda: clock[0])
+    log = MetricsLog(tmp_path)
+    report = report_module.Report(None, Dist(), log, SimpleNamespace(metric="acc"), tmp_path, 10, 10)
+    for epoch in range(3):  # three epochs of 1 s: drawn at the first only
+        log.add("epoch", epoch=epoch + 1, train_loss=1.0)
+        report.write_files(every_s=report_module.PLOT_EVERY_S)
+        clock[0] += 1.0
+    clock[0] += report_module.PLOT_EVERY_S
+    report.write_files(every_s=report_module.PLOT_EVERY_S)  # long enough since: drawn
+    report.write_files()  # the run's end: always
+    report.write_files(plot=False)  # a stop: never
+    log.close()
+    assert drawn == [1, 3, 3] and (tmp_path / "metrics.csv").is_file()
