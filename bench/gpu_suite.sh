@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|largest-peers|preset-8b-mb|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|largest-peers|lora-moe|preset-8b-mb|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,13 +65,19 @@ cli_resnet() {  # cli_resnet SECONDS ARGS...: issue 22's one invocation, its rec
 # modes moe and moe-more (run from the repository root; no carried wheels needed: transformers and peft are installed)
 moe_llm=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --master-dtype bf16 --state-dtype int8)
 moe_lora=(python3 bench/lora.py --seq 4096 --batch 4 --steps 3 --warmup 2)
-[[ $what == moe || $what == moe-more || $what == experts ]] && cd "$root"
+[[ $what == moe || $what == moe-more || $what == experts || $what == lora-moe ]] && cd "$root"
 if [[ $what == experts ]]; then  # issue 30's expert compute (about 2.5 minutes): the MoE CUDA tests with the fused gating, then one
   # MoE layer against its grouped GEMMs alone, with its profile
   run 100 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_gating.py tests/test_models_hf_moe.py \
     tests/test_models_moe_kernels.py tests/test_models_lora_moe.py
   run 50 python3 bench/moe_experts.py --profile
   grep '^{"bench": "moe_experts"' "$out/suite.log" > "$out/experts.jsonl"
+fi
+if [[ $what == lora-moe ]]; then  # issue 30 on the H200 (about 7 minutes): Qwen3-30B-A3B LoRA against transformers + PEFT (0.805x on
+  # 2026-12-05, goal 1.5x), the engine at its default two microbatches and at one (the whole batch, as PEFT runs it), each its own process
+  run 260 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain peft --timeout 125
+  run 130 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain --microbatches 1 --timeout 120
+  grep '^{"bench": "lora"' "$out/suite.log" > "$out/lora-moe.jsonl"
 fi
 if [[ $what == moe ]]; then  # the MoE tests on CUDA, expert compute against its GEMMs, GPT-OSS-20B full fine-tuning, Qwen3-30B-A3B LoRA vs PEFT (about 9 minutes)
   run 80 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_gating.py tests/test_models_hf_moe.py tests/test_models_moe_kernels.py \
