@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|largest-peers|lora-moe|preset-8b-mb|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|overlap-32b|largest-peers|lora-moe|preset-8b-mb|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == moe-ft || $what == largest-peers || $what == h200-close || $what == preset-8b-mb || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == moe-ft || $what == overlap-32b || $what == largest-peers || $what == h200-close || $what == preset-8b-mb || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -335,6 +335,13 @@ if [[ $what == largest-peers ]]; then  # issue 29 on the H200 (about 4 minutes):
   # (out of memory is a result; ZeRO's would come from the host, so its own accounting is checked before the build)
   run 200 "${lowmem[@]}" --model qwen3_32b --impl plain_ao8 deepspeed_zero3 --steps 2 --warmup 1
   grep '^{"bench": "llm"' "$out/suite.log" > "$out/largest-peers.jsonl"
+fi
+if [[ $what == overlap-32b ]]; then  # issue 29 on the H200 (about 5 minutes): the 32 B shape with the next call overlapping the step and
+  # waiting for it, each its own process, one invocation (the defaults otherwise: one version, streamed, 20% kept for activations)
+  for overlap in --step-overlap --no-step-overlap; do
+    run 150 "${lowmem[@]}" --model qwen3_32b --impl rptrain --master-dtype bf16 --state-dtype int8 --steps 2 --warmup 1 $overlap
+  done
+  grep '^{"bench": "llm"' "$out/suite.log" > "$out/overlap-32b.jsonl"
 fi
 if [[ $what == moe-ft ]]; then  # issue 30 on the H200 (about 9 minutes): Qwen3-30B-A3B fully fine-tuned with the low-memory state (the fit
   # check on the meta device places 24 of 50 layers' state on the GPU, 90.6 GiB of host state), then GPT-OSS-20B keeping 25% of the
