@@ -101,10 +101,13 @@ def test_a_state_over_the_limit_and_a_last_checkpoint_are_written_before_save_re
 
 
 def test_a_snapshot_copies_tensors_once_and_rebuilds_containers():
+    from collections import OrderedDict
+
     shared = torch.ones(3)
-    state = {"a": shared, "b": [shared, 1, "x"], "c": (torch.zeros(2),)}
+    state = {"a": shared, "b": [shared, 1, "x"], "c": (torch.zeros(2),), "d": OrderedDict(w=shared), "e": torch.Size([2, 3])}
     copy = ckpt.snapshot(state)
-    assert copy["a"] is copy["b"][0] and copy["a"] is not shared and torch.equal(copy["a"], shared)
+    assert copy["a"] is copy["b"][0] is copy["d"]["w"] and copy["a"] is not shared and torch.equal(copy["a"], shared)
     assert copy["b"] is not state["b"] and isinstance(copy["c"], tuple) and copy["b"][1:] == [1, "x"]
+    assert type(copy["d"]) is OrderedDict and type(copy["e"]) is torch.Size and copy["e"] == (2, 3)
     shared.add_(1)
     assert torch.equal(copy["a"], torch.ones(3))

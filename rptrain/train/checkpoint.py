@@ -152,11 +152,11 @@ def snapshot(state: Any, _copies: Optional[dict] = None) -> Any:
         if id(state) not in copies:
             copies[id(state)] = state.detach().to("cpu", copy=True)
         return copies[id(state)]
-    if isinstance(state, dict):
-        return {k: snapshot(v, copies) for k, v in state.items()}
+    if isinstance(state, dict):  # an OrderedDict (a module's state dict) stays one
+        return type(state)((k, snapshot(v, copies)) for k, v in state.items())
     if isinstance(state, (list, tuple)):
         items = [snapshot(v, copies) for v in state]
-        return items if isinstance(state, list) else type(state)(*items) if hasattr(state, "_fields") else tuple(items)
+        return type(state)(*items) if hasattr(state, "_fields") else type(state)(items)  # torch.Size stays one
     return state
 
 
