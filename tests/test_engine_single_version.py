@@ -151,3 +151,16 @@ def test_auto_takes_one_version_where_it_keeps_more_state_on_the_gpu():
     assert not two._host.single_version and two.placement.params_on(HOST) > 0
     asked = RoundPipe(mlp(), devices=[SimulatedDevice(0)], tuning=RESIDENT, max_gpu_memory=split, single_version=True)
     assert asked._host.single_version and asked.placement.params_on(HOST) == 0 and not asked._executor.resident
+
+
+def test_a_streamed_placement_keeps_a_fifth_of_a_large_gpu_for_activations_but_no_less_than_the_floor():
+    """Where the weights stream the planner cuts stages to the memory left: 20% of an H200's free memory is kept for
+    activations (Tuning.streamed_gpu_state_reserve), at least 27 GiB (an 80 GB card keeps what it was measured with),
+    never more than a resident model's 35%."""
+    from rptrain.engine.gpushare import gpu_state_allowed
+
+    GiB, tuning = 2**30, Tuning()
+    share = lambda free, resident: gpu_state_allowed(True, [SimulatedDevice(0, memory=int(free))], resident, tuning, True)[1]  # noqa: E731
+    assert share(139 * GiB, resident=False) == tuning.streamed_gpu_state_reserve == 0.2
+    assert share(80 * GiB, resident=False) * 80 * GiB == tuning.streamed_reserve_floor == 27 * GiB
+    assert share(40 * GiB, resident=False) == share(139 * GiB, resident=True) == tuning.gpu_state_reserve == 0.35

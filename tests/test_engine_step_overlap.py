@@ -38,7 +38,7 @@ def device_of(where: str):
 
 def engine_and_optimizer(overlap: bool, share: float = 0.0, where: str = "simulated"):
     tuning = Tuning(resident_share=0.0, resident_share_gpu_state=0.0, host_step_gpu_share=share, step_overlap=overlap,
-                    streamed_gpu_state_reserve=0.0)
+                    gpu_state_reserve=0.0, streamed_gpu_state_reserve=0.0)
     engine = RoundPipe(mlp().to(torch.bfloat16), optim_dtype=torch.bfloat16, devices=[device_of(where)], tuning=tuning,
                        gpu_state=where == "gpu share", single_version=True,
                        optimizer=state_memory_of(AdamW, torch.bfloat16, state_dtype="int8"))

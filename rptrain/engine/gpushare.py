@@ -97,4 +97,8 @@ def gpu_state_allowed(requested: bool, devices: list[Device], resident: bool, tu
     if not resident and not single_version:
         return False, 0.0, ("state on the host: the model streams (two versions of its weights exceed Tuning.resident_share_gpu_state "
                        "of the GPU); GPU state needs the whole compute copy on the GPU, or single_version",)
-    return True, tuning.gpu_state_reserve if resident else tuning.streamed_gpu_state_reserve, ()
+    if resident:
+        return True, tuning.gpu_state_reserve, ()
+    # Streamed: the smaller share, but no fewer bytes than the floor (an 80 GB card keeps what it was measured with).
+    floor = min(tuning.gpu_state_reserve, tuning.streamed_reserve_floor / max(devices[0].free_memory(), 1))
+    return True, max(tuning.streamed_gpu_state_reserve, floor), ()

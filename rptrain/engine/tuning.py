@@ -52,8 +52,13 @@ class Tuning:
     # --fused --master-dtype bf16 --state-dtype int8, 4 x 4096, each run its own process), 0.35 -> 0.2: the
     # Qwen3-32B shape 1,580 -> 1,649 tokens/s (GPU peak 120.5 -> 118.7 GiB; 29 -> 36 of 66 layers' state on the
     # GPU), GPT-OSS-20B 4,936 -> 6,764 (peak 118.3 -> 125.2; 0.25: 5,678), Qwen3-30B-A3B 3,174 -> 4,741 (peak
-    # 124.9 -> 127.4 of 139 GiB). Not measured on an 80 GB card, where 0.2 keeps 16 GiB.
+    # 124.9 -> 127.4 of 139 GiB).
     streamed_gpu_state_reserve: float = 0.2
+    # ... but never fewer bytes than this (nor more than gpu_state_reserve's share). At 0.2 the MoE shapes above used
+    # 15.6-16.8 GiB beyond their placed state, as much as 0.2 of an 80 GB card; there 0.35 (27.6 GiB) is what was
+    # measured (H100, 2026-12-06: the 14 B shape peaked at 66.3 GiB, GPT-OSS-20B at 72.0). 27 GiB keeps that on an
+    # 80 GB card and is under 0.2 of the H200's 139 GiB.
+    streamed_reserve_floor: int = 27 * 2**30
     # Move saved activations to pinned host memory when one call's would take over this share of
     # the GPU: GPU memory then bounds one layer's activations, not the whole sequence's.
     offload_share: float = 0.25
