@@ -394,6 +394,38 @@ def test_eval_forward_matches_and_uses_output_device():
     torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("where", ["simulated", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_a_no_grad_forward_of_a_resident_stage_replays_a_forward_graph(where):
+    """An evaluation (torch.no_grad) of a resident model's one stage records a forward graph and replays it: the
+    outputs equal plain PyTorch's and are the call's own (not the graph's memory, which the next replay overwrites),
+    in eval mode and in train mode (BatchNorm's running statistics updated once a call, as eagerly)."""
+    from rptrain.engine.simulated import SimulatedDevice
+
+    devices = [SimulatedDevice(0)] if where == "simulated" else ["cuda:0"]
+    engine, _ = make_engine(convnet(), devices=devices)
+    x, y = image_batches(count=1)[0]  # a training call first, as the CLI's: it plans the model as one stage
+    engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss(), run_config=ONE)
+    engine.synchronize()
+    ref = convnet().to(engine.devices[0])
+    ref.load_state_dict(engine.state_dict())
+    xs = [torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    for training in (False, True):
+        engine.train(training)
+        ref.train(training)
+        with torch.no_grad():
+            # Unmerged: the microbatch's own output tensor, not a concatenation's copy.
+            outs = [engine(x, run_config=RoundPipeRunConfig(num_microbatch=1, merge_output=False))[0] for x in xs]
+            refs = [ref(x.to(engine.devices[0])).cpu() for x in xs]
+        for out, expected in zip(outs, refs):  # the first calls' outputs survive the later replays
+            torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-6)
+    [graphs] = engine._executor._graphs.values()
+    assert sum(key[3] == "forward" and rec is not None for key, rec in graphs._graphs.items()) == 2  # one a mode
+    state = {k: v for k, v in engine.state_dict().items() if "running" in k}
+    for k, v in state.items():  # three train-mode calls' statistics, as plain PyTorch's
+        torch.testing.assert_close(v.cpu(), ref.state_dict()[k].cpu(), rtol=1e-5, atol=1e-6)
+    engine.close()
+
+
 def test_return_outputs_are_merged_in_order():
     engine, _ = make_engine(mlp())
     x, y = vector_batches(count=1, batch=7)[0]

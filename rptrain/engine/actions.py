@@ -112,7 +112,8 @@ def lower(jobs: Sequence[Job], facts: Facts, sizes: Callable[[int, int], Sizes])
         last_on[job.device] = job
     streamed = facts.cuda and not facts.resident
     prefetched = {nxt.index for nxt in following.values()} if streamed else set()
-    return [_lower_job(job, facts, sizes, following.get(job.index) if streamed else None, job.index in prefetched) for job in jobs]
+    alone = len(jobs) == 1
+    return [_lower_job(job, facts, sizes, following.get(job.index) if streamed else None, job.index in prefetched, alone) for job in jobs]
 
 
 def lower_call(jobs: Sequence[Job], facts: Facts, sizes: Callable[[int, int], Sizes]) -> tuple[list[Lowered], CallPath]:
@@ -131,9 +132,13 @@ def lower_call(jobs: Sequence[Job], facts: Facts, sizes: Callable[[int, int], Si
     return lowered, path
 
 
-def _lower_job(job: Job, facts: Facts, sizes: Callable[[int, int], Sizes], prefetch: Optional[Job], was_prefetched: bool) -> Lowered:
+def _lower_job(job: Job, facts: Facts, sizes: Callable[[int, int], Sizes], prefetch: Optional[Job], was_prefetched: bool,
+               alone: bool = False) -> Lowered:
     d, k, size = job.device, job.index, sizes(job.start, job.stop)
-    graphed = (job.kind is JobKind.FUSED and facts.cuda_graphs and facts.resident and facts.cuda and not facts.profile
+    # A training call's fused stage, or a call's only stage that is a forward saving nothing for a backward
+    # (an evaluation under torch.no_grad: forward-only graphs, graphs.py).
+    kind_graphs = job.kind is JobKind.FUSED or (job.kind is JobKind.FORWARD and alone and not job.checkpoints)
+    graphed = (kind_graphs and facts.cuda_graphs and facts.resident and facts.cuda and not facts.profile
                and size.params <= facts.max_graph_params)
     has_grads = job.kind is not JobKind.FORWARD
     early = has_grads and not facts.reducer

@@ -77,8 +77,13 @@ def _recompute_context(job: Job, layer: int, micro: int, state: PassState, devic
 
 def forward(run: JobRun, x: Any, micro: int, state: PassState) -> Any:
     job, device = run.job, run.device
+    key = signature(x) if run.lowered.graphed and state.graphs is not None else None
     with torch.no_grad():
-        out = _run_layers(run, job.start, job.stop, x, micro, state, job.checkpoints)
+        if key is not None:  # an evaluation's only stage: a forward graph, its outputs copied out of its static memory
+            out = map_tensors(torch.clone, state.graphs.run((job.start, job.stop, state.graph_modes, "forward", key), run.modules, x,
+                                                            call_layer, grad=False))
+        else:
+            out = _run_layers(run, job.start, job.stop, x, micro, state, job.checkpoints)
     if state.profile:
         state.activation_bytes[job.start] = max(state.activation_bytes.get(job.start, 0), sum(t.nbytes for t in iter_tensors(out)))
     if job.index == len(state.jobs) - 1:  # the call's output

@@ -214,7 +214,7 @@ class Executor:
         if not graphed:
             run.modules.bind()
         run.start_mark = device.timer() if state.profile else None
-        if job.kind is JobKind.FUSED:  # one fused job per call, so no other thread touches this
+        if graphed or job.kind is JobKind.FUSED:  # one graphed or fused job per call, so no other thread touches this
             state.graphs = self._graphs.setdefault(device.index, device.graphs(self.tuning)) if graphed else None
             # Train/eval modes select the graph: read from the user's layers, as the shells mirror them.
             state.graph_modes = tuple(map(_training, self._modules_of(job))) if graphed else ()

@@ -41,9 +41,9 @@ def signature(value: Any) -> Optional[tuple]:
 
 
 class _Recorded:
-    """One stage's forward and backward graphs and the static tensors they read and write."""
+    """One stage's forward and backward graphs (no backward: a forward-only graph) and the static tensors they read and write."""
 
-    def __init__(self, forward: torch.cuda.CUDAGraph, backward: torch.cuda.CUDAGraph, inputs: list[Tensor],
+    def __init__(self, forward: torch.cuda.CUDAGraph, backward: Optional[torch.cuda.CUDAGraph], inputs: list[Tensor],
                  outputs: list[Tensor], differentiable: list[int], grad_outputs: list[Tensor],
                  out_spec: pytree.TreeSpec, out_constants: list):
         self.forward, self.backward = forward, backward
@@ -94,13 +94,15 @@ class StageGraphs:
         """Whether inputs with ``key`` replay a recorded graph (else they run eagerly)."""
         return self._graphs.get(key) is not None
 
-    def run(self, key: tuple, modules: list[nn.Module], x: Any, call: Callable) -> Any:
+    def run(self, key: tuple, modules: list[nn.Module], x: Any, call: Callable, grad: bool = True) -> Any:
         """``x`` through the stage: replayed when recorded, recorded on first sight, else eager.
-        The caller's backward of the result replays the backward graph."""
+        The caller's backward of the result replays the backward graph. ``grad=False`` (a call under
+        torch.no_grad, and ``key`` says so): a forward graph alone, whose outputs live in memory the next
+        replay overwrites."""
         if key not in self._graphs:
             recorded = sum(rec is not None for rec in self._graphs.values())
             if recorded < self.tuning.max_recorded_graphs:
-                self._graphs[key] = self._record(modules, x, call)
+                self._graphs[key] = self._record(modules, x, call, grad)
             else:
                 warnings.warn(f"rptrain: {recorded} input shapes already recorded as CUDA graphs; new shapes run eagerly", stacklevel=3)
                 self._graphs[key] = None
@@ -113,18 +115,24 @@ class StageGraphs:
 
     def _replay(self, rec: _Recorded, modules: list[nn.Module], x: Any, call: Callable) -> Any:
         inputs = [v for v in pytree.tree_leaves(x) if isinstance(v, Tensor)]
-        outputs = _Replay.apply(rec, self._anchor, *inputs)
+        if rec.backward is None:  # forward only
+            for static, v in zip(rec.inputs, inputs):
+                static.copy_(v)
+            rec.forward.replay()
+            outputs = [o.detach() for o in rec.outputs]
+        else:
+            outputs = _Replay.apply(rec, self._anchor, *inputs)
         it = iter(outputs)
         return pytree.tree_unflatten([next(it) if c is None else c for c in rec.out_constants], rec.out_spec)
 
-    def _record(self, modules: list[nn.Module], x: Any, call: Callable) -> Optional[_Recorded]:
+    def _record(self, modules: list[nn.Module], x: Any, call: Callable, grad: bool = True) -> Optional[_Recorded]:
         params = [p for m in modules for p in m.parameters()]
         buffers = [b for m in modules for b in m.buffers()]
         saved_buffers = [b.detach().clone() for b in buffers]
         saved_grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         rng = torch.cuda.get_rng_state(self.device)
         try:
-            return self._capture(modules, x, call)
+            return self._capture(modules, x, call) if grad else self._capture_forward(modules, x, call)
         except _TooLarge as e:
             warnings.warn(f"rptrain: running layers {type(modules[0]).__name__}.. eagerly: {e}", stacklevel=3)
             return None
@@ -142,6 +150,37 @@ class StageGraphs:
                         p.grad.copy_(value)
             torch.cuda.set_rng_state(rng, self.device)
 
+    def _ensure_pool(self) -> None:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+            self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _capture_forward(self, modules: list[nn.Module], x: Any, call: Callable) -> _Recorded:
+        """The stage's forward under torch.no_grad as one graph (an evaluation's: nothing saved for a backward)."""
+        leaves, spec = pytree.tree_flatten(x)
+        constants = [None if isinstance(v, Tensor) else v for v in leaves]
+        inputs = [v.detach().clone() for v in leaves if isinstance(v, Tensor)]
+
+        def stage() -> Any:
+            it = iter(inputs)
+            y = pytree.tree_unflatten([next(it) if c is None else c for c in constants], spec)
+            for layer in modules:
+                y = call(layer, y)
+            return y
+
+        self._ensure_pool()
+        with torch.cuda.stream(self._stream), torch.no_grad():
+            for _ in range(self.tuning.graph_warmup):
+                stage()
+            forward = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(forward, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                out_leaves, out_spec = pytree.tree_flatten(stage())
+        outputs = [v.detach() for v in out_leaves if isinstance(v, Tensor)]
+        out_constants = [None if isinstance(v, Tensor) else v for v in out_leaves]
+        return _Recorded(forward, None, inputs, outputs, [], [], out_spec, out_constants)
+
     def _capture(self, modules: list[nn.Module], x: Any, call: Callable) -> _Recorded:
         leaves, spec = pytree.tree_flatten(x)
         constants = [None if isinstance(v, Tensor) else v for v in leaves]
@@ -157,12 +196,7 @@ class StageGraphs:
         def differentiable(out_leaves: list) -> list[Tensor]:
             return [v for v in out_leaves if isinstance(v, Tensor) and v.requires_grad]
 
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-            self._stream = torch.cuda.Stream(self.device)
-            self._anchor = torch.zeros((), device=self.device, requires_grad=True)
-        # Everything on one stream: autograd runs a node's backward on its forward's stream.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._ensure_pool()  # everything on one stream: autograd runs a node's backward on its forward's stream
         budget = self.tuning.max_graph_memory_share * torch.cuda.get_device_properties(self.device).total_memory
         with torch.cuda.stream(self._stream), torch.enable_grad():
             for _ in range(self.tuning.graph_warmup):

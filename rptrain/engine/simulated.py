@@ -155,8 +155,8 @@ class _EagerGraphs(StageGraphs):
     its outputs in the same memory every time, so a caller keeping them without a copy sees the next
     replay's values (as on a GPU)."""
 
-    def _record(self, modules: list[nn.Module], x: Any, call: Callable) -> Any:
-        return []  # the static output tensors, made by the first replay
+    def _record(self, modules: list[nn.Module], x: Any, call: Callable, grad: bool = True) -> Any:
+        return []  # the static output tensors, made by the first replay (run in the caller's grad mode)
 
     def _replay(self, rec: Any, modules: list[nn.Module], x: Any, call: Callable) -> Any:
         for layer in modules:
