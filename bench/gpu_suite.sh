@@ -325,7 +325,8 @@ if [[ $what == overlap-big ]]; then  # issues 29 and 30 on the H200 (about 9 min
 fi
 if [[ $what == h200-close ]]; then  # issue 33 (about 7 minutes): the 20-epoch main job with CIFAR-100 on disk (goal: under 60 s), with
   # engine.compile off (the default) and on (compile time included), then the CLI (and with engine.compile=true) against the graphed
-  # plain loop, standard and compiled, each its own process
+  # plain loop, standard and compiled, each its own process; first the CUDA test of the evaluation's forward graph
+  run 60 python3 -m pytest -q -rf -p no:cacheprovider tests/test_engine_equivalence.py -k "no_grad_forward or cuda_graphs"
   run 120 python3 bench/main_job.py
   run 150 python3 bench/main_job.py engine.compile=true
   run 300 python3 bench/cli_resnet.py --quick --timeout 90 --cli-variant engine.compile=true
