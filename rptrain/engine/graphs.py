@@ -78,6 +78,22 @@ class _Replay(torch.autograd.Function):
         return (None, None, *[t.grad for t in rec.inputs])
 
 
+def _staged(modules: list[nn.Module], x: Any, call: Callable, keep_grad: bool) -> tuple[list[Tensor], Callable[[], Any]]:
+    """(static copies of ``x``'s tensors, the stage run on them): what a recording captures."""
+    leaves, spec = pytree.tree_flatten(x)
+    constants = [None if isinstance(v, Tensor) else v for v in leaves]
+    inputs = [v.detach().clone().requires_grad_(keep_grad and v.requires_grad) for v in leaves if isinstance(v, Tensor)]
+
+    def stage() -> Any:
+        it = iter(inputs)
+        y = pytree.tree_unflatten([next(it) if c is None else c for c in constants], spec)
+        for layer in modules:
+            y = call(layer, y)
+        return y
+
+    return inputs, stage
+
+
 class StageGraphs:
     """Recorded stages on one device, by (layers, training modes, input signature)."""
 
@@ -159,17 +175,7 @@ class StageGraphs:
 
     def _capture_forward(self, modules: list[nn.Module], x: Any, call: Callable) -> _Recorded:
         """The stage's forward under torch.no_grad as one graph (an evaluation's: nothing saved for a backward)."""
-        leaves, spec = pytree.tree_flatten(x)
-        constants = [None if isinstance(v, Tensor) else v for v in leaves]
-        inputs = [v.detach().clone() for v in leaves if isinstance(v, Tensor)]
-
-        def stage() -> Any:
-            it = iter(inputs)
-            y = pytree.tree_unflatten([next(it) if c is None else c for c in constants], spec)
-            for layer in modules:
-                y = call(layer, y)
-            return y
-
+        inputs, stage = _staged(modules, x, call, keep_grad=False)
         self._ensure_pool()
         with torch.cuda.stream(self._stream), torch.no_grad():
             for _ in range(self.tuning.graph_warmup):
@@ -182,16 +188,7 @@ class StageGraphs:
         return _Recorded(forward, None, inputs, outputs, [], [], out_spec, out_constants)
 
     def _capture(self, modules: list[nn.Module], x: Any, call: Callable) -> _Recorded:
-        leaves, spec = pytree.tree_flatten(x)
-        constants = [None if isinstance(v, Tensor) else v for v in leaves]
-        inputs = [v.detach().clone().requires_grad_(v.requires_grad) for v in leaves if isinstance(v, Tensor)]
-
-        def stage() -> Any:
-            it = iter(inputs)
-            y = pytree.tree_unflatten([next(it) if c is None else c for c in constants], spec)
-            for layer in modules:
-                y = call(layer, y)
-            return y
+        inputs, stage = _staged(modules, x, call, keep_grad=True)
 
         def differentiable(out_leaves: list) -> list[Tensor]:
             return [v for v in out_leaves if isinstance(v, Tensor) and v.requires_grad]
