@@ -94,7 +94,7 @@ class NullGraphs(graphs.StageGraphs):
     """StageGraphs whose capture runs the stage eagerly once (the static outputs and input
     gradients exist) and whose graphs replay nothing: the replay's host cost without its compute."""
 
-    def _record(self, modules, x, call):
+    def _record(self, modules, x, call, grad=True):  # a forward-only recording (grad=False) is faked the same way
         leaves, spec = pytree.tree_flatten(x)
         inputs = [v.detach().clone().requires_grad_(v.requires_grad) for v in leaves]
         with torch.enable_grad():
