@@ -423,6 +423,11 @@ def test_a_no_grad_forward_of_a_resident_stage_replays_a_forward_graph(where):
     state = {k: v for k, v in engine.state_dict().items() if "running" in k}
     for k, v in state.items():  # three train-mode calls' statistics, as plain PyTorch's
         torch.testing.assert_close(v.cpu(), ref.state_dict()[k].cpu(), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # a shape met once (a generation's next length) runs eagerly; recorded when it comes back
+        engine(torch.randn(5, 3, 8, 8), run_config=ONE)
+        assert sum(key[3] == "forward" for key in graphs._graphs) == 2
+        engine(torch.randn(5, 3, 8, 8), run_config=ONE)
+        assert sum(key[3] == "forward" for key in graphs._graphs) == 3
     engine.close()
 
 

@@ -101,6 +101,7 @@ class StageGraphs:
         self.device = device
         self.tuning = tuning
         self._graphs: dict[tuple, Optional[_Recorded]] = {}
+        self._seen: set[tuple] = set()  # forward-only keys met once, not recorded yet
         self._pool = None
         self._stream: Optional[torch.cuda.Stream] = None
         # Outputs of the replay node need an input that requires grad even when nothing else does.
@@ -115,6 +116,11 @@ class StageGraphs:
         The caller's backward of the result replays the backward graph. ``grad=False`` (a call under
         torch.no_grad, and ``key`` says so): a forward graph alone, whose outputs live in memory the next
         replay overwrites."""
+        if key not in self._graphs and not grad and key not in self._seen:
+            # A forward-only shape is recorded when it comes back: an evaluation's batches repeat, while a
+            # generation's growing lengths come once each and would fill the recordings with one-off graphs.
+            self._seen.add(key)
+            return self._eager(modules, x, call)
         if key not in self._graphs:
             recorded = sum(rec is not None for rec in self._graphs.values())
             if recorded < self.tuning.max_recorded_graphs:
@@ -123,11 +129,13 @@ class StageGraphs:
                 warnings.warn(f"rptrain: {recorded} input shapes already recorded as CUDA graphs; new shapes run eagerly", stacklevel=3)
                 self._graphs[key] = None
         rec = self._graphs[key]
-        if rec is None:
-            for layer in modules:
-                x = call(layer, x)
-            return x
-        return self._replay(rec, modules, x, call)
+        return self._eager(modules, x, call) if rec is None else self._replay(rec, modules, x, call)
+
+    @staticmethod
+    def _eager(modules: list[nn.Module], x: Any, call: Callable) -> Any:
+        for layer in modules:
+            x = call(layer, x)
+        return x
 
     def _replay(self, rec: _Recorded, modules: list[nn.Module], x: Any, call: Callable) -> Any:
         inputs = [v for v in pytree.tree_leaves(x) if isinstance(v, Tensor)]
