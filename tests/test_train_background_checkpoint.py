@@ -105,8 +105,9 @@ def test_a_snapshot_copies_tensors_once_and_rebuilds_containers():
 
     shared = torch.ones(3)
     state = {"a": shared, "b": [shared, 1, "x"], "c": (torch.zeros(2),), "d": OrderedDict(w=shared), "e": torch.Size([2, 3])}
+    state["f"] = shared.view(3)  # another object for the same stored tensor (a tied weight): copied once too
     copy = ckpt.snapshot(state)
-    assert copy["a"] is copy["b"][0] is copy["d"]["w"] and copy["a"] is not shared and torch.equal(copy["a"], shared)
+    assert copy["a"] is copy["b"][0] is copy["d"]["w"] is copy["f"] and copy["a"] is not shared and torch.equal(copy["a"], shared)
     assert copy["b"] is not state["b"] and isinstance(copy["c"], tuple) and copy["b"][1:] == [1, "x"]
     assert type(copy["d"]) is OrderedDict and type(copy["e"]) is torch.Size and copy["e"] == (2, 3)
     shared.add_(1)

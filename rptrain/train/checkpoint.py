@@ -144,20 +144,21 @@ def state_nbytes(state: Any) -> int:
     return sum(layout.nbytes(t) + layout.ALIGN for t in tensors) + 2**20
 
 
-def snapshot(state: Any, _copies: Optional[dict] = None) -> Any:
-    """A copy of ``state`` that training cannot change: its tensors copied to host memory (a tensor shared
-    between places stays shared), its dicts, lists and tuples rebuilt; anything else is kept (immutable)."""
-    copies = {} if _copies is None else _copies
-    if isinstance(state, torch.Tensor):
-        if id(state) not in copies:
-            copies[id(state)] = state.detach().to("cpu", copy=True)
-        return copies[id(state)]
-    if isinstance(state, dict):  # an OrderedDict (a module's state dict) stays one
-        return type(state)((k, snapshot(v, copies)) for k, v in state.items())
-    if isinstance(state, (list, tuple)):
-        items = [snapshot(v, copies) for v in state]
-        return type(state)(*items) if hasattr(state, "_fields") else type(state)(items)  # torch.Size stays one
-    return state
+def snapshot(state: Any) -> Any:
+    """A copy of ``state`` that training cannot change: its tensors copied to host memory, its dicts, lists and
+    tuples rebuilt (layout.rebuilt); a tensor met twice (layout.tensor_key: a tied weight) is copied once, so
+    the checkpoint stores it once, as it would the live state."""
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            key = layout.tensor_key(obj)
+            if key not in copies:
+                copies[key] = obj.detach().to("cpu", copy=True)
+            return copies[key]
+        return layout.rebuilt(obj, walk)
+
+    return walk(state)
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
