@@ -57,7 +57,7 @@ class RoundPipe(ForwardsAttributes):
     ``process_group``: a torch.distributed group to train data-parallel over (NCCL or gloo): gradients
     are averaged before each step; BatchNorm statistics stay per rank (DDP's ``broadcast_buffers=False``).
     ``optimizer_threads``: OpenMP threads of the optimizer step. Default on GPU engines: one fewer than torch's (torch's
-    with a single version), so the issuing thread keeps a core (a static parallel loop waits for its slowest thread).
+    where one version's steps wait), so the issuing thread keeps a core (a static parallel loop waits for its slowest).
     ``name``: kept as ``.name``. ``pin_model`` (GPU engines): "alloc" pins host copies (large ones as exact registered
     mappings, small ones through PyTorch's allocator); "register" all at their exact size; "off" none (slower uploads).
     ``memory_format``: ``torch.channels_last`` converts 4-D inputs to channels-last on the
