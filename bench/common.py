@@ -11,6 +11,12 @@ from typing import Any, Callable
 import torch
 
 
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes (MemAvailable: what a new allocation can take without swapping or the OOM killer)."""
+    with open("/proc/meminfo") as f:
+        return {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)}
+
+
 def emit(**fields: Any) -> None:
     print(json.dumps(fields, sort_keys=False), flush=True)
 

@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import emit, parser
+from common import emit, meminfo, parser
 
 PHASES = ("setup", "train", "eval", "checkpoint", "export")
 FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
@@ -75,11 +75,6 @@ def resident(pids: list[int]) -> dict[str, int]:
         except OSError:
             continue
     return total
-
-
-def meminfo() -> dict[str, int]:
-    with open("/proc/meminfo") as f:
-        return {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)}
 
 
 class Run:

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import deepspeed_zero
-from common import emit, high_water, parser
+from common import emit, high_water, meminfo, parser
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.engine import DoesNotFit, trace
 from rptrain.models import LlamaConfig, build_model, count_tokens, flops_per_token, llama_config, qwen3_config
@@ -358,7 +358,7 @@ def run_deepspeed(args, cfg, name, setting: str):
         extra = dict(ds_offload_ratio=ratio, ds_ratio_chosen=chosen, gpu_free_gib=round(free / 2**30, 2),
                      activation_estimate_gib=round(activations / 2**30, 2))
         if free:
-            deepspeed_zero.check_fits(params, ratio, free, activations, host_available())
+            deepspeed_zero.check_fits(params, ratio, free, activations, meminfo()["MemAvailable"])
     model = build_model(name, device=args.device, dtype=torch.bfloat16, **args.overrides)
     checkpoint_blocks(model, args.checkpoint)
     note(f"{name} built ({params:,} parameters); DeepSpeed {setting}, offload ratio {ratio}")
@@ -373,12 +373,6 @@ def run_deepspeed(args, cfg, name, setting: str):
     del engine, step, model
     torch.cuda.empty_cache()
     return timing, float(args.checkpoint), extra
-
-
-def host_available() -> int:
-    """MemAvailable: the host memory a new allocation can take without swapping or the OOM killer."""
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 
 
 def release_host_memory() -> None:
