@@ -5,12 +5,13 @@ format (the tests' writer: protocol-2 pickles, 50,000 training and 10,000 test i
 class-coloured content), and the command reads it with ``data.download=false
 data.verify_checksums=false``, everything else at its defaults (20 epochs, batch 128, evaluation every
 epoch, a checkpoint every epoch). Prints one JSON line: the wall time from the command's start to its
-exit, the time to the first logged step, and the run's own summary (test accuracy is meaningless on
+exit, where it went (``phases``, from the run log's timestamps), and the run's own summary (test accuracy is meaningless on
 random images). ``--tiny`` (CI): a small ResNet-18, 64 images, one epoch.
 """
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,34 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from cifar_fixture import write_fake_cifar  # noqa: E402  (the real format's writer lives with the tests)
+
+STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]")
+
+
+def phases(log: str, started: float, ended: float) -> dict[str, float]:
+    """Where the wall time went, from the run log's timestamps (millisecond resolution, local time).
+
+    to_log: imports and Hydra before the first log line; setup: the first line to the first step's
+    line (model, data, engine); first_epoch: the first step's line to the first epoch's end; epochs: the
+    rest of the epochs; end: the last epoch's line to ``done``; exit: ``done`` to the process's exit.
+    """
+    stamps = []
+    for line in log.splitlines():
+        m = STAMP.match(line)
+        if m:
+            t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+            stamps.append((t, line))
+    if not stamps:
+        return {}
+    first_step = next((t for t, line in stamps if re.search(r"Epoch 1/\d+: ", line)), stamps[0][0])
+    epoch_ends = [t for t, line in stamps if re.search(r"Epoch \d+/\d+ took", line)]
+    done = next((t for t, line in stamps if "] done: " in line), stamps[-1][0])
+    out = {"to_log": stamps[0][0] - started, "setup": first_step - stamps[0][0]}
+    if epoch_ends:
+        out |= {"first_epoch": epoch_ends[0] - first_step, "epochs": epoch_ends[-1] - epoch_ends[0], "end": done - epoch_ends[-1]}
+    out["exit"] = ended - done
+    return {k: round(v, 2) for k, v in out.items()}
+
 
 TINY = ["model=resnet18", "model.widths=[8,16,32,64]", "model.stem_channels=8", "trainer.batch_size=16"]
 
@@ -45,17 +74,18 @@ def main() -> None:
         argv = [sys.executable, "-m", "rptrain.cli.main", "model=resnet34", "data=cifar100", f"data.root={data}",
                 "data.download=false", "data.verify_checksums=false", f"trainer.epochs={args.epochs}", "trainer.progress=false",
                 f"hydra.run.dir={run_dir}", *(TINY if args.tiny else []), *args.overrides]
-        start = time.perf_counter()
+        start, started = time.perf_counter(), time.time()
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout, cwd=tmp)
-        wall_s = time.perf_counter() - start
+        wall_s, ended = time.perf_counter() - start, time.time()
         if proc.returncode != 0:
             emit(bench="main_job", error=f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}")
             return
         summary = json.loads((run_dir / "summary.json").read_text())
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         epochs = [r for r in records if r.get("kind") == "epoch"]
+        spent = phases((run_dir / "rptrain.log").read_text(), started, ended)
     emit(bench="main_job", device=args.device, epochs=args.epochs, num_train=args.num_train, num_test=args.num_test,
-         overrides=" ".join(args.overrides), dataset_written_s=round(written_s, 1), wall_s=round(wall_s, 2),
+         overrides=" ".join(args.overrides), dataset_written_s=round(written_s, 1), wall_s=round(wall_s, 2), phases_s=spent,
          epoch_wall_s=[round(r["epoch_wall_time"], 2) for r in epochs],
          steady_epoch_samples_per_s=round(epochs[-1]["epoch_samples_per_s"], 1) if epochs else None,
          summary={k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
