@@ -57,3 +57,24 @@ def high_water() -> int:
     can carry the size of the process that spawned this one, which hides any growth below that size."""
     with open("/proc/self/status") as f:
         return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def kernel_times(step: Callable[[int], Any], device: str, steps: int = 3, top: int = 12,
+                 finish: Callable[[], Any] = lambda: None) -> dict[str, Any]:
+    """Where a step's device time goes, from one profiler run of ``steps`` steps: the costliest kernels (CPU
+    ops on a CPU) as [name, milliseconds per step, calls per step], every kernel's time per step summed
+    (``busy_ms``; streams that overlap count twice) and the wall time per step under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    start = time.perf_counter()
+    with profile(activities=[activity]) as prof:
+        for i in range(steps):
+            step(i)
+        finish()
+        sync(device)
+    wall = (time.perf_counter() - start) / steps
+    attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+    return dict(wall_ms=round(wall * 1e3, 2), busy_ms=round(sum(getattr(e, attr) for e in events) / 1e3 / steps, 2),
+                top=[[e.key[:80], round(getattr(e, attr) / 1e3 / steps, 3), e.count // steps] for e in events[:top]])

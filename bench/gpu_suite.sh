@@ -75,9 +75,9 @@ if [[ $what == experts ]]; then  # issue 30's expert compute (about 2.5 minutes)
 fi
 if [[ $what == lora-moe ]]; then  # issue 30 on the H200 (about 7 minutes): Qwen3-30B-A3B LoRA against transformers + PEFT (0.805x on
   # 2026-12-05, goal 1.5x), the engine at its default two microbatches and at one (the whole batch, as PEFT runs it), each its own process
-  run 260 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain peft --timeout 125
-  run 130 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain --microbatches 1 --timeout 120
-  grep '^{"bench": "lora"' "$out/suite.log" > "$out/lora-moe.jsonl"
+  run 260 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain peft --timeout 125 --profile
+  run 130 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain --microbatches 1 --timeout 120 --profile
+  grep '^{"bench": "lora' "$out/suite.log" > "$out/lora-moe.jsonl"
 fi
 if [[ $what == moe ]]; then  # the MoE tests on CUDA, expert compute against its GEMMs, GPT-OSS-20B full fine-tuning, Qwen3-30B-A3B LoRA vs PEFT (about 9 minutes)
   run 80 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_gating.py tests/test_models_hf_moe.py tests/test_models_moe_kernels.py \
@@ -87,7 +87,7 @@ if [[ $what == moe ]]; then  # the MoE tests on CUDA, expert compute against its
   # estimate: 236 GiB of host state needed, 113 available), and the time goes to the LoRA runs below
   run 160 "${moe_llm[@]}" --model gpt_oss_20b --impl rptrain
   # each in its own process with its own limit (an out-of-memory or a timeout is a result); PEFT last: it may run out of memory
-  run 260 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain peft --timeout 125
+  run 260 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain peft --timeout 125 --profile
   run 130 "${moe_lora[@]}" --model gpt_oss_20b --impl rptrain --timeout 120
   grep '^{"bench": "\(lora\|llm\|moe_experts\)"' "$out/suite.log" > "$out/moe.jsonl"
 fi

@@ -31,7 +31,7 @@ import traceback
 import torch
 from torch import nn
 
-from common import emit, parser
+from common import emit, kernel_times, parser
 from llm import BIG, host_model, model_config, note, pipeline_step, preset, release_host_memory, timed, tiny_overrides, tokens
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.models import build_model, parameter_count
@@ -84,12 +84,19 @@ def run_rptrain(args, name: str) -> dict:
         opt = AdamW([p for p in engine.parameters() if p.requires_grad], lr=1e-4)
     step = pipeline_step(engine, opt, tokens(args, args.cfg.vocab_size, args.device), RoundPipeRunConfig(num_microbatch=args.microbatches))
     timing = timed(step, args, finish=engine.wait_for_steps)
+    profiled(args, name, "rptrain", step, finish=engine.wait_for_steps)
     report = {f"host_{k}_gib": round(v / 2**30, 3) for k, v in engine.memory_report(opt).items()}
     plan = engine.plan
     stages = dict(forward_stages=len(plan.forward), backward_stages=len(plan.backward)) if plan else {}
     # Closed after the record is printed: giving tens of GB of pinned memory back takes a while.
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return dict(timing=timing, cleanup=engine.close, trainable_params=trained, **report, **stages)
+
+
+def profiled(args, name: str, impl: str, step, finish=lambda: None) -> None:
+    """--profile: one more step under the profiler, its costliest kernels as their own record."""
+    if args.profile:
+        emit(bench="lora_kernels", model=name, impl=impl, **kernel_times(lambda _: step(), args.device, steps=1, top=20, finish=finish))
 
 
 def hf_model(args):
@@ -134,6 +141,7 @@ def run_peft(args, name: str) -> dict:
         return loss.detach()
 
     timing = timed(step, args)
+    profiled(args, name, "peft", step)
     experts = getattr(model.config, "_experts_implementation", None)  # transformers' kernel for MoE experts
     del model, opt
     return dict(timing=timing, checkpoint=args.checkpoint, trainable_params=trained, **({"experts_implementation": experts} if experts else {}))
@@ -228,6 +236,7 @@ def main() -> None:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True, help="gradient checkpointing for peft")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None, help="each run in its own process (default: on a GPU)")
+    p.add_argument("--profile", action="store_true", help="one more step under the profiler: its costliest kernels (record lora_kernels)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per isolated run")
     args = p.parse_args()
     if args.tiny or args.device == "cpu":

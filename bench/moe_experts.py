@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from common import emit, parser, sync, time_steps
+from common import emit, kernel_times, parser, time_steps
 from llm import tiny_overrides
 from rptrain.models.experts import _grouped_mm_runs, grouped_mm
 from rptrain.models.hf_presets import MOE_PRESETS, qwen3_config
@@ -52,21 +52,6 @@ def gemm_only(moe: SparseMoe, x: torch.Tensor):
     return step, rows.size(0)
 
 
-def kernel_times(step, device: str, steps: int = 3, top: int = 12) -> list:
-    """The layer step's costliest kernels (or CPU ops): [name, milliseconds per step, calls per step], where
-    the time above the grouped GEMMs goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        for i in range(steps):
-            step(i)
-        sync(device)
-    attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)[:top]
-    return [[e.key[:80], round(getattr(e, attr) / 1e3 / steps, 3), e.count // steps] for e in events]
-
-
 def measure(args, name: str) -> dict:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     moe, D = layer(name, args.tiny, args.device, dtype)
@@ -81,7 +66,7 @@ def measure(args, name: str) -> dict:
 
     layer_s = time_steps(layer_step, args.steps, args.warmup, args.device)
     if args.profile:
-        emit(bench="moe_experts_kernels", model=name, top=kernel_times(layer_step, args.device))
+        emit(bench="moe_experts_kernels", model=name, **kernel_times(layer_step, args.device))
     gemm_step, rows = gemm_only(moe, x)
     gemm_s = time_steps(gemm_step, args.steps, args.warmup, args.device)
     e = moe.experts
