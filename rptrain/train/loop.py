@@ -47,6 +47,16 @@ class Every(NamedTuple):
     evaluates: bool  # an eval set or sample prompts: there is something to evaluate
 
 
+def freeze_setup_objects() -> None:
+    """Collect once, then leave every object that exists now (torch's modules, the model, the configs) out of
+    later collections. A full collection walks every tracked object: 115 ms over the 243k objects the CLI
+    imports on the 2-core dev machine; a tiny 6-epoch CLI run there had eight of them, 12-236 ms each, and
+    the one inside epoch 6 doubled its time (0.49 s, against 0.23-0.27 s). On the H200 an epoch of the main
+    job is 1.6 s, so one such pause is a few percent of it. The Trainer's cleanup unfreezes them."""
+    gc.collect()  # the setup's cyclic garbage (a model's temporary copies) is freed, not kept for the whole run
+    gc.freeze()
+
+
 class Trainer:
     def __init__(
         self, cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console, resume_hint: str, dist: Optional[Dist] = None,
@@ -65,6 +75,7 @@ class Trainer:
         try:
             c = self.setup()
             engine_ref = weakref.ref(c.engine)
+            freeze_setup_objects()
             with cudnn_benchmark(self.cfg.engine.cudnn_benchmark):
                 self.train(stop)
             try:
@@ -109,6 +120,7 @@ class Trainer:
                 c.close()
         finally:
             del c
+            gc.unfreeze()  # this run's objects may go now (a sweep runs its next job in this process)
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
