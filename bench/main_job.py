@@ -53,6 +53,17 @@ def phases(log: str, started: float, ended: float) -> dict[str, float]:
     return {k: round(v, 2) for k, v in out.items()}
 
 
+def windows(records: list[dict], epoch: int) -> list[dict]:
+    """The epoch's train records, each with ``_steps``: the steps its window covered."""
+    out, before = [], 0
+    for r in records:
+        if r.get("kind") == "train" and r["epoch"] == epoch:
+            out.append({**r, "_steps": r["step"] - before})
+        if r.get("kind") == "train":
+            before = r["step"]
+    return out
+
+
 TINY = ["model=resnet18", "model.widths=[8,16,32,64]", "model.stem_channels=8", "trainer.batch_size=16"]
 
 
@@ -87,6 +98,9 @@ def main() -> None:
     emit(bench="main_job", device=args.device, epochs=args.epochs, num_train=args.num_train, num_test=args.num_test,
          overrides=" ".join(args.overrides), dataset_written_s=round(written_s, 1), wall_s=round(wall_s, 2), phases_s=spent,
          epoch_wall_s=[round(r["epoch_wall_time"], 2) for r in epochs],
+         # where the first epoch's extra time goes: its log windows (seconds each, on the wall clock) and every evaluation
+         first_epoch_windows_s=[round(r["step_wall_time"] * r["_steps"], 2) for r in windows(records, 1)],
+         eval_s=[round(r["eval_time"], 3) for r in records if r.get("kind") == "eval"],
          steady_epoch_samples_per_s=round(epochs[-1]["epoch_samples_per_s"], 1) if epochs else None,
          summary={k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
 
