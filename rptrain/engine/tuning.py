@@ -83,9 +83,10 @@ class Tuning:
     # loss's kernels and the autograd engine's work per microbatch. False: stage by stage, as before.
     whole_call_graphs: bool = True
     # torch.compile (inductor) the stage's layers inside the whole call's recording (CLI engine.compile):
-    # fused elementwise kernels, paid for by compiling at the first recording of each call shape. Off
-    # until measured faster including that compile over a 20-epoch run (issue 33; on the H200 plain
-    # PyTorch's graphed ResNet-34 step went from 3.29 to 2.61 ms compiled).
+    # fused elementwise kernels, paid for by compiling at the first recording of each call shape. Off: the
+    # 20-epoch main job took 53.8 s without and 99.1 s with it (H200, one invocation at 5b07351, 2026-12-06:
+    # the first epoch 10.8 -> 58.6 s, later ones 1.54-1.73 -> 1.30-1.55 s); its steady training rate was
+    # 0.857x the compiled plain graphed loop's (0.874x uncompiled against uncompiled).
     compile_stages: bool = False
     # Of physical memory: frozen weights past this stay pageable. Pinned pages cannot be swapped or
     # reclaimed, and more would starve the rest of the process; pageable memory uploads through the
