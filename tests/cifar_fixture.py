@@ -6,9 +6,9 @@ same file then reads back with `encoding="latin1"` (what torchvision does:
 keys are 'data', 'fine_labels', ...) and with `encoding="bytes"` (what the
 dataset's own web page does: keys are b'data', b'fine_labels', ...).
 
-torchvision checks every file against an md5 stored on the dataset class, so
-`patch_cifar_checksums` swaps in the md5s of the files written here; the real
-CIFAR10/CIFAR100 classes then load the fake data with download=False.
+torchvision and rptrain check every file against the published md5s (on the
+dataset class, in rptrain.data.cifar.FORMATS), so `patch_cifar_checksums` swaps
+in the md5s of the files written here; both then load the fake data with download=False.
 
 Usage from a test (tests/ is on sys.path under pytest's default import mode):
 
@@ -159,15 +159,30 @@ def _checksum_attrs(root: str | Path, kind: str) -> tuple[type, dict[str, object
     return cls, attrs
 
 
+def _our_format(root: str | Path, kind: str):
+    """rptrain's record of the files (rptrain.data.cifar.FORMATS) with the md5s of the files under `root`."""
+    import dataclasses
+
+    from rptrain.data.cifar import FORMATS
+
+    fmt = FORMATS[kind]
+    folder = Path(root) / fmt.folder
+    ours = lambda files: tuple((name, _md5(folder / name)) for name, _ in files)  # noqa: E731
+    return FORMATS, dataclasses.replace(fmt, train=ours(fmt.train), test=ours(fmt.test), meta=ours([fmt.meta])[0])
+
+
 @contextlib.contextmanager
-def _patched(cls: type, attrs: dict[str, object]) -> Iterator[None]:
+def _patched(cls: type, attrs: dict[str, object], formats: dict, kind: str, fmt: object) -> Iterator[None]:
     missing = object()
     saved = {k: cls.__dict__.get(k, missing) for k in attrs}
+    saved_format = formats[kind]
     try:
         for k, v in attrs.items():
             setattr(cls, k, v)
+        formats[kind] = fmt
         yield
     finally:
+        formats[kind] = saved_format
         for k, v in saved.items():
             if v is missing:
                 delattr(cls, k)
@@ -176,16 +191,18 @@ def _patched(cls: type, attrs: dict[str, object]) -> Iterator[None]:
 
 
 def patch_cifar_checksums(monkeypatch, root: str | Path, kind: str = "cifar100"):
-    """Make torchvision's CIFAR class for `kind` accept the files under `root`.
+    """Make torchvision's CIFAR class for `kind` and rptrain's record of its files accept the files under `root`.
 
     With pytest's `monkeypatch`, patches now (undone at test teardown) and
     returns None; with None, returns a context manager that patches on entry.
     """
     cls, attrs = _checksum_attrs(root, kind)
+    formats, fmt = _our_format(root, kind)
     if monkeypatch is None:
-        return _patched(cls, attrs)
+        return _patched(cls, attrs, formats, kind, fmt)
     for k, v in attrs.items():
         monkeypatch.setattr(cls, k, v)
+    monkeypatch.setitem(formats, kind, fmt)
     return None
 
 

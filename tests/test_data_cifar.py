@@ -1,5 +1,7 @@
-"""CIFAR loading through torchvision's real dataset classes, on fake data in the real file format."""
+"""CIFAR loading (rptrain's reader, and torchvision's real dataset classes as its reference), on fake data in the real file format."""
 import pickle
+import subprocess
+import sys
 import urllib.error
 
 import numpy as np
@@ -67,7 +69,8 @@ def test_missing_dataset_error(tmp_path, kind, folder, title):
         load_cifar(kind, tmp_path / "nowhere", train=True, download=False)
     msg = str(info.value)
     assert msg == (
-        f"{title} not found under {tmp_path / 'nowhere'}: set data.root to a folder containing {folder}/ or data.download=true"
+        f"{title} not found under {tmp_path / 'nowhere'}: set data.root to a folder containing {folder}/, or data.download=true, "
+        "or use data=synthetic"
     )
 
 
@@ -104,3 +107,40 @@ def test_stats_and_dataset_object(tmp_path, monkeypatch):
     ds = cifar_dataset("cifar100", root, train=True, transform=np.asarray)
     img, label = ds[0]
     assert img.shape == (32, 32, 3) and isinstance(label, int)
+
+
+@pytest.mark.parametrize("kind", ["cifar100", "cifar10"])
+def test_our_reader_matches_torchvision(tmp_path, monkeypatch, kind):
+    """load_cifar reads the pickles itself: the same images, labels and class names as torchvision's dataset."""
+    root = fake_cifar(tmp_path, monkeypatch, kind, n_train=60, n_test=20)
+    for train in (True, False):
+        ours, theirs = load_cifar(kind, root, train=train), cifar_dataset(kind, root, train=train)
+        assert torch.equal(ours.images, torch.from_numpy(theirs.data).permute(0, 3, 1, 2))
+        assert ours.labels.tolist() == list(theirs.targets) and ours.classes == list(theirs.classes)
+
+
+def test_a_pickle_that_would_run_code_is_refused_unrun(tmp_path):
+    """A data file is data: a pickle naming anything but numpy's array reconstruction is a DataError, not a call."""
+    root = write_fake_cifar(tmp_path, "cifar100", n_train=20, n_test=10)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (exec, (f"open({str(marker)!r}, 'w').close()",))
+
+    with open(root / "cifar-100-python" / "test", "wb") as f:
+        pickle.dump({"data": Payload(), "fine_labels": []}, f, protocol=2)
+    with pytest.raises(DataError, match=r"could not read CIFAR-100 .*names (__builtin__|builtins)\.exec") as info:
+        load_cifar("cifar100", root, train=False, verify_checksums=False)
+    assert not marker.exists() and "\n" not in str(info.value)
+
+
+def test_reading_cifar_does_not_import_torchvision(tmp_path):
+    """The preflight check and the tensor pipeline's reading import neither torchvision nor torch._dynamo."""
+    root = write_fake_cifar(tmp_path, "cifar10", n_train=20, n_test=10)
+    code = ("import sys; from rptrain.data.cifar import load_cifar; from rptrain.train.validate import _check_cifar; "
+            f"_check_cifar('cifar10', {str(root)!r}, False, False); load_cifar('cifar10', {str(root)!r}, True, verify_checksums=False); "
+            "print(sorted(m for m in ('torchvision', 'torch._dynamo') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

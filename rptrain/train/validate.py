@@ -280,37 +280,12 @@ def check_inputs(cfg: DictConfig) -> None:
 
 @functools.lru_cache(maxsize=None)  # once per data set for all the jobs of a sweep
 def _check_cifar(name: str, root_path: str, download: bool, verify_checksums: bool) -> None:
-    from torchvision.datasets import CIFAR10, CIFAR100
-    from torchvision.datasets.utils import check_integrity
+    from rptrain.data.cifar import cifar_files, load_cifar
 
-    from rptrain.data import cifar_dataset
-
-    cls = CIFAR10 if name == "cifar10" else CIFAR100
-    title = "CIFAR-10" if name == "cifar10" else "CIFAR-100"
-    root = Path(root_path).expanduser()
-    if root.name == cls.base_folder:
-        root = root.parent
-    files = [*cls.train_list, *cls.test_list, (cls.meta["filename"], cls.meta["md5"])]
-    if not all((root / cls.base_folder / fname).is_file() for fname, _ in files):
-        if not download:
-            raise DataError(
-                f"{title} not found under {root} and data.download=false: set data.root to a folder containing "
-                f"{cls.base_folder}/, or data.download=true, or use data=synthetic"
-            )
-        cifar_dataset(name, root, train=True, download=True, verify_checksums=verify_checksums)  # raises DataError offline
-        return
+    cifar_files(name, root_path, download, verify_checksums)  # there (downloaded if asked) and, if asked, the published files
     if not verify_checksums:  # a modified copy: its labels must still be class indices (the published files' are)
-        from rptrain.data.cifar import load_cifar
-
         for train in (True, False):
-            load_cifar(name, root, train=train, verify_checksums=False)  # raises DataError naming the bad label
-        return
-    for fname, md5 in files:
-        if not check_integrity(str(root / cls.base_folder / fname), md5):
-            raise DataError(
-                f"{root / cls.base_folder / fname} does not match the published {title} checksum: "
-                f"delete {root / cls.base_folder} and use data.download=true, or set data.verify_checksums=false for a modified copy"
-            )
+            load_cifar(name, root_path, train=train, verify_checksums=False)  # raises DataError naming the bad label
 
 
 def check_writable(directory: Path, key: str) -> None:
