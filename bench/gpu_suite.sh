@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|overlap-32b|largest-peers|lora-moe|preset-8b-mb|preset-fp32|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|overlap-32b|largest-peers|lora-moe|preset-8b-mb|preset-fp32|main-experts|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == moe-ft || $what == overlap-32b || $what == largest-peers || $what == h200-close || $what == preset-8b-mb || $what == preset-fp32 || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == moe-ft || $what == overlap-32b || $what == largest-peers || $what == h200-close || $what == preset-8b-mb || $what == preset-fp32 || $what == main-experts || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -359,6 +359,12 @@ if [[ $what == preset-8b-mb ]]; then  # issue 29 (about 7 minutes): the 8 B pres
   run 200 "${lowmem[@]}" --model llama_8b --impl rptrain plain_ao8 --master-dtype bf16 --state-dtype int8 --microbatches 1
   run 120 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8
   grep '^{"bench": "llm"' "$out/suite.log" > "$out/preset-8b-mb.jsonl"
+fi
+if [[ $what == main-experts ]]; then  # issues 33 and 30 (about 2.5 minutes): the 20-epoch main job with its first epoch's windows, then
+  # the Qwen3-30B-A3B MoE layer against its grouped GEMMs with the costliest kernels (where the 1.6x goes)
+  run 100 python3 bench/main_job.py
+  run 60 python3 bench/moe_experts.py --profile --model qwen3_30b_a3b
+  grep '^{"bench": "\(main_job\|moe_experts\)' "$out/suite.log" > "$out/main-experts.jsonl"
 fi
 if [[ $what == preset-fp32 ]]; then  # issue 29 on the H200 (about 6 minutes): the 8 B preset (bf16 master, 8-bit moments) against the
   # same engine with fp32 master and moments (goal: the preset >= 1.1x), each its own process, one invocation
