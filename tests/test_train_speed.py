@@ -208,3 +208,25 @@ def test_image_evaluation_matches_plain_pytorch(eval_microbatch):
     assert result["acc"] == (logits.argmax(1) == labels).float().mean().item()
     assert calls == ([None, None] if eval_microbatch is None else [min(eval_microbatch, 6), min(eval_microbatch, 2)])
     engine.close()
+
+
+def test_cudnn_searches_only_for_the_usual_training_batch():
+    """engine.cudnn_benchmark: the search runs for the shapes that repeat every step, not for an epoch's last,
+    smaller batch nor for the evaluation (3.5 s of the main job's first epoch on an H100, train/kernels.py)."""
+    from rptrain.train.kernels import CudnnSearch
+
+    before = torch.backends.cudnn.benchmark
+    try:
+        search = CudnnSearch(True, 16)
+        for rows, expected in ((16, True), (16, True), (8, False), (16, True)):
+            search.training((torch.zeros(rows, 3, 4, 4), torch.zeros(rows, dtype=torch.long)))
+            assert torch.backends.cudnn.benchmark is expected, rows
+        search.evaluating()
+        assert torch.backends.cudnn.benchmark is False
+        search.training({"input_ids": torch.zeros(16, 5, dtype=torch.long)})
+        assert torch.backends.cudnn.benchmark is True
+        off = CudnnSearch(False, 16)
+        off.training((torch.zeros(16, 3),))
+        assert torch.backends.cudnn.benchmark is False
+    finally:
+        torch.backends.cudnn.benchmark = before

@@ -27,13 +27,14 @@ from rich.console import Console
 from .console import ProgressBar, log, say
 from .dist import Dist, peer_errors
 from .export import export_run, exportable
-from .kernels import cudnn_benchmark
+from .kernels import CudnnSearch, cudnn_benchmark
 from .lora import export_adapter, wants_adapter
 from .meters import Meter
 from .samples import write_samples
 from .setup import Components, build_components
 from .signals import SIGNALS, Interrupted, StopNow, StopRequest
 from .tasks import StepResult
+from .validate import local_batch
 
 
 class Every(NamedTuple):
@@ -68,6 +69,7 @@ class Trainer:
         self.dist = dist or Dist()
         self.c: Optional[Components] = None
         self.unstepped: Optional[dict] = None  # the data's position before a batch whose step is not counted yet (_epoch)
+        self.cudnn = CudnnSearch(cfg.engine.cudnn_benchmark, local_batch(cfg))  # which shapes cuDNN searches algorithms for (kernels.py)
 
     def fit(self, stop: StopRequest) -> dict:
         """Train to the end, or until `stop` is set (then checkpoint and raise Interrupted)."""
@@ -203,6 +205,7 @@ class Trainer:
         c, d, step = self.c, self.dist, self.c.progress.step + 1
         total, stopping = self._exchange(c.task.count(batch), stop) if d.world > 1 else (None, False)
         scale = c.scaler.get_scale()
+        self.cudnn.training(batch)
         with peer_errors("gradient averaging", d.world > 1):
             result = c.task.train_step(c.engine, batch, c.scaler, total)
         step_fn, skipped = c.steps.for_step(result.loss, step)
@@ -246,6 +249,7 @@ class Trainer:
         p.last_eval_step = p.step
         if not self.dist.main:  # rank 0 evaluates the whole eval set; the others wait at the next step
             return
+        self.cudnn.evaluating()
         c.engine.eval()
         with torch.no_grad():
             result = c.task.evaluate(c.engine, c.data.eval.epoch(0)) if c.data.eval is not None else None

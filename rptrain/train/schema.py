@@ -394,7 +394,7 @@ class EngineConfig:
     threads: Optional[int] = None  # PyTorch's intra-op threads; None: the cores free to the process (train/threads.py)
     optimizer_threads: Optional[int] = None  # None: the engine's default
     channels_last: Optional[bool] = None  # None: on for convolution models on CUDA (train/memory_format.py)
-    cudnn_benchmark: bool = True  # torch.backends.cudnn.benchmark while the run trains (train/kernels.py)
+    cudnn_benchmark: bool = True  # torch.backends.cudnn.benchmark for the full training batches (train/kernels.py)
     max_host_memory: Optional[str] = None  # bytes or e.g. "96GiB"; None: physical memory less a reserve (engine/fit.py)
     max_gpu_memory: Optional[str] = None  # None: the GPU's free memory
     gpu_state: bool = True  # the leading layers' optimizer state on the GPU where it fits (engine/gpushare.py)
