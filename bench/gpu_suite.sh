@@ -68,7 +68,7 @@ moe_lora=(python3 bench/lora.py --seq 4096 --batch 4 --steps 3 --warmup 2)
 [[ $what == moe || $what == moe-more || $what == experts || $what == lora-moe ]] && cd "$root"
 if [[ $what == experts ]]; then  # issue 30's expert compute (about 2.5 minutes): the MoE CUDA tests with the fused gating, then one
   # MoE layer against its grouped GEMMs alone, with its profile
-  run 100 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_gating.py tests/test_models_hf_moe.py \
+  run 100 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_gating.py tests/test_models_combine.py tests/test_models_hf_moe.py \
     tests/test_models_moe_kernels.py tests/test_models_lora_moe.py
   run 50 python3 bench/moe_experts.py --profile
   grep '^{"bench": "moe_experts"' "$out/suite.log" > "$out/experts.jsonl"
@@ -80,7 +80,7 @@ if [[ $what == lora-moe ]]; then  # issue 30 on the H200 (about 7 minutes): Qwen
   grep '^{"bench": "lora' "$out/suite.log" > "$out/lora-moe.jsonl"
 fi
 if [[ $what == moe ]]; then  # the MoE tests on CUDA, expert compute against its GEMMs, GPT-OSS-20B full fine-tuning, Qwen3-30B-A3B LoRA vs PEFT (about 9 minutes)
-  run 80 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_gating.py tests/test_models_hf_moe.py tests/test_models_moe_kernels.py \
+  run 80 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_gating.py tests/test_models_combine.py tests/test_models_hf_moe.py tests/test_models_moe_kernels.py \
     tests/test_models_lora_moe.py tests/test_engine_plan.py
   run 40 python3 bench/moe_experts.py --profile
   # the engine's fit check on a meta copy first: with 128 GiB of host memory expect "does not fit" in seconds (CPU
