@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rptrain.models.combine import combine, eager, fused
+from rptrain.models.combine import combine, eager, fused, fused_sum, sum_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,6 +49,12 @@ def mismatches(device: str) -> list:
                 error = (a.float() - b).abs().max().item() if b.numel() else 0.0
                 if error > tol * scale:
                     bad.append((f"{dtype} tokens={tokens} k={k} D={D} {name}", error))
+            # the dispatch's backward: each token's k rows summed
+            summed = fused_sum(y, inverse, k)
+            want = y.float().index_select(0, inverse).view(tokens, k, D).sum(1)
+            assert summed.dtype == dtype and summed.shape == want.shape
+            if summed.numel() and (summed.float() - want).abs().max().item() > (1e-5 if dtype == torch.float32 else 2**-7) * max(want.abs().max().item(), 1.0):
+                bad.append((f"{dtype} tokens={tokens} k={k} D={D} sum_rows", (summed.float() - want).abs().max().item()))
     return bad
 
 
@@ -64,6 +70,7 @@ def test_kernels_match_the_formula_in_the_interpreter():
 
 def test_without_cuda_the_formula_runs():
     y, weights, order, inverse, _ = inputs(5, 2, 8, torch.float32, "cpu")
+    assert torch.equal(sum_rows(y, inverse, 2), y.index_select(0, inverse).view(5, 2, 8).sum(1))
     assert torch.equal(combine(y, weights, order, inverse), eager(y, weights, order, inverse))
     # the formula itself: token t's row is the weighted sum of its k rows in expert order
     want = torch.stack([sum(weights[t, j] * y[inverse[t * 2 + j]] for j in range(2)) for t in range(5)])

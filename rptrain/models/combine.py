@@ -53,15 +53,18 @@ def eager(y: Tensor, weights: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
 if triton is not None:
 
     @triton.jit
-    def _forward(y_ptr, inverse_ptr, w_ptr, out_ptr, D, K: tl.constexpr, B: tl.constexpr):
+    def _forward(y_ptr, inverse_ptr, w_ptr, out_ptr, D, K: tl.constexpr, B: tl.constexpr, WEIGHTED: tl.constexpr):
+        """Token t's row: its k rows of y summed, each times its weight where WEIGHTED."""
         t = tl.program_id(0).to(tl.int64)
         d = tl.program_id(1) * B + tl.arange(0, B)
         inside = d < D
         acc = tl.zeros([B], dtype=tl.float32)
         for j in tl.static_range(K):
             row = tl.load(inverse_ptr + t * K + j).to(tl.int64)
-            w = tl.load(w_ptr + t * K + j).to(tl.float32)
-            acc += w * tl.load(y_ptr + row * D + d, mask=inside, other=0.0).to(tl.float32)
+            part = tl.load(y_ptr + row * D + d, mask=inside, other=0.0).to(tl.float32)
+            if WEIGHTED:
+                part = part * tl.load(w_ptr + t * K + j).to(tl.float32)
+            acc += part
         tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
@@ -105,7 +108,7 @@ class _Combine(torch.autograd.Function):
         tokens, k = weights.shape
         D = y.size(-1)
         out = y.new_empty(tokens, D)
-        _launch(_forward, (tokens, triton.cdiv(D, BLOCK_D)), y, y, inverse, weights, out, D, k, BLOCK_D)
+        _launch(_forward, (tokens, triton.cdiv(D, BLOCK_D)), y, y, inverse, weights, out, D, k, BLOCK_D, True)
         ctx.save_for_backward(y, weights, order, inverse)
         return out
 
@@ -136,3 +139,19 @@ def combine(y: Tensor, weights: Tensor, order: Tensor, inverse: Tensor) -> Tenso
     if triton is not None and y.is_cuda:
         return fused(y, weights, order, inverse)
     return eager(y, weights, order, inverse)
+
+
+def fused_sum(rows: Tensor, inverse: Tensor, k: int) -> Tensor:
+    """sum_rows' Triton path on any device Triton runs on (tests: the CPU under TRITON_INTERPRET=1)."""
+    tokens, D = rows.size(0) // k, rows.size(-1)
+    rows, out = rows.contiguous(), rows.new_empty(tokens, D)
+    _launch(_forward, (tokens, triton.cdiv(D, BLOCK_D)), rows, rows, inverse, rows, out, D, k, BLOCK_D, False)
+    return out
+
+
+def sum_rows(rows: Tensor, inverse: Tensor, k: int) -> Tensor:
+    """rows (tokens * k, D) in expert order -> (tokens, D): each token's k rows summed (fp32 accumulation). The
+    backward of the experts' dispatch (experts.py), which copied each token to its k rows."""
+    if triton is not None and rows.is_cuda:
+        return fused_sum(rows, inverse, k)
+    return rows.index_select(0, inverse).view(rows.size(0) // k, k, rows.size(-1)).sum(1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rptrain.models.combine import combine
+from rptrain.models.combine import combine, sum_rows
 from rptrain.models.decoder_config import MoeConfig
 from rptrain.models.gating import gated_activation
 
@@ -60,8 +60,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, group: t
 
 
 class _Dispatch(torch.autograd.Function):
-    """Each token's row copied to its k places among the sorted rows. The backward gathers the rows' gradients
-    back into token order and sums each token's k: a gather and a reduction, where index_select's own
+    """Each token's row copied to its k places among the sorted rows. The backward sums each token's k rows'
+    gradients (combine.sum_rows: one pass on CUDA, else a gather and a reduction), where index_select's own
     backward adds every row into x with atomics (and x[token]'s sorts the rows first)."""
 
     @staticmethod
@@ -73,7 +73,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse).view(-1, ctx.top_k, grad.size(-1)).sum(1), None, None, None
+        return sum_rows(grad, inverse, ctx.top_k), None, None, None
 
 
 # Columns of the ones block that adds an expert's bias to its rows: the grouped kernel's smallest aligned width.
