@@ -7,9 +7,9 @@ On, the search runs for the training batches of the run's usual size only: an ep
 batch and the evaluation's batches come once an epoch, and searching for their shapes cost more than
 it could save. ResNet-34 on CIFAR-100 on an H100 (2026-12-06, `bench/main_job.py --epochs 2`, one
 call, each run its own process): the first epoch took 13.4 s searching every shape and 2.9 s
-searching none; the full batch's search alone is about 7 s of the first step, the last batch's
-(80 images) about 3 s and the evaluation's tail (16 images) about 0.5 s, while searched kernels made
-the later epochs 1.82 s instead of 1.93 s.
+searching none. From the two runs' log windows: about 7 s for the full batch's shapes (the first step),
+about 3 s for the last batch's (80 images) and 0.5 s for the evaluation's tail (16 images), while
+searched kernels made the later epochs 1.82 s instead of 1.93 s.
 """
 from __future__ import annotations
 
