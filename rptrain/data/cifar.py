@@ -167,7 +167,7 @@ def cifar_dataset(
     hint = f"set data.root to a folder containing {cls.base_folder}/"
     present = _files_present(root / cls.base_folder, cls)
     if not present and not download:
-        raise DataError(f"{title} not found under {root}: {hint} or data.download=true")
+        raise DataError(f"{title} not found under {root}: {hint}, or data.download=true, or use data=synthetic")
 
     try:
         ds = cls(str(root), train=train, download=download, transform=transform)
