@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import torch
 from torch import Tensor
 
+from . import rng
 from .batching import map_tensors
 from .graphs import StageGraphs
 from .tuning import Tuning
@@ -115,8 +116,7 @@ class Device:
         return torch.zeros(numel, dtype=dtype, device=self.torch_device)
 
     def rng_state(self) -> Tensor:
-        with _RNG_LOCK:
-            return torch.get_rng_state()
+        return rng.get_state(torch.device("cpu"))
 
     @contextlib.contextmanager
     def replay_rng(self, state: Optional[Tensor]) -> Iterator[None]:
@@ -132,8 +132,7 @@ class Device:
             self._set_rng_state(saved)
 
     def _set_rng_state(self, state: Tensor) -> None:
-        with _RNG_LOCK:
-            torch.set_rng_state(state)
+        rng.set_state(state, torch.device("cpu"))
 
     def timer(self) -> Any:
         return time.perf_counter()
@@ -159,12 +158,6 @@ class CpuDevice(Device):
 
 
 # The optimizer threads' streams, by GPU index: a step's GPU work waits for the calls it steps (stepping).
-# torch's Generator.get_state/set_state hold the GIL while they wait for the generator's mutex, and get_state
-# may let the GIL go while it holds that mutex (a garbage collection running Python code as it wraps the new
-# tensor): two device threads of the CPU engine (one shared generator) then waited for each other for good
-# (tests/test_engine_equivalence.py::test_several_devices_match_one, 2026-12-06). Waiting for this lock
-# instead lets the GIL go, so only one thread at a time is ever inside them.
-_RNG_LOCK = threading.Lock()
 _STEP_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 _STEP_STREAMS_LOCK = threading.Lock()
 
@@ -265,12 +258,10 @@ class CudaDevice(Device):
         tensor.record_stream(self.streams[stream])
 
     def rng_state(self) -> Tensor:
-        with _RNG_LOCK:
-            return torch.cuda.get_rng_state(self.torch_device)
+        return rng.get_state(self.torch_device)
 
     def _set_rng_state(self, state: Tensor) -> None:
-        with _RNG_LOCK:
-            torch.cuda.set_rng_state(state, self.torch_device)
+        rng.set_state(state, self.torch_device)
 
     def timer(self) -> Any:
         return self.streams["compute"].record_event(torch.cuda.Event(enable_timing=True))

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from . import rng
 from .tuning import Tuning
 
 class _TooLarge(Exception):
@@ -154,7 +155,7 @@ class StageGraphs:
         buffers = [b for m in modules for b in m.buffers()]
         saved_buffers = [b.detach().clone() for b in buffers]
         saved_grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
-        rng = torch.cuda.get_rng_state(self.device)
+        rng_state = rng.get_state(self.device)
         try:
             return self._capture(modules, x, call) if grad else self._capture_forward(modules, x, call)
         except _TooLarge as e:
@@ -172,7 +173,7 @@ class StageGraphs:
                 for p, value in zip(params, saved_grads):
                     if value is not None:
                         p.grad.copy_(value)
-            torch.cuda.set_rng_state(rng, self.device)
+            rng.set_state(rng_state, self.device)
 
     def _ensure_pool(self) -> None:
         if self._pool is None:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from . import rng
 from .batching import iter_tensors, map_tensors, opaque_type
 from .compute import loss_scalars
 from .graphs import signature
@@ -298,13 +299,10 @@ class WholeCallGraphs:
                               f"({self.tuning.max_graph_memory_share:.0%} of the GPU)")
 
     def _rng(self) -> Tensor:
-        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+        return rng.get_state(self.device)
 
     def _set_rng(self, state: Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
+        rng.set_state(state, self.device)
 
     def _capture(self, layers: list, inputs: list, labels: list, loss_fn: Callable) -> Recorded:
         static_in = [map_tensors(lambda t: t.detach().clone(), v) for v in inputs]
