@@ -124,15 +124,34 @@ def _dataset_class(name: str, verify_checksums: bool) -> type:
         meta = {**base.meta, "md5": None}  # check_integrity(path, None) only tests that the file exists
 
         def _check_integrity(self) -> bool:
-            return _files_present(Path(self.root) / self.base_folder, type(self))
+            return _files_present(Path(self.root) / self.base_folder, FORMATS[name])
 
     Unchecked.__name__ = Unchecked.__qualname__ = f"Unchecked{base.__name__}"
     return Unchecked
 
 
-def _files_present(folder: Path, cls: type) -> bool:
-    names = [n for n, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
-    return all((folder / n).is_file() for n in names)
+def _files_present(folder: Path, fmt: CifarFormat) -> bool:
+    return all((folder / f).is_file() for f, _ in fmt.every_file())
+
+
+def _locate(name: str, root: str | Path) -> tuple[str, str, CifarFormat, Path]:
+    """(key, title, format, root) of a data set name and data.root (its inner folder is forgiven); DataError
+    for an unknown name or a root that is a file."""
+    key = str(name).lower().replace("-", "")
+    if key not in _TITLES:
+        raise DataError(f"unknown dataset {name!r}: data.name must be 'cifar10' or 'cifar100'")
+    fmt = FORMATS[key]
+    root = Path(root).expanduser()
+    if root.name == fmt.folder:
+        root = root.parent
+    if root.exists() and not root.is_dir():
+        raise DataError(f"data.root={root} is a file: set data.root to a folder containing {fmt.folder}/")
+    return key, _TITLES[key], fmt, root
+
+
+def _not_found(title: str, root: Path, fmt: CifarFormat) -> DataError:
+    return DataError(f"{title} not found under {root}: set data.root to a folder containing {fmt.folder}/, "
+                     "or data.download=true, or use data=synthetic")
 
 
 def _one_line(err: BaseException) -> str:
@@ -154,20 +173,11 @@ def cifar_dataset(
     files are only checked for existence; see _dataset_class for why.
     `transform` is the per-sample transform (see dataset_loader.py).
     """
-    key = str(name).lower().replace("-", "")
-    if key not in _TITLES:
-        raise DataError(f"unknown dataset {name!r}: data.name must be 'cifar10' or 'cifar100'")
-    title = _TITLES[key]
+    key, title, fmt, root = _locate(name, root)
     cls = _dataset_class(key, verify_checksums)
-    root = Path(root).expanduser()
-    if root.name == cls.base_folder:
-        root = root.parent
-    if root.exists() and not root.is_dir():
-        raise DataError(f"data.root={root} is a file: set data.root to a folder containing {cls.base_folder}/")
-    hint = f"set data.root to a folder containing {cls.base_folder}/"
-    present = _files_present(root / cls.base_folder, cls)
-    if not present and not download:
-        raise DataError(f"{title} not found under {root}: {hint}, or data.download=true, or use data=synthetic")
+    hint = f"set data.root to a folder containing {fmt.folder}/"
+    if not download and not _files_present(root / fmt.folder, fmt):
+        raise _not_found(title, root, fmt)
 
     try:
         ds = cls(str(root), train=train, download=download, transform=transform)
@@ -175,11 +185,11 @@ def cifar_dataset(
         if download:  # torchvision tried to download and failed (no network, HTTP error, bad archive)
             raise DataError(f"{title} download to {root} failed ({_one_line(err)}): check the network, or {hint}") from err
         raise DataError(
-            f"{title} files under {root / cls.base_folder} failed the integrity check ({_one_line(err)}): "
+            f"{title} files under {root / fmt.folder} failed the integrity check ({_one_line(err)}): "
             f"re-download them with data.download=true, or set data.verify_checksums=false for a modified copy"
         ) from err
     except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError) as err:
-        raise DataError(f"could not read {title} from {root / cls.base_folder} ({_one_line(err)}): {hint}") from err
+        raise DataError(f"could not read {title} from {root / fmt.folder} ({_one_line(err)}): {hint}") from err
     return ds
 
 
@@ -204,20 +214,11 @@ def cifar_files(name: str, root: str | Path, download: bool = False, verify_chec
     """(title, format, folder) of a data set on disk, downloaded first where it is missing and ``download``, and
     the files of ``splits`` (True: training) and the meta file checked against the published md5s where
     ``verify_checksums``. Bad input, a missing copy or a failed check is a DataError."""
-    key = str(name).lower().replace("-", "")
-    if key not in _TITLES:
-        raise DataError(f"unknown dataset {name!r}: data.name must be 'cifar10' or 'cifar100'")
-    title, fmt = _TITLES[key], FORMATS[key]
-    root = Path(root).expanduser()
-    if root.name == fmt.folder:
-        root = root.parent
-    if root.exists() and not root.is_dir():
-        raise DataError(f"data.root={root} is a file: set data.root to a folder containing {fmt.folder}/")
+    key, title, fmt, root = _locate(name, root)
     folder = root / fmt.folder
-    if not all((folder / f).is_file() for f, _ in fmt.every_file()):
+    if not _files_present(folder, fmt):
         if not download:
-            raise DataError(f"{title} not found under {root}: set data.root to a folder containing {fmt.folder}/, "
-                            "or data.download=true, or use data=synthetic")
+            raise _not_found(title, root, fmt)
         cifar_dataset(key, root, download=True, verify_checksums=verify_checksums)  # torchvision's download; DataError offline
     if verify_checksums:
         for f, md5 in (*[file for train in splits for file in fmt.files(train)], fmt.meta):
