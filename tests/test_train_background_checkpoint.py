@@ -2,7 +2,8 @@
 
 The loop hands the write to a thread and trains on; what is written is the state at the step it was taken
 (a copy), one write is in flight at a time, a failed write is raised by the next save or wait (and the step
-on disk is the one before), and a state over BACKGROUND_MAX_BYTES is written before save returns.
+on disk is the one before), and a run's first checkpoint (none on disk to fall back on) and a state over
+BACKGROUND_MAX_BYTES are written before save returns.
 """
 from __future__ import annotations
 
@@ -63,14 +64,18 @@ def slow_writes(monkeypatch, seconds: float, fail_step: int = -1) -> threading.E
 def test_the_loop_goes_on_while_the_write_runs_and_the_file_holds_the_step_it_was_taken_at(tmp_path, monkeypatch):
     started = slow_writes(monkeypatch, 0.5)
     c, (engine, stateless, data, metrics) = checkpoints(tmp_path), stubs()
-    t0 = time.perf_counter()
     c.save(RunProgress(step=1), engine, stateless, stateless, stateless, data, metrics, background=True)
+    assert c._pending is None  # the run's first: written before save returned (a second signal would leave none)
+    engine.weight.sub_(100)
+    started.clear()
+    t0 = time.perf_counter()
+    c.save(RunProgress(step=2), engine, stateless, stateless, stateless, data, metrics, background=True)
     assert time.perf_counter() - t0 < 0.4, "save waited for the write"
     engine.weight.add_(100)  # training goes on, in place, while the write is in flight
     assert started.wait(5)
     c.wait()
     state = ckpt.load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt", FP)
-    assert torch.equal(state["model"]["weight"], torch.arange(4.0)) and state["progress"]["step"] == 1
+    assert torch.equal(state["model"]["weight"], torch.arange(4.0) - 100) and state["progress"]["step"] == 2
     c.close()
 
 
@@ -90,12 +95,13 @@ def test_a_state_over_the_limit_and_a_last_checkpoint_are_written_before_save_re
     slow_writes(monkeypatch, 0.3)
     monkeypatch.setattr(run_checkpoints, "BACKGROUND_MAX_BYTES", 1024)  # the stub's state takes more (a MiB of slack)
     c, (engine, stateless, data, metrics) = checkpoints(tmp_path), stubs()
-    c.save(RunProgress(step=1), engine, stateless, stateless, stateless, data, metrics, background=True)
+    c.save(RunProgress(step=1), engine, stateless, stateless, stateless, data, metrics)  # a first checkpoint on disk
+    c.save(RunProgress(step=2), engine, stateless, stateless, stateless, data, metrics, background=True)
     assert c._pending is None  # written from where it lives: no copy of a large state
     monkeypatch.setattr(run_checkpoints, "BACKGROUND_MAX_BYTES", 2**30)
-    c.save(RunProgress(step=2), engine, stateless, stateless, stateless, data, metrics)  # background=False: a run's last
+    c.save(RunProgress(step=3), engine, stateless, stateless, stateless, data, metrics)  # background=False: a run's last
     assert c._pending is None
-    assert ckpt.load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt", FP)["progress"]["step"] == 2
+    assert ckpt.load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt", FP)["progress"]["step"] == 3
     c.close()
     assert not any(t.name.startswith("rptrain-checkpoint") for t in threading.enumerate())
 

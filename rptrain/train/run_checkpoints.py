@@ -100,7 +100,8 @@ class RunCheckpoints:
     def save(self, p: RunProgress, engine: RoundPipe, optimizer: Any, scheduler: Any, scaler: GradScaler,
              data: TrainData, metrics: MetricsLog, background: bool = False) -> None:
         """``background``: a small state (BACKGROUND_MAX_BYTES, one process) is copied and written while training
-        goes on; the run's last checkpoint and a stop's are written before this returns."""
+        goes on, once an earlier checkpoint is on disk; the run's first and last checkpoints and a stop's are
+        written before this returns."""
         self.wait()
         engine.synchronize()  # the master weights after this step, and no step in flight (every rank: same weights)
         before, self.last_step = self.last_step, p.step
@@ -125,7 +126,9 @@ class RunCheckpoints:
             "config": shown_config(self.cfg),  # resolved, but a value from the environment as written
             "overrides": self.overrides,
         }
-        if background and d.world == 1 and state_nbytes(state) <= BACKGROUND_MAX_BYTES:
+        # In the background only with a complete checkpoint on disk to fall back on: a second signal (signals.py) stops
+        # the process at once and removes what it cut short, which must not leave the run with none at all.
+        if background and before >= 0 and d.world == 1 and state_nbytes(state) <= BACKGROUND_MAX_BYTES:
             self._writer = self._writer or ThreadPoolExecutor(1, thread_name_prefix="rptrain-checkpoint")
             write = self._writer.submit(save_rotating, self.path.parent, snapshot(state), p.step, self.cfg.trainer.keep_checkpoints)
             self._pending = (write, before)
