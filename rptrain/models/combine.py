@@ -79,8 +79,9 @@ if triton is not None:
         tl.store(dy_ptr + r * D + d, (w * g).to(dy_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _backward_weights(grad_ptr, y_ptr, inverse_ptr, dw_ptr, D, K: tl.constexpr, B: tl.constexpr):
-        """Token t's k weight gradients: the dot products of its output gradient with its k expert rows."""
+    def _backward_weights(grad_ptr, y_ptr, inverse_ptr, dw_ptr, D: tl.constexpr, K: tl.constexpr, B: tl.constexpr):
+        """Token t's k weight gradients: the dot products of its output gradient with its k expert rows. D is a
+        compile-time constant (one per model): Triton 3.6's interpreter cannot take a runtime loop bound."""
         t = tl.program_id(0).to(tl.int64)
         for j in tl.static_range(K):
             row = tl.load(inverse_ptr + t * K + j).to(tl.int64)
