@@ -118,3 +118,31 @@ def test_a_snapshot_copies_tensors_once_and_rebuilds_containers():
     assert type(copy["d"]) is OrderedDict and type(copy["e"]) is torch.Size and copy["e"] == (2, 3)
     shared.add_(1)
     assert torch.equal(copy["a"], torch.ones(3))
+
+
+def test_a_run_s_snapshots_reuse_one_host_memory():
+    """The second snapshot lands where the first did (no fresh memory at every epoch's end), each holds the
+    state as it was when taken, and a larger state gets a larger memory."""
+    memory = ckpt.SnapshotMemory()
+    w, m = torch.arange(10.0), torch.ones(3, 2, dtype=torch.bfloat16).t()  # a transposed (non-contiguous) tensor
+    first = ckpt.snapshot({"w": w, "m": m, "flag": torch.tensor(True), "empty": torch.zeros(0, 4)}, memory)
+    assert torch.equal(first["w"], w) and torch.equal(first["m"], m) and first["flag"].item() is True
+    assert first["empty"].shape == (0, 4) and first["m"].is_contiguous()
+    place = first["w"].data_ptr()
+    w.add_(1)
+    assert torch.equal(first["w"], torch.arange(10.0))  # a copy, not the live tensor
+    second = ckpt.snapshot({"w": w, "m": m, "flag": torch.tensor(False), "empty": torch.zeros(0, 4)}, memory)
+    assert second["w"].data_ptr() == place and torch.equal(second["w"], w) and second["flag"].item() is False
+    third = ckpt.snapshot({"w": torch.ones(10_000)}, memory)
+    assert torch.equal(third["w"], torch.ones(10_000))
+
+
+@pytest.mark.cuda
+def test_a_snapshot_of_gpu_tensors_is_pinned_and_complete():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    memory = ckpt.SnapshotMemory()
+    w = torch.randn(1_000_000, device="cuda")
+    copy = ckpt.snapshot({"w": w, "cpu": torch.ones(3)}, memory)
+    assert copy["w"].device.type == "cpu" and copy["w"].is_pinned() and torch.equal(copy["w"], w.cpu())
+    assert torch.equal(copy["cpu"], torch.ones(3))

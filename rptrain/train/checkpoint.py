@@ -144,21 +144,42 @@ def state_nbytes(state: Any) -> int:
     return sum(layout.nbytes(t) + layout.ALIGN for t in tensors) + 2**20
 
 
-def snapshot(state: Any) -> Any:
-    """A copy of ``state`` that training cannot change: its tensors copied to host memory, its dicts, lists and
-    tuples rebuilt (layout.rebuilt); a tensor met twice (layout.tensor_key: a tied weight) is copied once, so
-    the checkpoint stores it once, as it would the live state."""
-    copies: dict[tuple, torch.Tensor] = {}
+def snapshot(state: Any, memory: Optional["SnapshotMemory"] = None) -> Any:
+    """A copy of ``state`` that training cannot change: its tensors copied to host memory (``memory``'s, reused
+    by every checkpoint of a run, else new), its dicts, lists and tuples rebuilt (layout.rebuilt); a tensor met
+    twice (layout.tensor_key: a tied weight) is copied once, so the checkpoint stores it once, as it would the
+    live state."""
+    skeleton, tensors = layout.unique_tensors(state)
+    copies = (memory or SnapshotMemory()).copy(tensors)
+    return layout.filled(skeleton, copies)
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            key = layout.tensor_key(obj)
-            if key not in copies:
-                copies[key] = obj.detach().to("cpu", copy=True)
-            return copies[key]
-        return layout.rebuilt(obj, walk)
 
-    return walk(state)
+class SnapshotMemory:
+    """Host memory for a run's background checkpoints, allocated at the first and reused by each later one (the
+    caller waits for a write before the next snapshot). Pinned where a tensor is on a GPU: the copies then go at
+    the link's speed instead of through the driver's staging buffer, and no fresh memory is faulted in and freed
+    at every epoch's end (ResNet-34's 256 MB, the main job's checkpoint)."""
+
+    def __init__(self) -> None:
+        self._flat: Optional[torch.Tensor] = None
+
+    def copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        sizes = [-(-layout.nbytes(t) // layout.ALIGN) * layout.ALIGN for t in tensors]
+        gpus = {t.device for t in tensors if t.is_cuda}
+        if self._flat is None or self._flat.numel() < sum(sizes) or (gpus and not self._flat.is_pinned()):
+            self._flat = None  # the old one freed before the new one is taken
+            self._flat = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=bool(gpus))
+        copies, offset = [], 0
+        for t, size in zip(tensors, sizes):
+            view = self._flat[offset : offset + layout.nbytes(t)].view(t.dtype).view(t.shape)
+            copies.append(view.copy_(t, non_blocking=True))
+            offset += size
+        for device in gpus:  # the copies are done before training goes on to change the state
+            torch.cuda.current_stream(device).synchronize()
+        return copies
+
+    def release(self) -> None:
+        self._flat = None
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:

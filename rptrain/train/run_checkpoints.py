@@ -15,7 +15,7 @@ from rich.console import Console
 
 from rptrain import GradScaler, RoundPipe
 
-from .checkpoint import LAST, rng_state, save_rotating, set_rng_state, snapshot, state_nbytes
+from .checkpoint import LAST, SnapshotMemory, rng_state, save_rotating, set_rng_state, snapshot, state_nbytes
 from .console import log, say
 from .data import TrainData
 from .dist import Dist, FailedOnRankZero
@@ -90,6 +90,7 @@ class RunCheckpoints:
         self.last_step = last_step  # a resumed run: the checkpoint it resumed from is the newest there is
         self._pending: Optional[tuple[Future, int]] = None  # a background write, and the newest step on disk before it
         self._writer: Optional[ThreadPoolExecutor] = None
+        self._memory = SnapshotMemory()  # a background write's copy of the state, the same memory each time
 
     def kept(self) -> str:
         """What a failure leaves behind, for its message."""
@@ -130,7 +131,7 @@ class RunCheckpoints:
         # the process at once and removes what it cut short, which must not leave the run with none at all.
         if background and before >= 0 and d.world == 1 and state_nbytes(state) <= BACKGROUND_MAX_BYTES:
             self._writer = self._writer or ThreadPoolExecutor(1, thread_name_prefix="rptrain-checkpoint")
-            write = self._writer.submit(save_rotating, self.path.parent, snapshot(state), p.step, self.cfg.trainer.keep_checkpoints)
+            write = self._writer.submit(save_rotating, self.path.parent, snapshot(state, self._memory), p.step, self.cfg.trainer.keep_checkpoints)
             self._pending = (write, before)
         else:
             save_rotating(self.path.parent, state, p.step, self.cfg.trainer.keep_checkpoints)
@@ -157,3 +158,4 @@ class RunCheckpoints:
             if self._writer is not None:
                 self._writer.shutdown(wait=True)
                 self._writer = None
+            self._memory.release()
