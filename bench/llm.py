@@ -97,8 +97,14 @@ BIG = {
 }
 
 
+# A preset cut to fewer layers, to compare implementations on an 80 GB card where the whole model does not fit one
+# of them: NAME@N is preset NAME with N decoder layers (e.g. qwen3_30b_a3b@12 for its LoRA against PEFT on an H100).
 def preset(name: str) -> tuple[str, dict]:
     """(registered preset, config overrides) of a benchmark model name."""
+    if "@" in name:
+        base, layers = name.split("@")
+        found, overrides = preset(base)
+        return found, dict(overrides, num_hidden_layers=int(layers))
     return ("qwen3_8b", dict(BIG[name])) if name in BIG else (name, {})
 
 
