@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|overlap-32b|largest-peers|lora-moe|preset-8b-mb|preset-fp32|main-experts|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|lowmem-acc|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|overlap-32b|largest-peers|lora-moe|preset-8b-mb|preset-fp32|main-experts|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|h100-next|lowmem-acc|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == moe-ft || $what == overlap-32b || $what == largest-peers || $what == h200-close || $what == preset-8b-mb || $what == preset-fp32 || $what == main-experts || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == moe-ft || $what == overlap-32b || $what == largest-peers || $what == h200-close || $what == preset-8b-mb || $what == preset-fp32 || $what == main-experts || $what == h100-next || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -365,6 +365,14 @@ if [[ $what == main-experts ]]; then  # issues 33 and 30 (about 2.5 minutes): th
   run 100 python3 bench/main_job.py
   run 60 python3 bench/moe_experts.py --profile --model qwen3_30b_a3b
   grep '^{"bench": "\(main_job\|moe_experts\)' "$out/suite.log" > "$out/main-experts.jsonl"
+fi
+if [[ $what == h100-next ]]; then  # issues 29, 30 and 33 on an H100 when no H200 comes (about 8.5 minutes): the host step against
+  # fused fp32 AdamW at the machine's 16 threads, Qwen3-30B-A3B cut to 12 layers (fits 80 GB) LoRA against PEFT with both
+  # profiles, then the CLI (and engine.compile=true) against the graphed loops; each its own process
+  run 110 python3 bench/optim_lowp.py --device cpu --numel 100000000 --rounds 3 --steps 4 --only fused_fp32 lowmem_compiled
+  run 170 python3 bench/lora.py --model qwen3_30b_a3b@12 --impl rptrain peft --seq 4096 --batch 4 --steps 3 --warmup 2 --timeout 80 --profile
+  run 230 python3 bench/cli_resnet.py --quick --timeout 70 --cli-variant engine.compile=true
+  grep '^{"bench": "\(optim_lowp\|lora\|cli_resnet\)' "$out/suite.log" > "$out/h100-next.jsonl"
 fi
 if [[ $what == preset-fp32 ]]; then  # issue 29 on the H200 (about 6 minutes): the 8 B preset (bf16 master, 8-bit moments) against the
   # same engine with fp32 master and moments (goal: the preset >= 1.1x), each its own process, one invocation
