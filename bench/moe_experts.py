@@ -58,18 +58,26 @@ def gemm_only(moe: SparseMoe, x: torch.Tensor):
     return step, rows.size(0)
 
 
-def measure(args, name: str) -> dict:
+def inputs(args, name: str) -> tuple[SparseMoe, torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer, its dtype, the tokens (their gradient wanted), the routing statistics and an output gradient."""
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     moe, D = layer(name, args.tiny, args.device, dtype)
     g = torch.Generator(device=args.device).manual_seed(1)
     x = torch.randn(args.tokens, D, device=args.device, dtype=dtype, generator=g).requires_grad_()
     stats = torch.zeros(2, moe.experts.n_experts, device=args.device)
-    grad = torch.randn(1, args.tokens, D, device=args.device, dtype=dtype, generator=g)
+    return moe, dtype, x, stats, torch.randn(1, args.tokens, D, device=args.device, dtype=dtype, generator=g)
 
-    def layer_step(_: int) -> None:
-        out, _ = moe(x[None], stats)
+
+def forward_backward(module: torch.nn.Module, x: torch.Tensor, stats: torch.Tensor, grad: torch.Tensor):
+    def step(_: int) -> None:
+        out, _ = module(x[None], stats)
         out.backward(grad)
+    return step
 
+
+def measure(args, name: str) -> dict:
+    moe, dtype, x, stats, grad = inputs(args, name)
+    layer_step = forward_backward(moe, x, stats, grad)
     layer_s = time_steps(layer_step, args.steps, args.warmup, args.device)
     if args.profile:
         emit(bench="moe_experts_kernels", model=name, **kernel_times(layer_step, args.device))
@@ -84,19 +92,8 @@ def measure(args, name: str) -> dict:
 
 def lora_steps(args, name: str) -> dict:
     """The frozen layer, with adapters (rptrain's way) and with them merged each step (PEFT's), forward + backward."""
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    moe, D = layer(name, args.tiny, args.device, dtype)
-    g = torch.Generator(device=args.device).manual_seed(1)
-    x = torch.randn(args.tokens, D, device=args.device, dtype=dtype, generator=g).requires_grad_()
-    stats = torch.zeros(2, moe.experts.n_experts, device=args.device)
-    grad = torch.randn(1, args.tokens, D, device=args.device, dtype=dtype, generator=g)
-
-    def run(module):
-        def step(_: int) -> None:
-            out, _ = module(x[None], stats)
-            out.backward(grad)
-        return step
-
+    moe, dtype, x, stats, grad = inputs(args, name)
+    run = lambda module: forward_backward(module, x, stats, grad)  # noqa: E731
     moe.requires_grad_(False)
     frozen_s = time_steps(run(moe), args.steps, args.warmup, args.device)
     adapted = apply_lora(moe, args.lora_rank, 2.0 * args.lora_rank, targets=["experts_gate_up", "experts_down"])
