@@ -366,13 +366,15 @@ if [[ $what == main-experts ]]; then  # issues 33 and 30 (about 2.5 minutes): th
   run 60 python3 bench/moe_experts.py --profile --model qwen3_30b_a3b
   grep '^{"bench": "\(main_job\|moe_experts\)' "$out/suite.log" > "$out/main-experts.jsonl"
 fi
-if [[ $what == h100-next ]]; then  # issues 29, 30 and 33 on an H100 when no H200 comes (about 8.5 minutes): the host step against
-  # fused fp32 AdamW at the machine's 16 threads, Qwen3-30B-A3B cut to 12 layers (fits 80 GB) LoRA against PEFT with both
-  # profiles, then the CLI (and engine.compile=true) against the graphed loops; each its own process
-  run 110 python3 bench/optim_lowp.py --device cpu --numel 100000000 --rounds 3 --steps 4 --only fused_fp32 lowmem_compiled
+if [[ $what == h100-next ]]; then  # issues 30, 33 and 29 on an H100 when no H200 comes (about 9 minutes): Qwen3-30B-A3B cut to 12
+  # layers (fits 80 GB) LoRA against PEFT with both profiles; one MoE layer frozen, with rptrain's expert adapters and with
+  # PEFT's merged ones (moe_experts_lora); the CLI against the graphed loops, and again without checkpoints inside the run
+  # (is the one slow log window an epoch the background checkpoint?); the host step against fused fp32 AdamW at 16 threads
   run 170 python3 bench/lora.py --model qwen3_30b_a3b@12 --impl rptrain peft --seq 4096 --batch 4 --steps 3 --warmup 2 --timeout 80 --profile
-  run 230 python3 bench/cli_resnet.py --quick --timeout 70 --cli-variant engine.compile=true
-  grep '^{"bench": "\(optim_lowp\|lora\|cli_resnet\)' "$out/suite.log" > "$out/h100-next.jsonl"
+  run 60 python3 bench/moe_experts.py --profile
+  run 230 python3 bench/cli_resnet.py --quick --timeout 60 --cli-variant trainer.checkpoint_interval=1000000
+  run 110 python3 bench/optim_lowp.py --device cpu --numel 100000000 --rounds 3 --steps 4 --only fused_fp32 lowmem_compiled
+  grep '^{"bench": "\(optim_lowp\|lora\|cli_resnet\|moe_experts\)' "$out/suite.log" > "$out/h100-next.jsonl"
 fi
 if [[ $what == preset-fp32 ]]; then  # issue 29 on the H200 (about 6 minutes): the 8 B preset (bf16 master, 8-bit moments) against the
   # same engine with fp32 master and moments (goal: the preset >= 1.1x), each its own process, one invocation
