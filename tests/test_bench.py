@@ -14,7 +14,7 @@ import torch
 BENCH = Path(__file__).parent.parent / "bench"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(BENCH.parent), os.environ.get("PYTHONPATH", "")])}
 SCRIPTS = ["limits.py", "resnet.py", "optimizer.py", "llm.py", "data.py", "lora.py", "graph_frozen.py", "host_step.py", "main_job.py",
-           "optim_lowp.py", "optim_quality.py", "moe_experts.py", "checkpoint_io.py", "resident_copies.py"]
+           "optim_lowp.py", "optim_quality.py", "moe_experts.py", "checkpoint_io.py", "resident_copies.py", "cli_timeline.py"]
 # Every CI-size invocation below, run one after another in an interpreter (runpy, as `python SCRIPT` runs it):
 # each starts as a script, while torch and rptrain are imported once per interpreter instead of once per script.
 RUNS = {**{script: [script] for script in SCRIPTS}, "resnet_diagnostics": ["resnet.py", "--repeat", "2", "--no-step", "--cprofile",
@@ -119,6 +119,16 @@ def test_lora_in_a_child_process_keeps_its_profile_apart(tiny_runs):
     assert run["tokens_per_s"] > 0 and "error" not in run
     (profile,) = [r for r in records if r["bench"] == "lora_kernels"]
     assert profile["impl"] == "rptrain" and profile["top"]
+
+
+def test_cli_timeline_notes_the_background_checkpoint_and_the_windows(tiny_runs):
+    """cli_timeline.py's hooks see the CLI's log windows and checkpoint writes: the first epoch's end writes in the
+    main thread, the second's on the background writer (the third's, the run's last, in the main thread again)."""
+    records = records_of(tiny_runs, "cli_timeline.py")
+    writes = [r["thread"] for r in records if r["bench"] == "cli_timeline" and r["event"] == "checkpoint_write_start"]
+    assert writes == ["MainThread", "rptrain-checkpoint_0", "MainThread"], writes
+    assert sum(r.get("event") == "log_window_end" for r in records) >= 3
+    assert {r["epoch"] for r in records if r["bench"] == "cli_timeline_window"} == {2, 3}
 
 
 @pytest.mark.slow
