@@ -65,8 +65,9 @@ add = metrics.MetricsLog.add
 def timed_add(self, kind, **values):
     start = time.perf_counter()
     record = add(self, kind, **values)
-    if time.perf_counter() - start > 5e-4:
-        note("slow_metrics_write", kind=kind, ms=round(1e3 * (time.perf_counter() - start), 2))
+    ms = 1e3 * (time.perf_counter() - start)
+    if ms > 0.5:
+        note("slow_metrics_write", kind=kind, ms=round(ms, 2))
     return record
 metrics.MetricsLog.add = timed_add
 atexit.register(lambda: open(os.environ["TIMELINE"], "w").write(json.dumps(events)))
