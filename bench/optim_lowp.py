@@ -18,7 +18,7 @@ import time
 import torch
 
 from common import emit, parser, time_steps
-from rptrain.optim import AdamW
+from rptrain.optim import AdamW, cpu_kernel
 
 VARIANTS = [  # (name, master dtype, state_dtype, compile)
     ("fused_fp32", torch.float32, None, False),
@@ -29,6 +29,7 @@ VARIANTS = [  # (name, master dtype, state_dtype, compile)
     ("bf16_state_compiled", torch.float32, "bf16", True),
     ("lowmem_eager", torch.bfloat16, "int8", False),
     ("lowmem_compiled", torch.bfloat16, "int8", True),
+    ("lowmem_recip", torch.bfloat16, "int8", True),  # the C++ loop built with cpu_kernel.RECIP_CFLAGS
 ]
 BY_NAME = {v[0]: v for v in VARIANTS}
 
@@ -36,6 +37,8 @@ BY_NAME = {v[0]: v for v in VARIANTS}
 def measure(name: str, numel: int, steps: int, device: str) -> dict:
     """One variant in this process: seconds per step, the first step's seconds, bytes moved per step."""
     _, dtype, state_dtype, compiled = BY_NAME[name]
+    if name == "lowmem_recip":
+        cpu_kernel.extra_cflags = cpu_kernel.RECIP_CFLAGS
     param = torch.nn.Parameter(torch.randn(numel, device=device).to(dtype))
     param.grad = (torch.randn(numel, device=device) * 1e-3).to(dtype)
     opt = AdamW([param], lr=1e-3, weight_decay=0.01, state_dtype=state_dtype, compile_step=compiled)

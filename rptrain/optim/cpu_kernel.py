@@ -188,6 +188,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("adam_step", &adam_step, py::ca
 
 _module: Any = None
 _failed = False
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffinite-math-only"]
+# A candidate for CPUs whose divider is slow: the three square roots and the division per element as
+# approximate reciprocals (rsqrt14/rcp14) refined by a Newton step, pipelined instead of the unpipelined
+# divider. On the CI machine's AMD EPYC it is slower: 1.008 against 0.854 ns a parameter on one core
+# (a throwaway script, both builds in one session; bench/optim_lowp.py's lowmem_recip measures it per machine).
+RECIP_CFLAGS = ["-funsafe-math-optimizations", "-mrecip=all"]
+extra_cflags: list[str] = []  # set before the first kernel() call to build a candidate (bench/optim_lowp.py)
 
 
 def _cpu_tag() -> str:
@@ -211,7 +218,9 @@ def kernel() -> Optional[Any]:
             from torch.utils.cpp_extension import load_inline
             # -fopenmp: at::parallel_for is a header-inline `#pragma omp parallel`; without the flag the loop ran
             # on one thread (3.67 ns a parameter on the GPU machine's 16 cores, 18.6x torch's fused fp32 AdamW).
-            _module = load_inline(f"rptrain_adam_lowp_v12_{_cpu_tag()}", cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffinite-math-only"],
+            flags = [*CFLAGS, *extra_cflags]
+            tag = _cpu_tag() + (hashlib.sha256(" ".join(extra_cflags).encode()).hexdigest()[:6] if extra_cflags else "")
+            _module = load_inline(f"rptrain_adam_lowp_v12_{tag}", cpp_sources=[_SOURCE], extra_cflags=flags,
                                   extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as error:  # noqa: BLE001 - any build failure means: use the torch formulas
             _failed = True
