@@ -4,7 +4,7 @@ The CLI (``rptrain model=resnet34 data=synthetic data.num_train=25600 trainer.ep
 trainer.log_interval=25``, plus any overrides given) runs in a child process with hooks that note, on one clock:
 every log window's end, every garbage-collection pass of the oldest generation or longer than 1 ms (and its
 thread), each checkpoint write's start and end (and its thread: a background write runs on
-``rptrain-checkpoint``), every step slower than ``--slow-ms`` on the wall clock, and every metrics write
+``rptrain-checkpoint``) with its parts (snapshot, shards, checksum, manifest, fsync; ``phase`` events), every step slower than ``--slow-ms`` on the wall clock, and every metrics write
 slower than 0.5 ms. With a background checkpoint's log window 1.4 ms a step slower than the others (H100,
 2026-12-07; gone with ``trainer.checkpoint_interval=1000000``), this says which of those the slow steps
 sit beside. Prints one JSON line per event (``t_ms`` from the child's start) and one per log window of the
@@ -70,6 +70,24 @@ def timed_add(self, kind, **values):
         note("slow_metrics_write", kind=kind, ms=round(ms, 2))
     return record
 metrics.MetricsLog.add = timed_add
+def phase(owner, name, label):  # the checkpoint's parts, on both threads: where within the write the slow steps fall
+    fn = getattr(owner, name)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            ms = 1e3 * (time.perf_counter() - start)
+            if ms > 0.2:
+                note("phase", name=label, start_ms=round(1e3 * (start - t0), 1), ms=round(ms, 2))
+    setattr(owner, name, timed)
+import rptrain.train.checkpoint as checkpoint, rptrain.train.checkpoint_layout as layout
+for owner, name in [(run_checkpoints, "snapshot"), (run_checkpoints, "state_nbytes"), (layout, "unique_tensors"), (layout, "write_shards"),
+                    (checkpoint, "checksum"), (layout, "write_manifest"), (layout, "drop_written"), (os, "fsync"), (os, "replace"),
+                    (metrics.MetricsLog, "write_csv")]:
+    phase(owner, name, name)
+if os.environ.get("TIMELINE_SWITCH_MS"):  # a shorter GIL switch interval: do the slow steps wait for the GIL?
+    sys.setswitchinterval(float(os.environ["TIMELINE_SWITCH_MS"]) / 1e3)
 atexit.register(lambda: open(os.environ["TIMELINE"], "w").write(json.dumps(events)))
 sys.argv = ["rptrain", *sys.argv[1:]]
 runpy.run_module("rptrain.cli.main", run_name="__main__")
@@ -79,6 +97,7 @@ runpy.run_module("rptrain.cli.main", run_name="__main__")
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--slow-ms", type=float, default=5.0, help="a step slower than this on the wall clock is an event (3.6 ms is the H100's)")
+    p.add_argument("--switch-ms", type=float, help="the child's GIL switch interval (sys.setswitchinterval; Python's default 5 ms)")
     p.add_argument("overrides", nargs="*", help="more CLI overrides, e.g. trainer.checkpoint_interval=1000000")
     args = p.parse_args()
     size = (["model.widths=[8,16,32,64]", "model.stem_channels=8", "data.num_train=640", "data.num_test=128", "trainer.log_interval=5"]
@@ -89,6 +108,7 @@ def main() -> None:
         cli = ["model=resnet34", "data=synthetic", "trainer.epochs=3", "trainer.progress=false", *size,
                f"hydra.run.dir={run_dir}", *args.overrides]
         env = {**os.environ, "TIMELINE": str(events_file), "TIMELINE_SLOW_MS": str(slow_ms),
+               **({"TIMELINE_SWITCH_MS": str(args.switch_ms)} if args.switch_ms else {}),
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         child = subprocess.run([sys.executable, "-c", HOOKS, *cli], env=env, capture_output=True, text=True, timeout=900)
         if child.returncode != 0:

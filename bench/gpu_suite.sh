@@ -380,6 +380,7 @@ if [[ $what == timeline ]]; then  # issue 33 (about 1.5 minutes): the background
   # garbage collections, the checkpoint writes, the slow steps and the metrics writes; then without checkpoints inside the run
   run 80 python3 bench/cli_timeline.py
   run 80 python3 bench/cli_timeline.py trainer.checkpoint_interval=1000000
+  run 80 python3 bench/cli_timeline.py --switch-ms 0.5
   grep '^{"bench": "cli_timeline' "$out/suite.log" > "$out/timeline.jsonl"
 fi
 if [[ $what == preset-fp32 ]]; then  # issue 29 on the H200 (about 6 minutes): the 8 B preset (bf16 master, 8-bit moments) against the

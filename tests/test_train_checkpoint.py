@@ -330,6 +330,25 @@ def test_shards_no_manifest_names_are_removed_and_nothing_else(tmp_path):
     assert torch.equal(ckpt.load_checkpoint(directory / "last.pt")["w"], torch.full((10,), 3.0))
 
 
+def test_rotating_saves_read_no_manifest_twice(tmp_path, monkeypatch):
+    """Which shards the kept checkpoints name is remembered by file: a save does not unpickle the manifests it
+    wrote or read before (a background write did, every one twice a save, holding the GIL the training thread
+    waited for). In a new process (a resumed run) a manifest the sweep needs is read once, not again."""
+    directory = tmp_path / "checkpoints"
+    ckpt.save_rotating(directory, {"w": torch.zeros(10)}, 2, keep=2)
+    reads = []
+    read_record = layout.read_record
+    monkeypatch.setattr(layout, "read_record", lambda path: reads.append(path.name) or read_record(path))
+    for step in (4, 6, 8):
+        ckpt.save_rotating(directory, {"w": torch.full((10,), float(step))}, step, keep=2)
+    assert reads == []
+    ckpt._names_by_file.clear()  # as in a new process
+    ckpt.save_rotating(directory, {"w": torch.ones(10)}, 10, keep=2)
+    ckpt.save_rotating(directory, {"w": torch.ones(10)}, 12, keep=2)
+    assert reads == ["step-00000008.pt"]  # step 6 went before the sweep; last.pt is a second name of step 10's, written here
+    assert listing(directory) == ["last.pt", "step-00000010-*-00000.shard", "step-00000010.pt", "step-00000012-*-00000.shard", "step-00000012.pt"]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_tensors_are_written_from_the_gpu_by_parallel_writers(tmp_path, monkeypatch):
