@@ -14,7 +14,8 @@ import torch
 BENCH = Path(__file__).parent.parent / "bench"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(BENCH.parent), os.environ.get("PYTHONPATH", "")])}
 SCRIPTS = ["limits.py", "resnet.py", "optimizer.py", "llm.py", "data.py", "lora.py", "graph_frozen.py", "host_step.py", "main_job.py",
-           "optim_lowp.py", "optim_quality.py", "moe_experts.py", "checkpoint_io.py", "resident_copies.py", "cli_timeline.py"]
+           "optim_lowp.py", "optim_quality.py", "moe_experts.py", "checkpoint_io.py", "resident_copies.py", "cli_timeline.py",
+           "checkpoint_gil.py"]
 # Every CI-size invocation below, run one after another in an interpreter (runpy, as `python SCRIPT` runs it):
 # each starts as a script, while torch and rptrain are imported once per interpreter instead of once per script.
 RUNS = {**{script: [script] for script in SCRIPTS}, "resnet_diagnostics": ["resnet.py", "--repeat", "2", "--no-step", "--cprofile",
