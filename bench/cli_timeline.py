@@ -86,6 +86,8 @@ for owner, name in [(run_checkpoints, "snapshot"), (run_checkpoints, "state_nbyt
                     (checkpoint, "checksum"), (layout, "write_manifest"), (layout, "drop_written"), (os, "fsync"), (os, "replace"),
                     (metrics.MetricsLog, "write_csv")]:
     phase(owner, name, name)
+if os.environ.get("TIMELINE_FORGET_SHARDS"):  # the write as it was before the manifests' shard names were remembered
+    checkpoint._remember_shard_names = lambda key, names: None
 if os.environ.get("TIMELINE_SWITCH_MS"):  # a shorter GIL switch interval: do the slow steps wait for the GIL?
     sys.setswitchinterval(float(os.environ["TIMELINE_SWITCH_MS"]) / 1e3)
 atexit.register(lambda: open(os.environ["TIMELINE"], "w").write(json.dumps(events)))
@@ -98,6 +100,7 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--slow-ms", type=float, default=5.0, help="a step slower than this on the wall clock is an event (3.6 ms is the H100's)")
     p.add_argument("--switch-ms", type=float, help="the child's GIL switch interval (sys.setswitchinterval; Python's default 5 ms)")
+    p.add_argument("--forget-shards", action="store_true", help="re-read every manifest each save (checkpoint.py before 7b0dee2)")
     p.add_argument("overrides", nargs="*", help="more CLI overrides, e.g. trainer.checkpoint_interval=1000000")
     args = p.parse_args()
     size = (["model.widths=[8,16,32,64]", "model.stem_channels=8", "data.num_train=640", "data.num_test=128", "trainer.log_interval=5"]
@@ -109,6 +112,7 @@ def main() -> None:
                f"hydra.run.dir={run_dir}", *args.overrides]
         env = {**os.environ, "TIMELINE": str(events_file), "TIMELINE_SLOW_MS": str(slow_ms),
                **({"TIMELINE_SWITCH_MS": str(args.switch_ms)} if args.switch_ms else {}),
+               **({"TIMELINE_FORGET_SHARDS": "1"} if args.forget_shards else {}),
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         child = subprocess.run([sys.executable, "-c", HOOKS, *cli], env=env, capture_output=True, text=True, timeout=900)
         if child.returncode != 0:

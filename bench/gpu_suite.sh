@@ -376,12 +376,15 @@ if [[ $what == h100-next ]]; then  # issues 30, 33 and 29 on an H100 when no H20
   run 110 python3 bench/optim_lowp.py --device cpu --numel 100000000 --rounds 3 --steps 4 --only fused_fp32 lowmem_compiled
   grep '^{"bench": "\(optim_lowp\|lora\|cli_resnet\|moe_experts\)' "$out/suite.log" > "$out/h100-next.jsonl"
 fi
-if [[ $what == timeline ]]; then  # issue 33 (about 1.5 minutes): the background checkpoint's slow log window, on one timeline with the
-  # garbage collections, the checkpoint writes, the slow steps and the metrics writes; then without checkpoints inside the run
+if [[ $what == timeline ]]; then  # issue 33 (about 4.5 minutes): the background checkpoint's slow log window, on one timeline with the
+  # garbage collections, the checkpoint write's parts, the slow steps and the metrics writes: as it is, re-reading every manifest each save
+  # (before 7b0dee2), without checkpoints inside the run, with a 0.5 ms GIL switch interval; then the GIL waits of a write alone
   run 80 python3 bench/cli_timeline.py
+  run 80 python3 bench/cli_timeline.py --forget-shards
   run 80 python3 bench/cli_timeline.py trainer.checkpoint_interval=1000000
   run 80 python3 bench/cli_timeline.py --switch-ms 0.5
-  grep '^{"bench": "cli_timeline' "$out/suite.log" > "$out/timeline.jsonl"
+  run 40 python3 bench/checkpoint_gil.py --saves 4
+  grep '^{"bench": "\(cli_timeline\|checkpoint_gil\)' "$out/suite.log" > "$out/timeline.jsonl"
 fi
 if [[ $what == preset-fp32 ]]; then  # issue 29 on the H200 (about 6 minutes): the 8 B preset (bf16 master, 8-bit moments) against the
   # same engine with fp32 master and moments (goal: the preset >= 1.1x), each its own process, one invocation
