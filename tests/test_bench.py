@@ -128,6 +128,8 @@ def test_cli_timeline_notes_the_background_checkpoint_and_the_windows(tiny_runs)
     records = records_of(tiny_runs, "cli_timeline.py")
     writes = [r["thread"] for r in records if r["bench"] == "cli_timeline" and r["event"] == "checkpoint_write_start"]
     assert writes == ["MainThread", "rptrain-checkpoint_0", "MainThread"], writes
+    parts = {(r["name"], r["thread"]) for r in records if r.get("event") == "phase"}
+    assert {("snapshot", "MainThread"), ("write_shards", "rptrain-checkpoint_0")} <= parts, parts
     assert sum(r.get("event") == "log_window_end" for r in records) >= 3
     assert {r["epoch"] for r in records if r["bench"] == "cli_timeline_window"} == {2, 3}
 
