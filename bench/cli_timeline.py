@@ -81,10 +81,11 @@ def phase(owner, name, label):  # the checkpoint's parts, on both threads: where
             if ms > 0.2:
                 note("phase", name=label, start_ms=round(1e3 * (start - t0), 1), ms=round(ms, 2))
     setattr(owner, name, timed)
-import rptrain.train.checkpoint as checkpoint, rptrain.train.checkpoint_layout as layout
+import rptrain.train.checkpoint as checkpoint, rptrain.train.checkpoint_layout as layout, rptrain.train.loop as loop
 for owner, name in [(run_checkpoints, "snapshot"), (run_checkpoints, "state_nbytes"), (layout, "unique_tensors"), (layout, "write_shards"),
                     (checkpoint, "checksum"), (layout, "write_manifest"), (layout, "drop_written"), (os, "fsync"), (os, "replace"),
-                    (metrics.MetricsLog, "write_csv")]:
+                    (metrics.MetricsLog, "write_csv"), (loop.Trainer, "_evaluate"), (loop.Trainer, "_checkpoint"),
+                    (report.Report, "end_epoch"), (report.Report, "evaluated")]:
     phase(owner, name, name)
 if os.environ.get("TIMELINE_FORGET_SHARDS"):  # the write as it was before the manifests' shard names were remembered
     checkpoint._remember_shard_names = lambda key, names: None
