@@ -6,7 +6,9 @@ engine's host share (or GPU share) is. Each variant runs in its own process (ben
 ratio); the variants alternate for --rounds rounds and each one's best round counts (the machine may be
 shared). One JSON line per variant: ns per parameter, the ratio to fused fp32 AdamW, and GB/s of memory
 traffic (each of parameter, gradient and state read once, parameter and state written once). The
-compiled variants' first step (building the kernel) is build_s.
+compiled variants' first step (building the kernel) is build_s. `--cflags="FLAGS"` (repeatable; the = keeps a leading dash a value) adds the C++
+loop built with FLAGS too, as the variant `lowmem_compiled FLAGS` (a compiler or ISA candidate, measured per
+machine; `-fopt-info-vec-optimized=FILE` writes which loops the build vectorized).
 """
 from __future__ import annotations
 
@@ -29,16 +31,14 @@ VARIANTS = [  # (name, master dtype, state_dtype, compile)
     ("bf16_state_compiled", torch.float32, "bf16", True),
     ("lowmem_eager", torch.bfloat16, "int8", False),
     ("lowmem_compiled", torch.bfloat16, "int8", True),
-    ("lowmem_recip", torch.bfloat16, "int8", True),  # the C++ loop built with cpu_kernel.RECIP_CFLAGS
 ]
 BY_NAME = {v[0]: v for v in VARIANTS}
 
 
-def measure(name: str, numel: int, steps: int, device: str) -> dict:
+def measure(name: str, numel: int, steps: int, device: str, cflags: str = "") -> dict:
     """One variant in this process: seconds per step, the first step's seconds, bytes moved per step."""
     _, dtype, state_dtype, compiled = BY_NAME[name]
-    if name == "lowmem_recip":
-        cpu_kernel.extra_cflags = cpu_kernel.RECIP_CFLAGS
+    cpu_kernel.extra_cflags = cflags.split()
     param = torch.nn.Parameter(torch.randn(numel, device=device).to(dtype))
     param.grad = (torch.randn(numel, device=device) * 1e-3).to(dtype)
     opt = AdamW([param], lr=1e-3, weight_decay=0.01, state_dtype=state_dtype, compile_step=compiled)
@@ -58,17 +58,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3, help="variants alternate, each round; the best round counts")
     p.add_argument("--only", nargs="*", help="variant names to run (default: all)")
+    p.add_argument("--cflags", action="append", default=[], help="also lowmem_compiled built with these extra flags")
     p.add_argument("--child", help="internal: measure this one variant in this process and print its raw record")
+    p.add_argument("--child-cflags", default="", help="internal: the child's extra build flags")
     args = p.parse_args()
     numel, steps, rounds = (4096 + 100, 2, 1) if args.tiny else (args.numel, args.steps, args.rounds)
     if args.child:
-        print("RAW " + json.dumps(measure(args.child, numel, steps, args.device)), flush=True)
+        print("RAW " + json.dumps(measure(args.child, numel, steps, args.device, args.child_cflags)), flush=True)
         return
     names = [v[0] for v in VARIANTS if (not args.only or v[0] in args.only) and not (args.tiny and v[3])]  # compiled: minutes on CI
-    runs: dict[str, list[dict]] = {name: [] for name in names}
+    builds = {name: (name, "") for name in names} | {f"lowmem_compiled {f}": ("lowmem_compiled", f) for f in args.cflags}
+    runs: dict[str, list[dict]] = {name: [] for name in builds}
     for _ in range(rounds):
-        for name in names:
-            cmd = [sys.executable, __file__, "--child", name, "--numel", str(numel), "--steps", str(steps), "--device", args.device]
+        for name, (variant, cflags) in builds.items():
+            cmd = [sys.executable, __file__, "--child", variant, f"--child-cflags={cflags}", "--numel", str(numel), "--steps", str(steps),
+                   "--device", args.device]
             out = subprocess.run(cmd + (["--tiny"] if args.tiny else []), capture_output=True, text=True, check=True).stdout
             runs[name].append(json.loads(next(line for line in out.splitlines() if line.startswith("RAW "))[4:]))
     best = {name: min(records, key=lambda r: r["s"]) for name, records in runs.items()}
@@ -78,7 +82,7 @@ def main() -> None:
         build = runs[name][0]["first_s"]  # the first process builds the compiled step; later ones load it from the cache
         emit(bench="optim_lowp", variant=name, device=args.device, threads=record["threads"], numel=numel,
              ns_per_param=round(ns, 3), gb_per_s=round(record["moved"] / record["s"] / 1e9, 2),
-             over_fused_fp32=round(ns / fused, 3) if fused else None, build_s=round(build, 2) if BY_NAME[name][3] else None,
+             over_fused_fp32=round(ns / fused, 3) if fused else None, build_s=round(build, 2) if BY_NAME[builds[name][0]][3] else None,
              processes="one per variant and round")
 
 
