@@ -52,6 +52,14 @@ def measure(name: str, numel: int, steps: int, device: str, cflags: str = "") ->
             "threads": torch.get_num_threads()}
 
 
+def cpu_model() -> str:
+    """The host's CPU, for the record: the same step runs 3x apart per core on the CI machine's AMD and the GPU host's Xeon."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--numel", type=int, default=64 * 2**20)
@@ -80,7 +88,7 @@ def main() -> None:
     for name, record in best.items():
         ns = record["s"] / numel * 1e9
         build = runs[name][0]["first_s"]  # the first process builds the compiled step; later ones load it from the cache
-        emit(bench="optim_lowp", variant=name, device=args.device, threads=record["threads"], numel=numel,
+        emit(bench="optim_lowp", variant=name, device=args.device, cpu=cpu_model(), threads=record["threads"], numel=numel,
              ns_per_param=round(ns, 3), gb_per_s=round(record["moved"] / record["s"] / 1e9, 2),
              over_fused_fp32=round(ns / fused, 3) if fused else None, build_s=round(build, 2) if BY_NAME[builds[name][0]][3] else None,
              processes="one per variant and round")
