@@ -14,7 +14,7 @@ from torch import nn
 from rptrain import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from rptrain.engine.simulated import SimulatedDevice
 from rptrain.optim import Adam, AdamW
-from rptrain.optim.lowbit import BLOCK, dequantize_signed, dequantize_unsigned, quantize_signed, quantize_unsigned, round_to_bf16
+from rptrain.optim.lowbit import BLOCK, dequantize_signed, dequantize_unsigned, moment_uniforms, quantize_signed, quantize_unsigned, round_to_bf16
 from rptrain.optim.state import state_memory_of
 
 COMBOS = [(m, s) for m in (torch.float32, torch.bfloat16) for s in ("fp32", "bf16", "int8")]
@@ -80,9 +80,9 @@ def test_stochastic_codes_are_unbiased_in_value():
     x = torch.rand(BLOCK, generator=g) ** 3 * torch.where(torch.rand(BLOCK, generator=g) < 0.5, -1.0, 1.0)
     x[0] = 1.0
     index = torch.arange(BLOCK)
-    for quantize, dequantize, values, top, power in ((quantize_signed, dequantize_signed, x, 127, 2),
-                                                      (quantize_unsigned, dequantize_unsigned, x.abs(), 255, 4)):
-        draws = torch.stack([dequantize(*quantize(values, index, torch.tensor(seed))) for seed in range(2048)])
+    for which, (quantize, dequantize, values, top, power) in enumerate(((quantize_signed, dequantize_signed, x, 127, 2),
+                                                                         (quantize_unsigned, dequantize_unsigned, x.abs(), 255, 4))):
+        draws = torch.stack([dequantize(*quantize(values, moment_uniforms(index, torch.tensor(seed))[which])) for seed in range(2048)])
         level = (values.abs() ** (1 / power) * top).floor().clamp_max(top - 1)
         step = ((level + 1) / top) ** power - (level / top) ** power
         assert ((draws.mean(0) - values).abs() <= 5 * step / 2 / 2048**0.5 + 1e-7).all()

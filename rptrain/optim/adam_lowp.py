@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from . import assist, cpu_kernel, front, triton_step
-from .lowbit import BLOCK, dequantize_signed, dequantize_unsigned, quantize_signed, quantize_unsigned, round_to_bf16
+from .lowbit import BLOCK, dequantize_signed, dequantize_unsigned, moment_uniforms, quantize_signed, quantize_unsigned, round_to_bf16
 
 CHUNK = 1 << 18  # elements: 1 MiB per fp32 temporary (bench/optim_lowp.py)
 _SEED_MIX = 0x9E3779B1
@@ -64,10 +64,11 @@ def _chunk_int8(p: Tensor, g: Tensor, mq: Tensor, ms: Tensor, vq: Tensor, vs: Te
     index = torch.arange(p.numel(), device=p.device) + start
     p32, m32, v32 = _adam(p.float(), g.float(), dequantize_signed(mq, ms), dequantize_unsigned(vq, vs), h, decoupled)
     _store_param(p, p32, index, seed)
-    q, s = quantize_signed(m32, index, seed ^ _M_SALT)
+    m_u, v_u = moment_uniforms(index, seed ^ _M_SALT)
+    q, s = quantize_signed(m32, m_u)
     mq.copy_(q)
     ms.copy_(s)
-    q, s = quantize_unsigned(v32, index, seed ^ _V_SALT)
+    q, s = quantize_unsigned(v32, v_u)
     vq.copy_(q)
     vs.copy_(s)
 

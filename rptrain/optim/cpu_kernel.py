@@ -120,12 +120,13 @@ void run_blocks(P* __restrict__ p, const G* __restrict__ g, void* m_, void* v_, 
         // reciprocal, as in lowbit.py: a vector division costs several multiplications' time.
         for (int64_t j = 0; j < len; ++j) {
           const uint32_t idx = uint32_t(start + lo + j);
-          const float am = std::fabs(mo[j]) * m_inv, um = float(mix(idx ^ m_seed) & 0xFFFFFFu) * (1.f / 16777216.f);
+          const uint32_t bits = mix(idx ^ m_seed);  // lowbit.moment_uniforms: one hash, 16 bits for each moment's code
+          const float am = std::fabs(mo[j]) * m_inv, um = float(bits & 0xFFFFu) * (1.f / 65536.f);
           const float cm = std::min(std::floor(std::sqrt(am) * 127.f), 126.f);
           const float tm = cm * (1.f / 127.f), tm1 = (cm + 1.f) * (1.f / 127.f), bm = tm * tm, abm = tm1 * tm1;
           const float a = cm + (am - bm > um * (abm - bm) ? 1.f : 0.f);
           mq[j] = int8_t(mo[j] < 0.f ? -a : a);
-          const float av = vo[j] * v_inv, uv = float(mix(idx ^ v_seed) & 0xFFFFFFu) * (1.f / 16777216.f);
+          const float av = vo[j] * v_inv, uv = float(bits >> 16) * (1.f / 65536.f);
           const float cv = std::min(std::floor(std::sqrt(so[j] * v_inv_sqrt) * 255.f), 254.f);
           float tv = cv * (1.f / 255.f), tv1 = (cv + 1.f) * (1.f / 255.f);
           tv = tv * tv; tv1 = tv1 * tv1;
@@ -219,7 +220,7 @@ def kernel() -> Optional[Any]:
             # on one thread (3.67 ns a parameter on the GPU machine's 16 cores, 18.6x torch's fused fp32 AdamW).
             flags = [*CFLAGS, *extra_cflags]
             tag = _cpu_tag() + (hashlib.sha256(" ".join(extra_cflags).encode()).hexdigest()[:6] if extra_cflags else "")
-            _module = load_inline(f"rptrain_adam_lowp_v12_{tag}", cpp_sources=[_SOURCE], extra_cflags=flags,
+            _module = load_inline(f"rptrain_adam_lowp_v13_{tag}", cpp_sources=[_SOURCE], extra_cflags=flags,
                                   extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as error:  # noqa: BLE001 - any build failure means: use the torch formulas
             _failed = True

@@ -50,11 +50,6 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
     @triton.jit
-    def _uniform(index, seed):
-        """lowbit.uniform: 24 hash bits as an fp32 in [0, 1)."""
-        return (_hash32(((index ^ seed) & 0xFFFFFFFF).to(tl.uint32)) & 0xFFFFFF).to(tl.float32) * 5.9604644775390625e-08
-
-    @triton.jit
     def _code(a, level, top, inv_top, SQUARE_TWICE: tl.constexpr, u):
         """lowbit._code with ``u``: the code below or above, unbiased in value."""
         lo = tl.minimum(tl.floor(level), top - 1.0)
@@ -112,14 +107,17 @@ if triton is not None:
             tl.store(v_ptr + index, _round_to_bf16(v, at, seed ^ 0x27D4EB2F), mask=inside)
         else:
             tiny = 1.1754943508222875e-38
+            bits = _hash32(((at ^ (seed ^ 0x5BD1E995)) & 0xFFFFFFFF).to(tl.uint32))  # lowbit.moment_uniforms
+            m_u = (bits & 0xFFFF).to(tl.float32) * 1.52587890625e-05
+            v_u = (bits >> 16).to(tl.float32) * 1.52587890625e-05
             m_scale = tl.max(tl.abs(m), axis=1)
             a = tl.div_rn(tl.abs(m), tl.maximum(m_scale, tiny)[:, None])
-            code = _code(a, tl.sqrt_rn(a) * 127.0, 127.0, 0.007874015748031496, False, _uniform(at, seed ^ 0x5BD1E995))
+            code = _code(a, tl.sqrt_rn(a) * 127.0, 127.0, 0.007874015748031496, False, m_u)
             tl.store(m_ptr + index, tl.where(m < 0, -code, code).to(tl.int8), mask=in_rows)
             tl.store(ms_ptr + row, m_scale, mask=has_row)
             v_scale = tl.max(v, axis=1)
             a = tl.div_rn(v, tl.maximum(v_scale, tiny)[:, None])
-            code = _code(a, tl.sqrt_rn(tl.sqrt_rn(a)) * 255.0, 255.0, 0.00392156862745098, True, _uniform(at, seed ^ 0x27D4EB2F))
+            code = _code(a, tl.sqrt_rn(tl.sqrt_rn(a)) * 255.0, 255.0, 0.00392156862745098, True, v_u)
             code = tl.where(v > 0, tl.maximum(code, 1.0), 0.0)
             tl.store(v_ptr + index, code.to(tl.uint8), mask=in_rows)
             tl.store(vs_ptr + row, v_scale, mask=has_row)
