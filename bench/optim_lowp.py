@@ -6,9 +6,10 @@ engine's host share (or GPU share) is. Each variant runs in its own process (ben
 ratio); the variants alternate for --rounds rounds and each one's best round counts (the machine may be
 shared). One JSON line per variant: ns per parameter, the ratio to fused fp32 AdamW, and GB/s of memory
 traffic (each of parameter, gradient and state read once, parameter and state written once). The
-compiled variants' first step (building the kernel) is build_s. `--cflags="FLAGS"` (repeatable; the = keeps a leading dash a value) adds the C++
-loop built with FLAGS too, as the variant `lowmem_compiled FLAGS` (a compiler or ISA candidate, measured per
-machine; `-fopt-info-vec-optimized=FILE` writes which loops the build vectorized).
+compiled variants' first step (building the kernel) is build_s. `--cflags="FLAGS"` (repeatable; the = keeps
+a leading dash a value) adds the C++ loop built with FLAGS too, as the variant `lowmem_compiled FLAGS` (a
+compiler or ISA candidate, measured per machine; `-fopt-info-vec-optimized=FILE` writes which loops the build
+vectorized).
 """
 from __future__ import annotations
 
@@ -85,10 +86,11 @@ def main() -> None:
             runs[name].append(json.loads(next(line for line in out.splitlines() if line.startswith("RAW "))[4:]))
     best = {name: min(records, key=lambda r: r["s"]) for name, records in runs.items()}
     fused = best["fused_fp32"]["s"] / numel * 1e9 if "fused_fp32" in best else None
+    cpu = cpu_model()
     for name, record in best.items():
         ns = record["s"] / numel * 1e9
         build = runs[name][0]["first_s"]  # the first process builds the compiled step; later ones load it from the cache
-        emit(bench="optim_lowp", variant=name, device=args.device, cpu=cpu_model(), threads=record["threads"], numel=numel,
+        emit(bench="optim_lowp", variant=name, device=args.device, cpu=cpu, threads=record["threads"], numel=numel,
              ns_per_param=round(ns, 3), gb_per_s=round(record["moved"] / record["s"] / 1e9, 2),
              over_fused_fp32=round(ns / fused, 3) if fused else None, build_s=round(build, 2) if BY_NAME[builds[name][0]][3] else None,
              processes="one per variant and round")
