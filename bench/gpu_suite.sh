@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|overlap-32b|largest-peers|lora-moe|preset-8b-mb|preset-fp32|main-experts|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|h100-next|timeline|lowmem-acc|endrun|llm|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|overlap-32b|largest-peers|lora-moe|preset-8b-mb|preset-fp32|main-experts|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|h100-next|fuse|timeline|lowmem-acc|endrun|llm|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == moe-ft || $what == overlap-32b || $what == largest-peers || $what == h200-close || $what == preset-8b-mb || $what == preset-fp32 || $what == main-experts || $what == h100-next || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc || $what == timeline ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == moe-ft || $what == overlap-32b || $what == largest-peers || $what == h200-close || $what == preset-8b-mb || $what == preset-fp32 || $what == main-experts || $what == h100-next || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc || $what == timeline || $what == fuse ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -375,6 +375,18 @@ if [[ $what == h100-next ]]; then  # issues 29 and 30 on an H100 when no H200 co
     --cflags="-mprefer-vector-width=512" --cflags="-mprefer-vector-width=256"
   run 200 python3 bench/lora.py --model qwen3_30b_a3b@12 --impl rptrain peft --seq 4096 --batch 4 --steps 3 --warmup 2 --timeout 85
   grep '^{"bench": "\(optim_lowp\|lora\)' "$out/suite.log" > "$out/h100-next.jsonl"
+fi
+if [[ $what == fuse ]]; then  # issue 33 (about 5 minutes): a whole call's microbatches as one batch (engine/fusion.py): its CUDA
+  # tests, then the tutorial's loop (two microbatches, loss and outputs read on the CPU every step) and the CLI's way (metrics on the
+  # GPU, bf16, channels-last) with the microbatches as one batch and apart, beside the whole-step-graphed plain loop; each its own process
+  run 100 python3 -m pytest -q -rf -p no:cacheprovider tests/test_engine_fusion.py tests/test_engine_whole_call.py -m "cuda or not cuda"
+  run 60 python3 bench/resnet.py --impl graphed --memory-format channels_last --steps 60
+  for flag in "" --no-fuse; do
+    run 60 python3 bench/resnet.py --impl rptrain --steps 60 $flag
+    run 60 python3 bench/resnet.py --impl rptrain --steps 60 --read-interval 25 --data-on-device --metrics-on-device --bf16 \
+      --memory-format channels_last --microbatches 2 --profile $flag
+  done
+  grep '^{"bench": "resnet34' "$out/suite.log" > "$out/fuse.jsonl"
 fi
 if [[ $what == timeline ]]; then  # issue 33 (about 4.5 minutes): the background checkpoint's slow log window, on one timeline with the
   # garbage collections, the checkpoint write's parts, the slow steps and the metrics writes: as it is, re-reading every manifest each save

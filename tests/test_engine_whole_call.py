@@ -1,9 +1,8 @@
 """The whole-call path (engine/callpath.py, engine/wholecall.py): which calls replay one recorded graph
 and why the others do not, on the CPU; training through it on a SimulatedDevice (each replay run
 eagerly, the scales read from their device tensors) against plain PyTorch (tests/reference.py, fp32:
-rtol 1e-5) and against the stage-by-stage path. tests/test_engine_whole_call_cuda.py runs the real
-CUDA graphs: the ``cuda`` parameters (``-m cuda``) run the same tests on a real GPU, plus the checks only a
-real capture can make."""
+rtol 1e-5) and against the stage-by-stage path. The ``cuda`` parameters (``-m cuda``) run the same tests
+through real CUDA graphs, plus the checks only a real capture can make."""
 from __future__ import annotations
 
 import functools
@@ -18,7 +17,7 @@ from rptrain.engine.actions import Facts, Op, Sizes, lower_call
 from rptrain.engine.callpath import decide
 from rptrain.engine.schedule import training_schedule
 from rptrain.engine.simulated import SimulatedDevice
-from rptrain.engine.wholecall import loss_key
+from rptrain.engine.loss_key import loss_key
 from rptrain.optim import Adam
 from test_engine_equivalence import convnet, image_batches, train_both
 from test_engine_scaler import ScaledReference, batches as overflow_batches, loss_fn as fp16_loss, model16

@@ -95,6 +95,11 @@ class Executor:
         """Why the newest whole-call-path call ran stage by stage (None: replayed, or none ran)."""
         return next((g.fallback for g in self._whole.values() if g.fallback), None)
 
+    def whole_call_microbatches(self) -> Optional[str]:
+        """How the newest recorded whole call runs its microbatches (fusion.py); None before one."""
+        graphs = next(iter(self._whole.values()), None)
+        return graphs.microbatches if graphs is not None else None
+
     def _lower_call(self, jobs: Sequence[Job], facts: Facts) -> tuple:
         key = (id(jobs), facts)
         found = self._lowered.get(key)

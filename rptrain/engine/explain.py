@@ -29,6 +29,9 @@ def explain(call: Prepared, executor: Executor, planner: Planner, placement: Any
     fallback = executor.whole_call_fallback()
     if path.whole and fallback:
         lines.append(f"  the last call ran stage by stage: {fallback}")
+    microbatches = executor.whole_call_microbatches()
+    if path.whole and microbatches and not fallback:
+        lines.append(f"  the last recorded call's microbatches: {microbatches}")
     lines += ["stages:"] + [_stage(executor, planner, item) for item in lowered]
     micro = split_inputs(tuple(example_inputs), dict(kwargs), cfg.num_microbatch, cfg.split_input) if example_inputs or kwargs else []
     for k, (args, kw) in enumerate(micro):

@@ -175,13 +175,14 @@ class _EagerWholeCall(WholeCallGraphs):
     losses and outputs in the same memory every time."""
 
     def _capture(self, layers: list, inputs: list, labels: list, loss_fn: Callable) -> Recorded:
-        run_call(layers, inputs, labels, loss_fn, {}, {}, self._forward(layers))  # the warm-up a recording runs (its effects are put back)
-        return Recorded(None, [], [], [], [], {}, keep=loss_fn)
+        sizes = self.fused_sizes(layers, inputs)
+        run_call(layers, inputs, labels, loss_fn, {}, {}, self._forward(layers), sizes=sizes)  # the warm-up a recording runs (its effects are put back)
+        return Recorded(None, [], [], [], [], {}, keep=loss_fn, sizes=sizes)
 
     def _replay(self, rec: Recorded, modules: Any, inputs: list, labels: list, loss_fn: Callable) -> Replayed:
         fill_scales(rec)
         registry: dict = {}
-        losses, outputs = run_call(modules, inputs, labels, loss_fn, rec.factors, registry, self._forward(list(modules)))
+        losses, outputs = run_call(modules, inputs, labels, loss_fn, rec.factors, registry, self._forward(list(modules)), sizes=rec.sizes)
         if not rec.losses:
             rec.filled.update(registry)  # the scale tensors were made holding these
             rec.losses = [(single, [t.clone() for t in items]) for single, items in losses]

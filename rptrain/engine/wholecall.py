@@ -8,9 +8,8 @@ the graph's static ones before each replay; the losses and outputs it returns li
 next replay overwrites, so the caller copies them.
 
 What the recording bakes in is part of the key: the train/eval modes, the inputs' and labels'
-shapes and constants, autocast, and ``loss_fn``: its code and what it closes over (numbers by value,
-other objects by identity: the tutorial's ``lambda out, y: scaler.scale(criterion(out, y))`` is a new
-function object every call, the same key). Globals it reads are assumed constant. A ``GradScaler``'s
+shapes and constants, autocast, and ``loss_fn`` (loss_key.py). Where every layer treats each sample by
+itself, the microbatches run as one batch inside the recording (fusion.py). A ``GradScaler``'s
 scale is read from a device tensor (scaler.py), refreshed before each replay, so a changed scale
 needs no new recording. A call this cannot hold (inputs that need gradients, tensors the engine
 cannot see, a ``loss_fn`` that reads tensor values on the host) returns None: the executor runs it
@@ -18,20 +17,18 @@ stage by stage, and ``fallback`` keeps the reason for ``explain()``.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
 
-from . import rng
+from . import fusion, rng
 from .batching import iter_tensors, map_tensors, opaque_type
 from .compute import loss_scalars
 from .graphs import signature
+from .loss_key import closure_kept, loss_key
 from .passstate import call_layer
 from .scaler import recording_scalers, scaling_by_tensors
 from .tuning import Tuning
@@ -40,74 +37,6 @@ from .tuning import Tuning
 # this, such a closure is taken to change every call (a per-batch divisor) and recording it is not
 # worth its warm-up calls.
 _CLOSURES_PER_CALL = 2
-_VALUES = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
-
-
-def _value_key(v: Any, depth: int = 0) -> Any:
-    """Numbers and strings by value, containers of them by their items, anything else by identity."""
-    if isinstance(v, _VALUES):
-        return ("v", type(v), v)
-    if isinstance(v, (tuple, list)) and depth < 3:
-        return ("s", type(v), tuple(_value_key(x, depth + 1) for x in v))
-    return ("id", id(v))
-
-
-def _cells(fn: Callable) -> list:
-    out = []
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            out.append(cell.cell_contents)
-        except ValueError:  # a cell not yet assigned
-            out.append(_EMPTY)
-    return out
-
-
-_EMPTY = object()
-
-
-def loss_key(fn: Callable) -> tuple:
-    """What a recording of ``fn`` depends on (its identity where it has no code of its own)."""
-    if isinstance(fn, types.MethodType):
-        return ("method", id(fn.__self__), loss_key(fn.__func__))
-    if hasattr(fn, "func") and hasattr(fn, "args") and hasattr(fn, "keywords"):  # functools.partial
-        return ("partial", loss_key(fn.func), _value_key(fn.args), tuple(sorted((k, _value_key(v)) for k, v in fn.keywords.items())))
-    code = getattr(fn, "__code__", None)
-    if code is None:  # a callable object, e.g. nn.CrossEntropyLoss(): its tensors are read from their memory
-        return ("object", id(fn))
-    cells = tuple(_value_key(v) for v in _cells(fn))
-    return ("code", code, cells, _value_key(fn.__defaults__), _value_key(sorted((fn.__kwdefaults__ or {}).items())))
-
-
-def _identities(container: Any) -> Any:
-    items = container.items() if isinstance(container, dict) else container
-    return [tuple(map(id, kv)) if isinstance(container, dict) else id(kv) for kv in items]
-
-
-@contextlib.contextmanager
-def closure_kept(fn: Callable) -> Iterator[None]:
-    """Run recordings with the lists, dicts and sets ``fn`` closes over put back afterwards; raise if one
-    changed. Such a ``loss_fn`` has side effects (say, it appends a count per microbatch) that a replay,
-    which never calls it, would not have: the call runs stage by stage instead."""
-    containers = [v for v in _cells(fn) if isinstance(v, (list, dict, set))]
-    saved = [(copy.copy(c), _identities(c)) for c in containers]
-    changed = False
-    try:
-        yield
-    finally:
-        for c, (before, ids) in zip(containers, saved):
-            if _identities(c) != ids:
-                changed = True
-                c.clear()
-                if isinstance(c, list):
-                    c.extend(before)
-                else:
-                    c.update(before)
-    if changed:
-        raise SideEffects("loss_fn changes a list, dict or set it closes over, which a replayed graph would not do")
-
-
-class SideEffects(Exception):
-    pass
 
 
 def _family(key: tuple) -> tuple:
@@ -131,6 +60,7 @@ class Recorded:
     factors: dict  # GradScaler -> its scale's device tensor
     filled: dict = field(default_factory=dict)  # GradScaler -> the scale the tensor holds
     keep: Any = None  # the loss_fn recorded: its closure's objects stay alive, so their ids stay theirs
+    sizes: Optional[list] = None  # the microbatches' sizes where they run as one batch (fusion.py)
 
 
 @dataclass
@@ -170,22 +100,33 @@ def _stage_forward(layers: list) -> Callable[[Any], Any]:
 
 
 def run_call(modules: Iterable[nn.Module], inputs: list, labels: list, loss_fn: Callable, factors: dict, registry: dict,
-             forward: Optional[Callable[[Any], Any]] = None, before_backward: Callable[[], None] = lambda: None) -> tuple[list, list]:
+             forward: Optional[Callable[[Any], Any]] = None, before_backward: Callable[[], None] = lambda: None,
+             sizes: Optional[list] = None) -> tuple[list, list]:
     """Every microbatch's forward, loss and backward (the body a graph records); ``forward``: the
     stage's layers as one function (compiled: ``Tuning.compile_stages``), else they run one by one;
-    ``before_backward``: called with each microbatch's activations alive (a memory check)."""
-    forward = forward or _stage_forward(list(modules))
-    losses, outputs = [], []
+    ``before_backward``: called with the activations alive (a memory check); ``sizes``: the
+    microbatches run as one batch (fusion.py), one backward for all their losses."""
+    modules = list(modules)
+    forward = forward or _stage_forward(modules)
+    losses, outputs, pending = [], [], []
     with torch.enable_grad():
-        for x, y in zip(inputs, labels):
-            out = forward(x)
+        if sizes is not None:
+            with fusion.statistics_per_microbatch(modules, sizes):
+                joined = fusion.joined(inputs)
+                if joined is None:
+                    raise ValueError("the microbatches' inputs differ in structure or in a value that is not a tensor")
+                parts = fusion.split(forward(joined), sizes)
+        for m, y in enumerate(labels):
+            out = parts[m] if sizes is not None else forward(inputs[m])
             with recording_scalers(registry), scaling_by_tensors(factors):
                 loss = loss_fn(out, y)
             items = loss_scalars(loss)
-            before_backward()
-            trained = [t for t in items if t.requires_grad]
-            if trained:  # as torch.autograd.backward(loss): every loss that needs it
-                torch.autograd.backward(trained)
+            pending += [t for t in items if t.requires_grad]  # as torch.autograd.backward(loss): every loss that needs it
+            if sizes is None or m == len(labels) - 1:
+                before_backward()
+                if pending:
+                    torch.autograd.backward(pending)
+                pending = []
             losses.append((isinstance(loss, Tensor), [t.detach().reshape(()) for t in items]))
             outputs.append(map_tensors(Tensor.detach, out))
     return losses, outputs
@@ -202,6 +143,29 @@ class WholeCallGraphs:
         self._pool = None
         self._stream: Optional[torch.cuda.Stream] = None
         self._compiled: dict[tuple, Callable] = {}  # the layers' ids -> their forward, compiled once
+        self.microbatches: Optional[str] = None  # how the newest recording runs its microbatches: as one batch, or why apart
+        self._apart: dict[tuple, Optional[str]] = {}  # the layers' ids and modes -> fusion.why_not
+
+    def fused_sizes(self, layers: list, inputs: list) -> Optional[list]:
+        """The microbatches' sizes where the call may run them as one batch (fusion.py), else None
+        (``microbatches`` says why)."""
+        sizes = fusion.microbatch_sizes(inputs)
+        if len(inputs) < 2:
+            why = None
+        elif not self.tuning.fuse_microbatches:
+            why = "off (Tuning.fuse_microbatches=False)"
+        elif self.tuning.compile_stages:
+            why = "the stage is compiled (Tuning.compile_stages)"
+        elif sizes is None:
+            why = "a microbatch's tensors do not share their first dimension"
+        else:
+            key = tuple((id(m), m.training) for layer in layers for m in layer.modules())
+            if key not in self._apart:
+                self._apart[key] = fusion.why_not(layers)
+            why = self._apart[key]
+        fused = why is None and len(inputs) > 1
+        self.microbatches = "as one batch (fusion.py)" if fused else f"apart: {why}" if why else "one"
+        return sizes if fused else None
 
     def _forward(self, layers: list) -> Optional[Callable[[Any], Any]]:
         """The stage compiled (``Tuning.compile_stages``; inductor, compiled by the first warm-up call and
@@ -311,14 +275,14 @@ class WholeCallGraphs:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
         factors: dict = {}
-        forward = self._forward(layers)
+        forward, sizes = self._forward(layers), self.fused_sizes(layers, static_in)
         # One stream for the warm-up and the recording: autograd runs a node's backward on its forward's stream.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         start, budget = torch.cuda.memory_allocated(self.device), self._memory_budget()
         with torch.cuda.stream(self._stream):
             for _ in range(self.tuning.graph_warmup):  # cuDNN's algorithm search, compiling, lazy state, the scale tensors
-                run_call(layers, static_in, static_labels, loss_fn, factors, {}, forward, lambda: self._check_kept(start, budget))
+                run_call(layers, static_in, static_labels, loss_fn, factors, {}, forward, lambda: self._check_kept(start, budget), sizes)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                losses, outputs = run_call(layers, static_in, static_labels, loss_fn, factors, {}, forward)
-        return Recorded(graph, static_in, static_labels, losses, outputs, factors, {s: s.get_scale() for s in factors}, loss_fn)
+                losses, outputs = run_call(layers, static_in, static_labels, loss_fn, factors, {}, forward, sizes=sizes)
+        return Recorded(graph, static_in, static_labels, losses, outputs, factors, {s: s.get_scale() for s in factors}, loss_fn, sizes)

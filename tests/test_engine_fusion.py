@@ -1,0 +1,147 @@
+"""A whole call's microbatches run as one batch (engine/fusion.py): which layers allow it and why the
+others do not; training through it (a SimulatedDevice, each replay run eagerly; ``cuda``: real graphs)
+against the same engine with the microbatches run apart and against plain PyTorch with each
+microbatch's BatchNorm statistics (tests/reference.py), fp32 at rtol 1e-5: losses, outputs, weights,
+BatchNorm's running statistics and its batch count."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from reference import assert_state_close
+from rptrain import ExecutePlan, RoundPipe, RoundPipeRunConfig, Tuning
+from rptrain.engine import fusion
+from rptrain.models import build_model
+from test_engine_equivalence import convnet, image_batches, train_both
+from test_engine_whole_call import SINGLE, WHERE, sim, whole_graphs
+
+
+class Residual(nn.Module):
+    """The tutorial's BasicBlock in miniature: a forward of its own that fx traces."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv, self.bn, self.relu = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU()
+        self.downsample = None
+
+    def forward(self, x):
+        out = self.bn(self.conv(x))
+        if self.downsample:
+            x = self.downsample(x)
+        out += x
+        return self.relu(out)
+
+
+class Centered(nn.Module):
+    def forward(self, x):
+        return x - x.mean(0)  # mixes samples
+
+
+class Flattened(nn.Module):
+    def forward(self, x):
+        return x.view(-1)  # a view that could mix samples
+
+
+class Branching(nn.Module):
+    def forward(self, x):
+        return x if x.sum() > 0 else -x  # fx cannot trace a branch on a tensor's value
+
+
+class OwnConv(nn.Conv2d):
+    def forward(self, x):  # a listed type's subclass with a forward of its own
+        return super().forward(x - x.mean(0))
+
+
+def test_the_tutorial_resnet_and_a_traced_block_run_as_one_batch():
+    assert fusion.why_not(list(build_model("resnet34"))) is None
+    assert fusion.why_not([Residual(4), nn.Flatten(), nn.Softmax(dim=1), nn.Dropout(0.0)]) is None
+    assert fusion.why_not([nn.Dropout(0.5).eval()]) is None
+
+
+@pytest.mark.parametrize("layer, reason", [
+    (Centered(), "mean is not known to treat each sample by itself"),
+    (Flattened(), "view is not known"),
+    (Branching(), "cannot be traced"),
+    (OwnConv(3, 3, 1), "mean is not known"),  # traced: its own forward, not the listed type's
+    (nn.Dropout(0.5), "dropout would draw its random numbers in another order"),
+    (nn.Flatten(0), "flattens from dimension 0"),
+    (nn.Softmax(dim=0), "Softmax over dimension 0"),
+    (nn.MultiheadAttention(4, 2), "MultiheadAttention is not known"),
+])
+def test_layers_that_may_mix_samples_keep_the_microbatches_apart(layer, reason):
+    why = fusion.why_not([nn.Identity(), layer])
+    assert why is not None and why.startswith(f"layer 1 ({type(layer).__name__})") and reason in why, why
+
+
+def test_join_and_split_keep_each_microbatch():
+    parts = [torch.randn(4, 3), torch.randn(3, 3), torch.randn(3, 3)]
+    joined = fusion.joined([(p, 1.5) for p in parts])
+    assert joined[0].shape == (10, 3) and joined[1] == 1.5
+    assert all(torch.equal(a, b[0]) for a, b in zip(parts, fusion.split(joined, [4, 3, 3])))
+    assert fusion.joined([(parts[0], 1.0), (parts[1], 2.0)]) is None  # the microbatches differ in a number
+    assert fusion.microbatch_sizes([(p, torch.zeros(len(p))) for p in parts]) == [4, 3, 3]
+    assert fusion.microbatch_sizes([(parts[0], torch.zeros(2))]) is None
+    with pytest.raises(ValueError, match="no batch dimension of 10"):
+        fusion.split(torch.zeros(3), [4, 3, 3])
+
+
+def test_batch_norm_uses_each_microbatch_statistics_in_order():
+    torch.manual_seed(0)
+    apart, together = nn.BatchNorm1d(3, momentum=None), nn.BatchNorm1d(3, momentum=None)  # a cumulative average: the order shows
+    together.load_state_dict(apart.state_dict())
+    parts = [torch.randn(4, 3) * (i + 1) for i in range(3)]
+    expected = torch.cat([apart(p) for p in parts])
+    with fusion.statistics_per_microbatch([together], [4, 4, 4]):
+        got = together(torch.cat(parts))
+    assert torch.equal(got, expected)
+    assert_state_close(together.state_dict(), apart.state_dict())
+    assert "forward" not in vars(together)  # put back
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(), Residual(4),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("batch, n", [(8, 2), (10, 3)])  # equal and unequal microbatches
+def test_training_with_the_microbatches_as_one_batch_matches_them_apart(batch, n, where):
+    batches = image_batches(count=4, batch=batch)
+    together, ref = train_both(model(), batches, n, delayed=True, **sim(where=where))  # each step's loss against plain PyTorch
+    assert whole_graphs(together).microbatches == "as one batch (fusion.py)"
+    assert_state_close(together.state_dict(), ref.state())
+    apart, _ = train_both(model(), batches, n, delayed=True, **sim(Tuning(fuse_microbatches=False), where))
+    assert whole_graphs(apart).microbatches == "apart: off (Tuning.fuse_microbatches=False)"
+    assert_state_close(together.state_dict(), apart.state_dict())  # running statistics and batch counts included
+    together.close()
+    apart.close()
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_each_microbatch_gets_its_own_loss_and_outputs(where):
+    cfg = RoundPipeRunConfig(num_microbatch=3, execute_plan=ExecutePlan.single_stage(7))
+    x, y = image_batches(count=1, batch=10)[0]
+    got = {}
+    for fuse in (True, False):
+        engine = RoundPipe(model(), **sim(Tuning(fuse_microbatches=fuse), where))
+        for _ in range(3):  # measured, recorded, replayed
+            loss, out = engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss(), return_outputs=True, run_config=cfg)
+            engine.synchronize()
+        got[fuse] = (loss.clone(), out.clone())
+        engine.close()
+    torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[True][1], got[False][1], rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_with_dropout_runs_its_microbatches_apart_and_explain_says_why():
+    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=SINGLE)
+    engine = RoundPipe(convnet(dropout=0.5), model_run_config=cfg, **sim())
+    x, y = image_batches(count=1)[0]
+    for _ in range(2):
+        engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss())
+    why = "apart: layer 6 (Dropout): dropout would draw its random numbers in another order"
+    assert whole_graphs(engine).microbatches == why
+    assert f"the last recorded call's microbatches: {why}" in engine.explain(x)
+    engine.close()
