@@ -145,3 +145,23 @@ def test_a_model_with_dropout_runs_its_microbatches_apart_and_explain_says_why()
     assert whole_graphs(engine).microbatches == why
     assert f"the last recorded call's microbatches: {why}" in engine.explain(x)
     engine.close()
+
+
+class Caching(nn.Module):
+    """Builds a table on first use, as a rotary embedding may."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.ones(x.shape[1:])
+        return x * self.table
+
+
+def test_tracing_leaves_no_stand_in_behind():
+    layer = Caching()
+    fusion.why_not([layer])
+    assert layer.table is None and vars(layer).keys() == vars(Caching()).keys()
+    assert torch.equal(layer(torch.ones(2, 3)), torch.ones(2, 3))

@@ -17,6 +17,7 @@ numbers in another order) keeps the microbatches apart, and ``why_not`` says why
 from __future__ import annotations
 
 import contextlib
+import copy
 import operator
 from typing import Any, Iterator, Optional, Sequence
 
@@ -80,7 +81,8 @@ def _module_why_not(m: nn.Module) -> Optional[str]:
     if type(m).__module__.startswith("torch.nn"):
         return f"{type(m).__name__} is not known to treat each sample by itself"
     try:
-        graph = torch.fx.symbolic_trace(m).graph
+        with _state_kept(m):
+            graph = torch.fx.symbolic_trace(m).graph
     except Exception as e:  # data-dependent Python, a construct fx cannot follow
         return f"its forward cannot be traced ({type(e).__name__})"
     for node in graph.nodes:
@@ -88,6 +90,19 @@ def _module_why_not(m: nn.Module) -> Optional[str]:
         if why is not None:
             return why
     return None
+
+
+@contextlib.contextmanager
+def _state_kept(m: nn.Module) -> Iterator[None]:
+    """Tracing runs the forward's Python on stand-ins: a forward that caches something on first use (a
+    rotary table, a mask) would keep a stand-in. Every module's attributes are put back afterwards."""
+    saved = [(sub, {k: copy.copy(v) if isinstance(v, dict) else v for k, v in vars(sub).items()}) for sub in m.modules()]
+    try:
+        yield
+    finally:
+        for sub, attrs in saved:
+            vars(sub).clear()
+            vars(sub).update(attrs)
 
 
 def _node_why_not(root: nn.Module, node: torch.fx.Node) -> Optional[str]:
