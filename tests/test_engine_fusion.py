@@ -5,16 +5,21 @@ microbatch's BatchNorm statistics (tests/reference.py), fp32 at rtol 1e-5: losse
 BatchNorm's running statistics and its batch count."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from reference import assert_state_close
-from rptrain import ExecutePlan, RoundPipe, RoundPipeRunConfig, Tuning
+from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.engine import fusion
 from rptrain.models import build_model
+from rptrain.optim import Adam
 from test_engine_equivalence import convnet, image_batches, train_both
 from test_engine_whole_call import SINGLE, WHERE, sim, whole_graphs
+
+FUSE = Tuning(fuse_microbatches=True)
 
 
 class Residual(nn.Module):
@@ -109,10 +114,10 @@ def model() -> nn.Sequential:
 @pytest.mark.parametrize("batch, n", [(8, 2), (10, 3)])  # equal and unequal microbatches
 def test_training_with_the_microbatches_as_one_batch_matches_them_apart(batch, n, where):
     batches = image_batches(count=4, batch=batch)
-    together, ref = train_both(model(), batches, n, delayed=True, **sim(where=where))  # each step's loss against plain PyTorch
+    together, ref = train_both(model(), batches, n, delayed=True, **sim(FUSE, where))  # each step's loss against plain PyTorch
     assert whole_graphs(together).microbatches == "as one batch (fusion.py)"
     assert_state_close(together.state_dict(), ref.state())
-    apart, _ = train_both(model(), batches, n, delayed=True, **sim(Tuning(fuse_microbatches=False), where))
+    apart, _ = train_both(model(), batches, n, delayed=True, **sim(where=where))  # the default
     assert whole_graphs(apart).microbatches == "apart: off (Tuning.fuse_microbatches=False)"
     assert_state_close(together.state_dict(), apart.state_dict())  # running statistics and batch counts included
     together.close()
@@ -137,7 +142,7 @@ def test_each_microbatch_gets_its_own_loss_and_outputs(where):
 
 def test_a_model_with_dropout_runs_its_microbatches_apart_and_explain_says_why():
     cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=SINGLE)
-    engine = RoundPipe(convnet(dropout=0.5), model_run_config=cfg, **sim())
+    engine = RoundPipe(convnet(dropout=0.5), model_run_config=cfg, **sim(FUSE))
     x, y = image_batches(count=1)[0]
     for _ in range(2):
         engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss())
@@ -165,3 +170,36 @@ def test_tracing_leaves_no_stand_in_behind():
     fusion.why_not([layer])
     assert layer.table is None and vars(layer).keys() == vars(Caching()).keys()
     assert torch.equal(layer(torch.ones(2, 3)), torch.ones(2, 3))
+
+
+def test_resume_with_a_pinned_plan_is_exact():
+    """With the plan pinned there is no measuring first call: the uninterrupted and the resumed engine both run
+    every call fused, bit for bit alike (Tuning.fuse_microbatches says why it is off by default)."""
+    cfg = RoundPipeRunConfig(num_microbatch=3, execute_plan=ExecutePlan.single_stage(7))
+    batches = image_batches(count=5, batch=10)
+
+    def engine_and_opt():
+        engine = RoundPipe(model(), model_run_config=cfg, **sim(FUSE))
+        with OptimizerCtx():
+            opt = Adam(engine.parameters(), lr=1e-2)
+        return engine, opt
+
+    def train(engine, opt, part):
+        for x, y in part:
+            engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss())
+            engine.step(lambda: (opt.step(), opt.zero_grad()))
+        engine.synchronize()
+
+    engine, opt = engine_and_opt()
+    train(engine, opt, batches[:3])
+    saved = copy.deepcopy({"model": engine.state_dict(), "optim": opt.state_dict()})
+    train(engine, opt, batches[3:])
+    resumed, opt2 = engine_and_opt()
+    resumed.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["optim"])
+    train(resumed, opt2, batches[3:])
+    assert whole_graphs(resumed).microbatches == "as one batch (fusion.py)"
+    for k, v in resumed.state_dict().items():
+        assert torch.equal(v, engine.state_dict()[k]), k
+    engine.close()
+    resumed.close()

@@ -84,8 +84,11 @@ class Tuning:
     whole_call_graphs: bool = True
     # Inside a whole call, run the microbatches as one batch where every layer treats each sample by itself
     # (fusion.py; BatchNorm keeps each microbatch's statistics): fewer, fuller kernels. Half-size kernels made
-    # the tutorial's two microbatches of 64 take 6.11 ms against 3.62 for one of 128 (H100, 2026-12-06).
-    fuse_microbatches: bool = True
+    # the tutorial's two microbatches of 64 take 6.11 ms against 3.62 for one of 128 (H100, 2026-12-06). Off
+    # by default: not yet measured on a GPU, and a fresh engine's first call measures its layers stage by
+    # stage with the microbatches apart, so a run resumed into a new engine would round differently from the
+    # uninterrupted run at that call (with a pinned ExecutePlan both run fused and resume stays exact).
+    fuse_microbatches: bool = False
     # torch.compile (inductor) the stage's layers inside the whole call's recording (CLI engine.compile):
     # fused elementwise kernels, paid for by compiling at the first recording of each call shape. Off: the
     # 20-epoch main job took 53.8 s without and 99.1 s with it (H200, one invocation at 5b07351, 2026-12-06:
