@@ -58,6 +58,11 @@ class OwnConv(nn.Conv2d):
         return super().forward(x - x.mean(0))
 
 
+def _hooked(m: nn.Module) -> nn.Module:
+    m.register_forward_hook(lambda module, args, out: None)
+    return m
+
+
 def test_the_tutorial_resnet_and_a_traced_block_run_as_one_batch():
     assert fusion.why_not(list(build_model("resnet34"))) is None
     assert fusion.why_not([Residual(4), nn.Flatten(), nn.Softmax(dim=1), nn.Dropout(0.0)]) is None
@@ -73,6 +78,7 @@ def test_the_tutorial_resnet_and_a_traced_block_run_as_one_batch():
     (nn.Flatten(0), "flattens from dimension 0"),
     (nn.Softmax(dim=0), "Softmax over dimension 0"),
     (nn.MultiheadAttention(4, 2), "MultiheadAttention is not known"),
+    (_hooked(nn.Linear(2, 2)), "a hook on it would see the microbatches together"),
 ])
 def test_layers_that_may_mix_samples_keep_the_microbatches_apart(layer, reason):
     why = fusion.why_not([nn.Identity(), layer])

@@ -12,7 +12,8 @@ statistics, its running statistics updated once per microbatch, in order), exact
 microbatches run apart. Which operations treat each sample by itself is read from each layer's
 torch.fx graph and checked against the lists below; anything else (a layer fx cannot trace, a
 function or module not listed, a view that could mix samples, dropout, which would draw its random
-numbers in another order) keeps the microbatches apart, and ``why_not`` says why for ``explain()``.
+numbers in another order, a hook, which would see the microbatches together) keeps them apart, and
+``why_not`` says why for ``explain()``.
 """
 from __future__ import annotations
 
@@ -23,9 +24,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 import torch.utils._pytree as pytree
+from torch import Tensor, nn
 
 from .batching import iter_tensors
 
@@ -60,6 +60,9 @@ _DIM_FROM_ONE = {torch.flatten: ("start_dim", 0), "flatten": ("start_dim", 0), t
 
 def why_not(layers: Sequence[nn.Module]) -> Optional[str]:
     """None when the layers may run a call's microbatches as one batch, else the first reason they may not."""
+    hooks = nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks:
+        return "a global module hook would see the microbatches together"
     for i, layer in enumerate(layers):
         why = _module_why_not(layer)
         if why is not None:
@@ -68,6 +71,8 @@ def why_not(layers: Sequence[nn.Module]) -> Optional[str]:
 
 
 def _module_why_not(m: nn.Module) -> Optional[str]:
+    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+        return "a hook on it would see the microbatches together"
     if type(m) in _DROPOUTS:
         return "dropout would draw its random numbers in another order" if m.training and m.p > 0 else None
     if type(m) is nn.Flatten:
