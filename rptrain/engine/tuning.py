@@ -83,11 +83,11 @@ class Tuning:
     # loss's kernels and the autograd engine's work per microbatch. False: stage by stage, as before.
     whole_call_graphs: bool = True
     # Inside a whole call, run the microbatches as one batch where every layer treats each sample by itself
-    # (fusion.py; BatchNorm keeps each microbatch's statistics): fewer, fuller kernels. Half-size kernels made
-    # the tutorial's two microbatches of 64 take 6.11 ms against 3.62 for one of 128 (H100, 2026-12-06). Off
-    # by default: not yet measured on a GPU, and a fresh engine's first call measures its layers stage by
-    # stage with the microbatches apart, so a run resumed into a new engine would round differently from the
-    # uninterrupted run at that call (with a pinned ExecutePlan both run fused and resume stays exact).
+    # (fusion.py; BatchNorm keeps each microbatch's statistics): fewer, fuller kernels. The tutorial's loop
+    # (ResNet-34, two microbatches of 64) took 10.45 against 14.41 ms a step (H100, one invocation, 2026-12-07,
+    # bench/README). Off by default: a fresh engine's first call measures its layers stage by stage with the
+    # microbatches apart, so a run resumed into a new engine would round differently from the uninterrupted
+    # run at that call (with a pinned ExecutePlan both run fused and resume stays exact).
     fuse_microbatches: bool = False
     # torch.compile (inductor) the stage's layers inside the whole call's recording (CLI engine.compile):
     # fused elementwise kernels, paid for by compiling at the first recording of each call shape. Off: the
