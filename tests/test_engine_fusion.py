@@ -209,3 +209,33 @@ def test_resume_with_a_pinned_plan_is_exact():
         assert torch.equal(v, engine.state_dict()[k]), k
     engine.close()
     resumed.close()
+
+
+def test_only_the_batch_cut_along_its_first_dimension_is_joined():
+    """A tensor handed whole to every microbatch (its first dimension merely equal to a microbatch's) or
+    cut by a split_input function along another dimension must not be concatenated."""
+    x, table = torch.randn(8, 3), torch.randn(4, 3)
+    assert fusion.cut_along_batch([(part,) for part in x.split([4, 4])])
+    assert not fusion.cut_along_batch([(part, table) for part in x.split([4, 4])])  # the same table in both
+    assert not fusion.cut_along_batch([(part,) for part in x.split([2, 1], dim=1)])
+    assert not fusion.cut_along_batch([(part,) for part in reversed(x.split([4, 4]))])
+
+
+class AddTable(nn.Module):
+    def forward(self, x, table):
+        return x + table
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_tensor_handed_to_every_microbatch_keeps_them_apart(where):
+    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=ExecutePlan.single_stage(2))
+    engine = RoundPipe(nn.Sequential(AddTable(), nn.Linear(3, 2)), **sim(FUSE, where))
+    x, table = torch.randn(8, 3), torch.randn(4, 3)  # a table of 4 rows: a microbatch's size, not the batch's
+    for _ in range(2):
+        loss = engine.forward_backward(input_args=(x, table), label=torch.zeros(8, 2), loss_fn=nn.MSELoss(), run_config=cfg)
+    assert whole_graphs(engine).microbatches == "apart: the microbatches' inputs are not the batch cut along its first dimension"
+    with torch.no_grad():
+        model = engine.model
+        expected = sum(nn.MSELoss()(model[1](part + table), torch.zeros(4, 2)) for part in x.split(4))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    engine.close()

@@ -128,6 +128,24 @@ def _name(target: Any) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", repr(target))
 
 
+def cut_along_batch(values: list) -> bool:
+    """Whether each tensor of the microbatches is a run of consecutive dimension-0 slices of one tensor,
+    as the automatic split cuts the batch: joining them gives the batch back. A tensor handed whole to
+    every microbatch, or cut another way (a split_input function), is not."""
+    columns = [list(iter_tensors(v)) for v in values]
+    if len({len(c) for c in columns}) != 1:
+        return False
+    for column in zip(*columns):
+        first = column[0]
+        offset = first.storage_offset()
+        for t in column:
+            if (t.dim() == 0 or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                    or t.storage_offset() != offset or t.shape[1:] != first.shape[1:] or t.stride() != first.stride()):
+                return False
+            offset += t.shape[0] * t.stride(0)
+    return True
+
+
 def microbatch_sizes(inputs: list) -> Optional[list[int]]:
     """Each microbatch's size (dimension 0 of every tensor it holds), or None where a microbatch's
     tensors disagree on it or one has none."""
@@ -170,7 +188,7 @@ def joined(values: list) -> Optional[Any]:
     if any(s != spec for _, s in flat):
         return None
     leaves = []
-    for column in zip(*(leaves for leaves, _ in flat)):
+    for column in zip(*(items for items, _ in flat)):
         if all(isinstance(c, Tensor) for c in column):
             leaves.append(torch.cat(column))
         elif all(c is column[0] or (type(c) in _VALUES and c == column[0]) for c in column):

@@ -174,8 +174,7 @@ class _EagerWholeCall(WholeCallGraphs):
     the scales read from their tensors as a replay reads them; like a real replay it returns the
     losses and outputs in the same memory every time."""
 
-    def _capture(self, layers: list, inputs: list, labels: list, loss_fn: Callable) -> Recorded:
-        sizes = self.fused_sizes(layers, inputs)
+    def _capture(self, layers: list, inputs: list, labels: list, loss_fn: Callable, sizes: Optional[list]) -> Recorded:
         run_call(layers, inputs, labels, loss_fn, {}, {}, self._forward(layers), sizes=sizes)  # the warm-up a recording runs (its effects are put back)
         return Recorded(None, [], [], [], [], {}, keep=loss_fn, sizes=sizes)
 

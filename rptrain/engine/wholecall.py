@@ -146,9 +146,10 @@ class WholeCallGraphs:
         self.microbatches: Optional[str] = None  # how the newest recording runs its microbatches: as one batch, or why apart
         self._apart: dict[tuple, Optional[str]] = {}  # the layers' ids and modes -> fusion.why_not
 
-    def fused_sizes(self, layers: list, inputs: list) -> Optional[list]:
+    def fused_sizes(self, layers: list, inputs: list, batch_cut: bool) -> Optional[list]:
         """The microbatches' sizes where the call may run them as one batch (fusion.py), else None
-        (``microbatches`` says why)."""
+        (``microbatches`` says why). ``batch_cut``: the caller's microbatches are the batch cut along
+        dimension 0 (``fusion.cut_along_batch``, judged before they were moved to the GPU)."""
         sizes = fusion.microbatch_sizes(inputs)
         if len(inputs) < 2:
             why = None
@@ -156,8 +157,8 @@ class WholeCallGraphs:
             why = "off (Tuning.fuse_microbatches=False)"
         elif self.tuning.compile_stages:
             why = "the stage is compiled (Tuning.compile_stages)"
-        elif sizes is None:
-            why = "a microbatch's tensors do not share their first dimension"
+        elif sizes is None or not batch_cut:
+            why = "the microbatches' inputs are not the batch cut along its first dimension"
         else:
             key = tuple((id(m), m.training) for layer in layers for m in layer.modules())
             if key not in self._apart:
@@ -177,16 +178,17 @@ class WholeCallGraphs:
             self._compiled[key] = torch.compile(_stage_forward(layers), backend="inductor" if self.device.type == "cuda" else "eager")
         return self._compiled[key]
 
-    def run(self, modes: tuple, modules: Any, inputs: list, labels: list, loss_fn: Callable) -> Optional[Replayed]:
+    def run(self, modes: tuple, modules: Any, inputs: list, labels: list, loss_fn: Callable, batch_cut: bool = False) -> Optional[Replayed]:
         """Replay (recording first on a new key); None: run this call stage by stage (``fallback`` says why).
-        ``modules``: the stage's modules, bound on iteration (only recording and eager replays need them)."""
+        ``modules``: the stage's modules, bound on iteration (only recording and eager replays need them);
+        ``batch_cut``: as ``fused_sizes`` takes it."""
         key, why = self._key(modes, inputs, labels, loss_fn)
         if key is not None and key not in self._recorded:
             why = self._refusal(key)
             if why is not None:
                 key = None
             else:
-                self._recorded[key] = self._record(key, modules, inputs, labels, loss_fn)
+                self._recorded[key] = self._record(key, modules, inputs, labels, loss_fn, batch_cut)
         rec = self._recorded.get(key) if key is not None else None
         if rec is None:
             self.fallback = why or self._failed.get(key, "not recorded")
@@ -227,7 +229,7 @@ class WholeCallGraphs:
         rec.graph.replay()
         return Replayed(rec.losses, rec.outputs, scalers)
 
-    def _record(self, key: tuple, modules: Any, inputs: list, labels: list, loss_fn: Callable) -> Optional[Recorded]:
+    def _record(self, key: tuple, modules: Any, inputs: list, labels: list, loss_fn: Callable, batch_cut: bool) -> Optional[Recorded]:
         layers = list(modules)
         params = [p for m in layers for p in m.parameters()]
         buffers = [b for m in layers for b in m.buffers()]
@@ -236,7 +238,7 @@ class WholeCallGraphs:
         rng = self._rng()
         try:
             with closure_kept(loss_fn):  # warm-ups and the recording leave the closure as it was
-                return self._capture(layers, inputs, labels, loss_fn)
+                return self._capture(layers, inputs, labels, loss_fn, self.fused_sizes(layers, inputs, batch_cut))
         except Exception as e:  # anything a graph cannot hold: this call shape runs stage by stage
             reason = self._failed[key] = f"recording the whole call failed: {type(e).__name__}: {e}"
             warnings.warn(f"rptrain: {reason}; running it stage by stage", stacklevel=5)
@@ -268,14 +270,14 @@ class WholeCallGraphs:
     def _set_rng(self, state: Tensor) -> None:
         rng.set_state(state, self.device)
 
-    def _capture(self, layers: list, inputs: list, labels: list, loss_fn: Callable) -> Recorded:
+    def _capture(self, layers: list, inputs: list, labels: list, loss_fn: Callable, sizes: Optional[list]) -> Recorded:
         static_in = [map_tensors(lambda t: t.detach().clone(), v) for v in inputs]
         static_labels = [map_tensors(lambda t: t.detach().clone(), v) for v in labels]
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
         factors: dict = {}
-        forward, sizes = self._forward(layers), self.fused_sizes(layers, static_in)
+        forward = self._forward(layers)
         # One stream for the warm-up and the recording: autograd runs a node's backward on its forward's stream.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         start, budget = torch.cuda.memory_allocated(self.device), self._memory_budget()
