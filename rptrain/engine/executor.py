@@ -255,7 +255,8 @@ class Executor:
         else:
             inputs = [convert_inputs(map_tensors(Tensor.detach, device.receive(v, None, None)), self.memory_format) for v in state.first_inputs]
             labels = [device.receive(y, None, None) for y in state.labels]
-            done = graphs.run(state.graph_modes, run.modules, inputs, labels, state.loss_fn, fusion.cut_along_batch(state.first_inputs))
+            cut = self.tuning.fuse_microbatches and fusion.cut_along_batch(state.first_inputs)  # judged before the upload
+            done = graphs.run(state.graph_modes, run.modules, inputs, labels, state.loss_fn, cut)
         if done is None:
             for m in range(state.num_microbatch):
                 self._compute(run, Action(action.device, Op.FUSED, action.job, micro=m), state)
