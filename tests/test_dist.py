@@ -16,6 +16,7 @@ import dist_worker  # noqa: E402
 
 from rptrain import OptimizerCtx, RoundPipe  # noqa: E402
 from rptrain.optim import Adam  # noqa: E402
+from rptrain.train.dist import say  # noqa: E402
 
 
 def torchrun(out: Path, *extra: str, nproc: int = 2, timeout: int = 180) -> subprocess.CompletedProcess:
@@ -72,3 +73,20 @@ def test_a_dead_rank_stops_the_others_with_an_error(tmp_path):
     assert time.monotonic() - start < 120, "the surviving rank hung"
     assert "rank 1 dies on purpose" in result.stdout + result.stderr
     assert not (tmp_path / "rank0.pt").exists()
+
+
+def test_a_ranks_line_reaches_stderr_in_one_write(monkeypatch):
+    """Two ranks print their errors at once: a line written as text, then its newline (as print() does), let
+    the two share a line of the output (a flaky test_cli_dist test showed it)."""
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    say("rptrain: error: rank 1: the batch does not split")
+    assert writes == ["rptrain: error: rank 1: the batch does not split\n"]

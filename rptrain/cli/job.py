@@ -40,7 +40,7 @@ def fail(message: str, code: int = 2, to_log: bool = True, kind: str = "error") 
     message = dist.rank_prefix() + message  # under torchrun the ranks' output interleaves
     if to_log:  # inside a job: the run's log file (before one, logging would echo it to stderr)
         log.error(message)
-    print(f"rptrain: {kind}: {message}", file=sys.stderr, flush=True)
+    dist.say(f"rptrain: {kind}: {message}")
     raise SystemExit(code)
 
 
@@ -113,7 +113,7 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
             saved = f"checkpoint saved to {stopped.checkpoint}" if stopped.checkpoint else "no checkpoint to write yet"
             say_stopped = f"interrupted at step {stopped.step} ({stopped.request.name}): {saved}; resume with: {hint}"
             log.error(say_stopped)
-            print(f"rptrain: stopped: {say_stopped}", file=sys.stderr, flush=True)
+            dist.say(f"rptrain: stopped: {say_stopped}")
         _wait_for_rank0(group)  # nobody leaves before rank 0 has written and said it: torchrun would kill it
         raise SystemExit(stopped.request.exit_code)
     except dist.FailedOnRankZero:
@@ -136,7 +136,7 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> dict:
     except BaseException as err:
         status("failed", error=one_line(repr(err)))
         if dist.world_size() > 1 and not isinstance(err, SystemExit):  # one line before the traceback, naming the rank
-            print(f"rptrain: error: rank {dist.rank()}: {one_line(repr(err))[:300]}", file=sys.stderr, flush=True)
+            dist.say(f"rptrain: error: rank {dist.rank()}: {one_line(repr(err))[:300]}")
         if isinstance(err, Exception) and dist.world_size() == 1 and not _in_sweep() and os.environ.get("HYDRA_FULL_ERROR") != "1":
             # A bug, not a user error: the traceback goes to rptrain.log, and the error itself is the one
             # line the user sees, not whatever note or cleanup message Hydra's trimmed traceback ends with.

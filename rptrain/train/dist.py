@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -71,6 +72,13 @@ def rank_prefix() -> str:
         return f"rank {rank()}: " if world_size() > 1 else ""
     except ConfigError:
         return ""
+
+
+def say(line: str) -> None:
+    """``line`` on stderr in one write. print() writes the text and its newline separately, so two ranks
+    printing at once could share a line ("rank 0: ...rank 1: ...", then two newlines; seen in CI)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 @dataclass
