@@ -14,6 +14,7 @@ from torch import nn
 from reference import assert_state_close
 from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.engine import fusion
+from rptrain.engine.batching import merge_outputs
 from rptrain.models import build_model
 from rptrain.optim import Adam
 from test_engine_equivalence import convnet, image_batches, train_both
@@ -87,10 +88,11 @@ def test_layers_that_may_mix_samples_keep_the_microbatches_apart(layer, reason):
 
 def test_join_and_split_keep_each_microbatch():
     parts = [torch.randn(4, 3), torch.randn(3, 3), torch.randn(3, 3)]
-    joined = fusion.joined([(p, 1.5) for p in parts])
+    joined = merge_outputs([(p, 1.5) for p in parts])  # how run_call joins them
     assert joined[0].shape == (10, 3) and joined[1] == 1.5
     assert all(torch.equal(a, b[0]) for a, b in zip(parts, fusion.split(joined, [4, 3, 3])))
-    assert fusion.joined([(parts[0], 1.0), (parts[1], 2.0)]) is None  # the microbatches differ in a number
+    with pytest.raises(ValueError, match="differs between microbatches"):  # the microbatches differ in a number
+        merge_outputs([(parts[0], 1.0), (parts[1], 2.0)])
     assert fusion.microbatch_sizes([(p, torch.zeros(len(p))) for p in parts]) == [4, 3, 3]
     assert fusion.microbatch_sizes([(parts[0], torch.zeros(2))]) is None
     with pytest.raises(ValueError, match="no batch dimension of 10"):

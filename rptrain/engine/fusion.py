@@ -39,7 +39,6 @@ _PER_SAMPLE_MODULES = frozenset((
 ))  # exact types: a subclass may have a forward of its own
 _BATCH_NORMS = frozenset((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))  # run once per microbatch slice
 _DROPOUTS = frozenset((nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout))  # per sample, drawing in another order
-_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 # Functions and tensor methods that treat each sample by itself (elementwise, or per sample by definition).
 _PER_SAMPLE_FUNCTIONS = {
@@ -178,24 +177,6 @@ def _sliced(forward: Any, sizes: list[int]) -> Any:
         return torch.cat([forward(part) for part in x.split(sizes)])
 
     return run
-
-
-def joined(values: list) -> Optional[Any]:
-    """The microbatches' values as one: their tensors concatenated along dimension 0, anything else
-    as every microbatch has it; None where the microbatches differ in structure or in a non-tensor."""
-    flat = [pytree.tree_flatten(v) for v in values]
-    spec = flat[0][1]
-    if any(s != spec for _, s in flat):
-        return None
-    leaves = []
-    for column in zip(*(items for items, _ in flat)):
-        if all(isinstance(c, Tensor) for c in column):
-            leaves.append(torch.cat(column))
-        elif all(c is column[0] or (type(c) in _VALUES and c == column[0]) for c in column):
-            leaves.append(column[0])
-        else:
-            return None
-    return pytree.tree_unflatten(leaves, spec)
 
 
 def split(value: Any, sizes: Sequence[int]) -> list:

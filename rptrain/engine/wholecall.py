@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from . import fusion, rng
-from .batching import iter_tensors, map_tensors, opaque_type
+from .batching import iter_tensors, map_tensors, merge_outputs, opaque_type
 from .compute import loss_scalars
 from .graphs import signature
 from .loss_key import closure_kept, loss_key
@@ -111,11 +111,8 @@ def run_call(modules: Iterable[nn.Module], inputs: list, labels: list, loss_fn: 
     losses, outputs, pending = [], [], []
     with torch.enable_grad():
         if sizes is not None:
-            with fusion.statistics_per_microbatch(modules, sizes):
-                joined = fusion.joined(inputs)
-                if joined is None:
-                    raise ValueError("the microbatches' inputs differ in structure or in a value that is not a tensor")
-                parts = fusion.split(forward(joined), sizes)
+            with fusion.statistics_per_microbatch(modules, sizes):  # the inputs joined as the engine merges outputs
+                parts = fusion.split(forward(merge_outputs(inputs)), sizes)
         for m, y in enumerate(labels):
             out = parts[m] if sizes is not None else forward(inputs[m])
             with recording_scalers(registry), scaling_by_tensors(factors):
