@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from . import compute, fusion
+from . import compute
 from .actions import Action, Facts, Lowered, Op, Sizes, lower_call
 from .callpath import CallPath
 from .compute import BoundOnUse, JobRun, buffer_versions
@@ -255,8 +255,7 @@ class Executor:
         else:
             inputs = [convert_inputs(map_tensors(Tensor.detach, device.receive(v, None, None)), self.memory_format) for v in state.first_inputs]
             labels = [device.receive(y, None, None) for y in state.labels]
-            cut = self.tuning.fuse_microbatches and fusion.cut_along_batch(state.first_inputs)  # judged before the upload
-            done = graphs.run(state.graph_modes, run.modules, inputs, labels, state.loss_fn, cut)
+            done = graphs.run(state.graph_modes, run.modules, inputs, labels, state.loss_fn, state.first_inputs)
         if done is None:
             for m in range(state.num_microbatch):
                 self._compute(run, Action(action.device, Op.FUSED, action.job, micro=m), state)

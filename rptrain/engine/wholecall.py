@@ -143,27 +143,27 @@ class WholeCallGraphs:
         self.microbatches: Optional[str] = None  # how the newest recording runs its microbatches: as one batch, or why apart
         self._apart: dict[tuple, Optional[str]] = {}  # the layers' ids and modes -> fusion.why_not
 
-    def fused_sizes(self, layers: list, inputs: list, batch_cut: bool) -> Optional[list]:
+    def fused_sizes(self, layers: list, inputs: list, split: Optional[list]) -> Optional[list]:
         """The microbatches' sizes where the call may run them as one batch (fusion.py), else None
-        (``microbatches`` says why). ``batch_cut``: the caller's microbatches are the batch cut along
-        dimension 0 (``fusion.cut_along_batch``, judged before they were moved to the GPU)."""
-        sizes = fusion.microbatch_sizes(inputs)
+        (``microbatches`` says why). ``split``: the caller's microbatches before they were moved to the
+        GPU, where ``fusion.cut_along_batch`` can still see that they are the batch cut along dimension 0."""
         if len(inputs) < 2:
-            why = None
-        elif not self.tuning.fuse_microbatches:
+            self.microbatches = "one"
+            return None
+        sizes = fusion.microbatch_sizes(inputs)
+        if not self.tuning.fuse_microbatches:
             why = "off (Tuning.fuse_microbatches=False)"
         elif self.tuning.compile_stages:
             why = "the stage is compiled (Tuning.compile_stages)"
-        elif sizes is None or not batch_cut:
+        elif sizes is None or split is None or not fusion.cut_along_batch(split):
             why = "the microbatches' inputs are not the batch cut along its first dimension"
         else:
             key = tuple((id(m), m.training) for layer in layers for m in layer.modules())
             if key not in self._apart:
                 self._apart[key] = fusion.why_not(layers)
             why = self._apart[key]
-        fused = why is None and len(inputs) > 1
-        self.microbatches = "as one batch (fusion.py)" if fused else f"apart: {why}" if why else "one"
-        return sizes if fused else None
+        self.microbatches = "as one batch (fusion.py)" if why is None else f"apart: {why}"
+        return sizes if why is None else None
 
     def _forward(self, layers: list) -> Optional[Callable[[Any], Any]]:
         """The stage compiled (``Tuning.compile_stages``; inductor, compiled by the first warm-up call and
@@ -175,17 +175,17 @@ class WholeCallGraphs:
             self._compiled[key] = torch.compile(_stage_forward(layers), backend="inductor" if self.device.type == "cuda" else "eager")
         return self._compiled[key]
 
-    def run(self, modes: tuple, modules: Any, inputs: list, labels: list, loss_fn: Callable, batch_cut: bool = False) -> Optional[Replayed]:
+    def run(self, modes: tuple, modules: Any, inputs: list, labels: list, loss_fn: Callable, split: Optional[list] = None) -> Optional[Replayed]:
         """Replay (recording first on a new key); None: run this call stage by stage (``fallback`` says why).
         ``modules``: the stage's modules, bound on iteration (only recording and eager replays need them);
-        ``batch_cut``: as ``fused_sizes`` takes it."""
+        ``split``: as ``fused_sizes`` takes it (judged only when a call shape is recorded)."""
         key, why = self._key(modes, inputs, labels, loss_fn)
         if key is not None and key not in self._recorded:
             why = self._refusal(key)
             if why is not None:
                 key = None
             else:
-                self._recorded[key] = self._record(key, modules, inputs, labels, loss_fn, batch_cut)
+                self._recorded[key] = self._record(key, modules, inputs, labels, loss_fn, split)
         rec = self._recorded.get(key) if key is not None else None
         if rec is None:
             self.fallback = why or self._failed.get(key, "not recorded")
@@ -226,7 +226,7 @@ class WholeCallGraphs:
         rec.graph.replay()
         return Replayed(rec.losses, rec.outputs, scalers)
 
-    def _record(self, key: tuple, modules: Any, inputs: list, labels: list, loss_fn: Callable, batch_cut: bool) -> Optional[Recorded]:
+    def _record(self, key: tuple, modules: Any, inputs: list, labels: list, loss_fn: Callable, split: Optional[list]) -> Optional[Recorded]:
         layers = list(modules)
         params = [p for m in layers for p in m.parameters()]
         buffers = [b for m in layers for b in m.buffers()]
@@ -235,7 +235,7 @@ class WholeCallGraphs:
         rng = self._rng()
         try:
             with closure_kept(loss_fn):  # warm-ups and the recording leave the closure as it was
-                return self._capture(layers, inputs, labels, loss_fn, self.fused_sizes(layers, inputs, batch_cut))
+                return self._capture(layers, inputs, labels, loss_fn, self.fused_sizes(layers, inputs, split))
         except Exception as e:  # anything a graph cannot hold: this call shape runs stage by stage
             reason = self._failed[key] = f"recording the whole call failed: {type(e).__name__}: {e}"
             warnings.warn(f"rptrain: {reason}; running it stage by stage", stacklevel=5)
