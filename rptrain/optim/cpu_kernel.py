@@ -192,8 +192,8 @@ _failed = False
 # -mprefer-vector-width=512: gcc builds for Intel's AVX-512 Xeons with 256-bit vectors unless told otherwise
 # (`-march=native` is sapphirerapids on the GPU machine, preferring 256). The loop is bound by its arithmetic, so the
 # width decides its speed: 0.261 against 0.337 ns a parameter at 16 threads there (fused fp32 AdamW 0.247; H100 machine,
-# one invocation, 2026-12-07, bench/README). On CPUs without AVX-512 it changes nothing; CI's AMD EPYC already builds
-# 512 wide (with 256 forced it took 0.777 against 0.447).
+# one invocation, 2026-12-07, bench/README). On CPUs without AVX-512 it changes nothing; on the CI machines' AMD EPYCs it
+# changed nothing measurable (one already built 512 wide, 0.447; with 256 forced it took 0.777).
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
           "-fno-signed-zeros", "-ffinite-math-only"]
 # Set before the first kernel() call to build a candidate (bench/optim_lowp.py --cflags). Tried and dropped:
