@@ -53,6 +53,23 @@ def phases(log: str, started: float, ended: float) -> dict[str, float]:
     return {k: round(v, 2) for k, v in out.items()}
 
 
+def setup_steps(log: str) -> list[list]:
+    """The setup's log lines up to the first step's, each as [seconds since the line before, its first words]:
+    which part of the setup (model and data, engine, optimizer and checkpoint check, first step) took the time."""
+    out, before = [], None
+    for line in log.splitlines():
+        m = STAMP.match(line)
+        if not m:
+            continue
+        t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+        text = line[m.end():].split("] ", 1)[-1]
+        out.append([round(t - before, 2) if before is not None else 0.0, text[:48]])
+        before = t
+        if re.search(r"Epoch 1/\d+: ", line):
+            break
+    return out
+
+
 def windows(records: list[dict], epoch: int) -> list[dict]:
     """The epoch's train records, each with ``_steps``: the steps its window covered."""
     out, before = [], 0
@@ -94,9 +111,10 @@ def main() -> None:
         summary = json.loads((run_dir / "summary.json").read_text())
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         epochs = [r for r in records if r.get("kind") == "epoch"]
-        spent = phases((run_dir / "rptrain.log").read_text(), started, ended)
+        log = (run_dir / "rptrain.log").read_text()
+        spent, setup = phases(log, started, ended), setup_steps(log)
     emit(bench="main_job", device=args.device, epochs=args.epochs, num_train=args.num_train, num_test=args.num_test,
-         overrides=" ".join(args.overrides), dataset_written_s=round(written_s, 1), wall_s=round(wall_s, 2), phases_s=spent,
+         overrides=" ".join(args.overrides), dataset_written_s=round(written_s, 1), wall_s=round(wall_s, 2), phases_s=spent, setup_lines_s=setup,
          epoch_wall_s=[round(r["epoch_wall_time"], 2) for r in epochs],
          # where the first epoch's extra time goes: its log windows (seconds each, on the wall clock) and every evaluation
          first_epoch_windows_s=[round(r["step_wall_time"] * r["_steps"], 2) for r in windows(records, 1)],
