@@ -381,7 +381,7 @@ if [[ $what == fuse ]]; then  # issue 33 (about 5 minutes): a whole call's micro
   # GPU, bf16, channels-last) with the microbatches as one batch and apart, beside the whole-step-graphed plain loop; each its own process
   run 100 python3 -m pytest -q -rf -p no:cacheprovider tests/test_engine_fusion.py tests/test_engine_whole_call.py -m "cuda or not cuda"
   run 60 python3 bench/resnet.py --impl graphed --memory-format channels_last --steps 60
-  for flag in --fuse ""; do
+  for flag in "" --no-fuse; do
     run 60 python3 bench/resnet.py --impl rptrain --steps 60 $flag
     run 60 python3 bench/resnet.py --impl rptrain --steps 60 --read-interval 25 --data-on-device --metrics-on-device --bf16 \
       --memory-format channels_last --microbatches 2 --profile $flag

@@ -186,9 +186,9 @@ def engine(args, model_kwargs, lib_name: str = "rptrain", optimizer_threads: int
     extra = dict(cuda_graphs=not args.no_graphs, optimizer_threads=optimizer_threads) if ours else {}
     if ours and args.no_gpu_state:  # passed only when set: gpu_suite.sh engine-ab runs an engine from before the option
         extra["gpu_state"] = False
-    if ours and (args.no_whole_call or args.fuse):  # passed only when set, as --no-gpu-state
+    if ours and (args.no_whole_call or args.no_fuse):  # passed only when set, as --no-gpu-state
         extra["tuning"] = Tuning(**({"whole_call_graphs": False} if args.no_whole_call else {}),
-                                 **({"fuse_microbatches": True} if args.fuse else {}))
+                                 **({"fuse_microbatches": False} if args.no_fuse else {}))
     if ours and memory_format != "contiguous":  # inputs converted, weights stored channels-last (engine/memory_format.py)
         extra["memory_format"] = torch.channels_last
     model = lib.RoundPipe(build_model("resnet34", **model_kwargs).to(dtype), optim_dtype=torch.float32, **extra)
@@ -309,8 +309,8 @@ def main() -> None:
                    help="the batches wait on the GPU (as the CLI's GPU-augmented dataset does), no upload per step")
     p.add_argument("--no-whole-call", action="store_true",
                    help="engine: Tuning(whole_call_graphs=False), each call stage by stage (stage graphs) instead of one recorded graph")
-    p.add_argument("--fuse", action="store_true",
-                   help="engine: Tuning(fuse_microbatches=True), the whole call's microbatches run as one batch (engine/fusion.py)")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="engine: Tuning(fuse_microbatches=False), a call's microbatches run apart (engine/fusion.py, fused_call.py)")
     p.add_argument("--no-gpu-state", action="store_true", help="engine: RoundPipe(gpu_state=False), all training state on the host")
     p.add_argument("--trace", action="store_true")
     p.add_argument("--no-graphs", action="store_true")
@@ -359,7 +359,7 @@ def main() -> None:
                 rate = args.batch / seconds
                 emit(bench="resnet34", impl="rptrain", device=args.device, batch=args.batch, microbatches=args.microbatches, read_interval=args.read_interval,
                      memory_format=fmt, metrics_on_device=args.metrics_on_device, data_on_device=args.data_on_device, cuda_graphs=not args.no_graphs,
-                     whole_call=not args.no_whole_call, fuse=args.fuse, optimizer_threads=threads, adam=not args.no_step, bf16=args.bf16, step_ms=round(seconds * 1e3, 3),
+                     whole_call=not args.no_whole_call, fuse=not args.no_fuse, optimizer_threads=threads, adam=not args.no_step, bf16=args.bf16, step_ms=round(seconds * 1e3, 3),
                      images_per_s=round(rate, 1), **({"rptrain_over_plain": round(rate / plain_rate, 3)} if plain_rate else {}))
         if args.impl in ("roundpipe", "all"):
             seconds = engine(args, model_kwargs, "roundpipe")

@@ -8,6 +8,7 @@ step: the gradient of iteration k is taken at the weights after max(k-1, 0) step
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable, Optional
 
@@ -32,6 +33,27 @@ def split(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     return list(torch.split(t, split_sizes(t.shape[0], n)))
 
 
+def ran_as_one_batch(engine) -> bool:
+    """Whether the engine's newest training call ran its microbatches as one batch (engine/fused_call.py on
+    the stage path, engine/fusion.py inside a whole call): the reference then does the same."""
+    joined = engine._fusion.joined
+    return joined if joined is not None else any(g.joined for g in engine._executor._whole.values())
+
+
+@contextlib.contextmanager
+def batch_norm_per_slice(model: nn.Module, sizes: list[int]):
+    """Inside: each training-mode BatchNorm of ``model`` normalises each slice of its input by itself, in
+    order (its running statistics updated once per slice), as when the slices run one after another."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    for bn in norms:
+        bn.forward = lambda x, bn=bn: torch.cat([type(bn).forward(bn, part) for part in x.split(sizes)])
+    try:
+        yield
+    finally:
+        for bn in norms:
+            del bn.forward
+
+
 class Reference:
     def __init__(self, model: nn.Module, lr: float = 1e-2, delayed: bool = False, betas=(0.9, 0.999), weight_decay: float = 0.0, device: str = DEVICE,
                  master_device: str = "cpu"):
@@ -43,10 +65,20 @@ class Reference:
         self.opt = torch.optim.Adam(self.master.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
         self.delayed = delayed
 
-    def forward_backward(self, x: Any, y: torch.Tensor, n: int, loss_fn: Callable, call: Optional[Callable] = None) -> float:
-        """Accumulate gradients of one batch in ``n`` microbatches; returns the summed loss."""
+    def forward_backward(self, x: Any, y: torch.Tensor, n: int, loss_fn: Callable, call: Optional[Callable] = None,
+                         fused: bool = False) -> float:
+        """Accumulate gradients of one batch in ``n`` microbatches; returns the summed loss. ``fused``: the
+        microbatches as one batch, BatchNorm per microbatch slice, each microbatch's loss on its slice of
+        the outputs and one backward for all (what the engine does on one GPU: engine/fused_call.py)."""
         call = call or (lambda model, xm: model(xm))
         x, y = map_tensors(lambda t: t.to(self.device), (x, y))
+        if fused:
+            sizes = split_sizes(x.shape[0], n)
+            with batch_norm_per_slice(self.compute, sizes):
+                out = call(self.compute, x)
+            losses = [loss_fn(o, ym) for o, ym in zip(out.split(sizes), split(y, n))]
+            torch.autograd.backward(losses)
+            return sum(loss.item() for loss in losses)
         xs = split(x, n) if isinstance(x, torch.Tensor) else x
         total = 0.0
         for xm, ym in zip(xs, split(y, n)):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from reference import Reference, assert_state_close, split, where_engine_steps
+from reference import Reference, assert_state_close, ran_as_one_batch, split, where_engine_steps
 from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.optim import Adam
 
@@ -55,7 +55,7 @@ def train_both(model, batches, n, plan=None, delayed=False, loss_fn=None, grain=
     for x, y in batches:
         loss = engine.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=cfg)
         engine.step(step, is_async=delayed if engine_async is None else engine_async)
-        expected = ref.forward_backward(x, y, n, loss_fn)
+        expected = ref.forward_backward(x, y, n, loss_fn, fused=ran_as_one_batch(engine))
         ref.step()
         assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
     engine.synchronize()

@@ -6,6 +6,7 @@ BatchNorm's running statistics and its batch count."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -15,12 +16,14 @@ from reference import assert_state_close
 from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.engine import fusion
 from rptrain.engine.batching import merge_outputs
+from rptrain.engine.simulated import SimulatedDevice
 from rptrain.models import build_model
 from rptrain.optim import Adam
 from test_engine_equivalence import convnet, image_batches, train_both
 from test_engine_whole_call import SINGLE, WHERE, sim, whole_graphs
 
-FUSE = Tuning(fuse_microbatches=True)
+FUSE = Tuning(fuse_microbatches=True)  # the default
+APART = Tuning(fuse_microbatches=False)
 
 
 class Residual(nn.Module):
@@ -125,7 +128,7 @@ def test_training_with_the_microbatches_as_one_batch_matches_them_apart(batch, n
     together, ref = train_both(model(), batches, n, delayed=True, **sim(FUSE, where))  # each step's loss against plain PyTorch
     assert whole_graphs(together).microbatches == "as one batch (fusion.py)"
     assert_state_close(together.state_dict(), ref.state())
-    apart, _ = train_both(model(), batches, n, delayed=True, **sim(where=where))  # the default
+    apart, _ = train_both(model(), batches, n, delayed=True, **sim(APART, where))
     assert whole_graphs(apart).microbatches == "apart: off (Tuning.fuse_microbatches=False)"
     assert_state_close(together.state_dict(), apart.state_dict())  # running statistics and batch counts included
     together.close()
@@ -211,6 +214,96 @@ def test_resume_with_a_pinned_plan_is_exact():
         assert torch.equal(v, engine.state_dict()[k]), k
     engine.close()
     resumed.close()
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_resume_into_a_fresh_engine_is_exact(where):
+    """No pinned plan: each engine's first call measures its layers stage by stage with its microbatches
+    as one batch (fused_call.py), as the whole calls after it run them, so the resumed run ends bit for
+    bit where the uninterrupted one does (the engine's defaults)."""
+    cfg = RoundPipeRunConfig(num_microbatch=3)
+    batches = image_batches(count=5, batch=10)
+
+    def engine_and_opt():
+        engine = RoundPipe(model(), model_run_config=cfg, **sim(Tuning(), where))
+        with OptimizerCtx():
+            opt = Adam(engine.parameters(), lr=1e-2)
+        return engine, opt
+
+    def train(engine, opt, part):
+        for x, y in part:
+            engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss())
+            engine.step(lambda: (opt.step(), opt.zero_grad()))
+        engine.synchronize()
+
+    engine, opt = engine_and_opt()
+    train(engine, opt, batches[:1])
+    assert engine._fusion.microbatches == "as one batch (fused_call.py)"  # the measuring call
+    train(engine, opt, batches[1:3])
+    saved = copy.deepcopy({"model": engine.state_dict(), "optim": opt.state_dict()})
+    train(engine, opt, batches[3:])
+    resumed, opt2 = engine_and_opt()
+    resumed.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["optim"])
+    train(resumed, opt2, batches[3:])
+    assert whole_graphs(resumed).microbatches == "as one batch (fusion.py)"
+    for k, v in resumed.state_dict().items():
+        assert torch.equal(v, engine.state_dict()[k]), k
+    engine.close()
+    resumed.close()
+
+
+TWO_STAGES = ExecutePlan.from_cuts(7, forward=[3], backward=[3])
+
+
+@pytest.mark.parametrize("plan, tuning", [(None, Tuning(whole_call_graphs=False)), (TWO_STAGES, Tuning())],
+                         ids=["planned-whole-call-off", "two-stages"])
+@pytest.mark.parametrize("batch, n", [(8, 2), (10, 3)])
+def test_stage_by_stage_calls_run_as_one_batch_too(plan, tuning, batch, n):
+    """Calls that do not take the whole-call path on one GPU run their microbatches as one batch as well
+    (BatchNorm per slice, in each stage and in the recomputed forward): plain PyTorch with each
+    microbatch's statistics agrees at rtol 1e-5, and so does the same engine with the microbatches apart."""
+    batches = image_batches(count=4, batch=batch)
+    together, ref = train_both(model(), batches, n, plan=plan, delayed=True, **sim(tuning))
+    assert together._fusion.microbatches == "as one batch (fused_call.py)"
+    assert "the last stage-by-stage call's microbatches: as one batch (fused_call.py)" in together.explain(batches[0][0])
+    assert_state_close(together.state_dict(), ref.state())
+    apart, _ = train_both(model(), batches, n, plan=plan, delayed=True, **sim(dataclasses.replace(tuning, fuse_microbatches=False)))
+    assert apart._fusion.microbatches == "apart: off (Tuning.fuse_microbatches=False)"
+    assert_state_close(together.state_dict(), apart.state_dict())
+    together.close()
+    apart.close()
+
+
+def test_a_stage_by_stage_call_gives_each_microbatch_its_losses_and_outputs():
+    """Several losses per microbatch, outputs returned: as the microbatches apart give them."""
+    cfg = RoundPipeRunConfig(num_microbatch=3, execute_plan=TWO_STAGES)
+    x, y = image_batches(count=1, batch=10)[0]
+
+    def two_losses(out, label):
+        return [nn.functional.cross_entropy(out, label), out.square().mean()]
+
+    got = {}
+    for fuse in (True, False):
+        engine = RoundPipe(model(), **sim(Tuning(fuse_microbatches=fuse)))
+        losses, out = engine.forward_backward(input_args=(x,), label=y, loss_fn=two_losses, return_outputs=True, run_config=cfg)
+        assert engine._fusion.microbatches.startswith("as one batch" if fuse else "apart")
+        engine.synchronize()
+        got[fuse] = ([t.clone() for t in losses], out.clone(), [p.grad.clone() for p in engine.parameters()])
+        engine.close()
+    for a, b in zip(got[True][0], got[False][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[True][1], got[False][1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(got[True][2], got[False][2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_several_devices_keep_their_microbatches_apart():
+    engine = RoundPipe(model(), devices=[SimulatedDevice(0), SimulatedDevice(1)], tuning=Tuning())
+    x, y = image_batches(count=1, batch=8)[0]
+    engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss(), run_config=RoundPipeRunConfig(num_microbatch=2))
+    assert engine._fusion.microbatches == "apart: 2 GPUs: their microbatches are the pipeline's parallelism"
+    engine.close()
 
 
 def test_only_the_batch_cut_along_its_first_dimension_is_joined():

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from . import compute
+from . import compute, fusion
 from .actions import Action, Facts, Lowered, Op, Sizes, lower_call
 from .callpath import CallPath
 from .compute import BoundOnUse, JobRun, buffer_versions
@@ -222,7 +222,8 @@ class Executor:
         if graphed or job.kind is JobKind.FUSED:  # one graphed or fused job per call, so no other thread touches this
             state.graphs = self._graphs.setdefault(device.index, device.graphs(self.tuning)) if graphed else None
             # Train/eval modes select the graph: read from the user's layers, as the shells mirror them.
-            state.graph_modes = tuple(map(_training, self._modules_of(job))) if graphed else ()
+            # ... and a fused call's slices (fused_call.py): its BatchNorms run per slice inside the graph.
+            state.graph_modes = (*map(_training, self._modules_of(job)), tuple(state.fused_sizes or ())) if graphed else ()
 
     def _modules_of(self, job: Job) -> list[nn.Module]:
         key = (job.start, job.stop)
@@ -240,7 +241,8 @@ class Executor:
         value = device.receive(value, event, source)
         if job.index == 0 and job.kind is not JobKind.BACKWARD:  # the call's inputs (not output gradients)
             value = convert_inputs(value, self.memory_format)
-        result = _COMPUTE[action.op](run, value, micro, state)
+        with fusion.statistics_per_microbatch(list(run.modules), state.fused_sizes) if state.fused_sizes else contextlib.nullcontext():
+            result = _COMPUTE[action.op](run, value, micro, state)
         state.chain.put(job.index, micro, result, device.record("compute"), device)
         if state.profile and micro == state.num_microbatch - 1:
             state.timings.append((job, device, run.start_mark, device.timer()))
@@ -251,7 +253,7 @@ class Executor:
         graphs = self._whole.get(device.index) or self._whole.setdefault(device.index, device.whole_call_graphs(self.tuning))
         done = None
         if state.input_requires_grad:
-            graphs.fallback = "inputs need gradients"
+            graphs.fallback, graphs.joined = "inputs need gradients", False
         else:
             inputs = [convert_inputs(map_tensors(Tensor.detach, device.receive(v, None, None)), self.memory_format) for v in state.first_inputs]
             labels = [device.receive(y, None, None) for y in state.labels]

@@ -7,7 +7,7 @@ show their shapes and bytes. The bytes of saved activations are shown once a GPU
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from torch import Tensor
 
@@ -18,8 +18,10 @@ from .planning import Planner
 from .prepare import Prepared
 
 
-def explain(call: Prepared, executor: Executor, planner: Planner, placement: Any, example_inputs: tuple, kwargs: dict) -> str:
-    """``call``: the next ``forward_backward``, prepared; ``placement``: fit.py's, printed as it is."""
+def explain(call: Prepared, executor: Executor, planner: Planner, placement: Any, example_inputs: tuple, kwargs: dict,
+            staged_microbatches: Optional[str] = None) -> str:
+    """``call``: the next ``forward_backward``, prepared; ``placement``: fit.py's, printed as it is;
+    ``staged_microbatches``: how the newest stage-by-stage call ran its microbatches (fused_call.py)."""
     cfg = call.cfg
     facts = executor.facts(cfg.num_microbatch, call.profile, call.offload)
     lowered = executor.lower(call.jobs, facts)
@@ -32,6 +34,8 @@ def explain(call: Prepared, executor: Executor, planner: Planner, placement: Any
     microbatches = executor.whole_call_microbatches()
     if path.whole and microbatches and not fallback:
         lines.append(f"  the last recorded call's microbatches: {microbatches}")
+    if not path.whole and staged_microbatches:
+        lines.append(f"  the last stage-by-stage call's microbatches: {staged_microbatches}")
     lines += ["stages:"] + [_stage(executor, planner, item) for item in lowered]
     micro = split_inputs(tuple(example_inputs), dict(kwargs), cfg.num_microbatch, cfg.split_input) if example_inputs or kwargs else []
     for k, (args, kw) in enumerate(micro):

@@ -92,6 +92,7 @@ class PassState:
     input_requires_grad: bool = False
     profile: bool = False
     offload: bool = False  # keep saved activations in pinned host memory instead of on the GPU
+    fused_sizes: Optional[list] = None  # the one microbatch joins microbatches of these sizes (fused_call.py): BatchNorm per slice
     # Carried from a recorded forward into its backward.
     saved: dict = field(default_factory=dict)  # (layer, micro) -> (value, event, device)
     rng: dict = field(default_factory=dict)  # (layer, micro) -> generator state

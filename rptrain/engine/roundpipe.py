@@ -25,6 +25,7 @@ from .explain import explain
 from .executor import Executor
 from ..optim.state import OptimizerMemory, state_memory_of
 from .fit import Size, claim_host, release_host
+from .fused_call import CallFusion
 from .forwarding import ForwardsAttributes
 from .passstate import Args, PassState, float_tensors
 from .host import HostState
@@ -126,6 +127,7 @@ class RoundPipe(ForwardsAttributes):
             self._reducer.check_same(self._host.master_sample(), self._devices[0].torch_device)
         self._planner = Planner(len(self._layers), self._host, self._devices, self._tuning, self._reducer, not resident)
         self._prepare = Preparer(self._run_config, len(self._layers), len(self._devices), self._cuda, self._planner)
+        self._fusion = CallFusion(self._layers, self._tuning, self._cuda, len(self._devices), self._reducer is not None)
         self._versions = Versions(self._host, self._executor, self._optimizer_thread(optimizer_threads), OptimizerCtx)
         self._closed = False
         self._user = UserModule(self._host, self._versions)  # the wrapped module as its user sees it (user_module.py)
@@ -202,15 +204,9 @@ class RoundPipe(ForwardsAttributes):
         self._executor.run(state)
         return merge_outputs(state.outputs, cfg.merge_output)
 
-    def forward_backward(
-        self,
-        input_args: Any = (),
-        input_kwargs: Optional[dict] = None,
-        label: Any = None,
-        loss_fn: Callable = lambda outputs, label: outputs,
-        return_outputs: bool = False,
-        run_config: Optional[RoundPipeRunConfig] = None,
-    ) -> Any:
+    def forward_backward(self, input_args: Any = (), input_kwargs: Optional[dict] = None, label: Any = None,
+                         loss_fn: Callable = lambda outputs, label: outputs, return_outputs: bool = False,
+                         run_config: Optional[RoundPipeRunConfig] = None) -> Any:
         """Forward, ``loss_fn(outputs, label)`` and backward over every microbatch.
 
         Returns the sum of the microbatch losses (and the merged outputs if ``return_outputs``).
@@ -227,16 +223,18 @@ class RoundPipe(ForwardsAttributes):
         cfg = call.cfg
         micro = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
         labels = split_label(label, cfg.num_microbatch, cfg.split_label)
-        version = self._versions.use(early=True)
-        window = self._versions.call_window()
-        inputs = [float_tensors(Args(a, k)) for a, k in micro]
+        version, window = self._versions.use(early=True), self._versions.call_window()
+        firsts = [Args(a, k) for a, k in micro]
+        inputs = [float_tensors(a) for a in firsts]
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for i in inputs for t in i)
+        whole = self._executor.call_path(call.jobs, self._executor.facts(cfg.num_microbatch, call.profile, call.offload)).whole
+        fused = self._fusion.fuse(firsts, labels, loss_fn, whole, needs_grad)  # one batch, as a whole call would (fused_call.py)
         state = PassState(
-            call.jobs, cfg.num_microbatch,
-            [Args(a, k) for a, k in micro], version, labels=labels, loss_fn=loss_fn, **window,
+            call.jobs, 1 if fused else cfg.num_microbatch, fused.inputs if fused else firsts, version,
+            labels=fused.labels if fused else labels, loss_fn=fused.loss_fn if fused else loss_fn, **window,
             preserve_rng=cfg.preserve_rng_state, want_outputs=return_outputs, output_device=cfg.output_device,
-            profile=call.profile, offload=call.offload,
-            input_requires_grad=torch.is_grad_enabled() and any(t.requires_grad for i in inputs for t in i),
-            recompute_follows=True,
+            profile=call.profile, offload=call.offload, input_requires_grad=needs_grad, recompute_follows=True,
+            fused_sizes=fused.sizes if fused else None,
         )
         self._run_training_pass(state)
         if call.profile:
@@ -244,10 +242,9 @@ class RoundPipe(ForwardsAttributes):
         if state.input_requires_grad:  # e.g. an encoder's packed output: its backward runs now
             pairs = [(t, g) for i, grads in zip(inputs, state.input_grads) for t, g in zip(i, grads or ()) if t.requires_grad and g is not None]
             torch.autograd.backward([t for t, _ in pairs], [g.to(t.device) for t, g in pairs])
-        loss = summed_losses(state.losses, cfg.output_device)
-        if return_outputs:
-            return loss, merge_outputs(state.outputs, cfg.merge_output)
-        return loss
+        losses, outputs = fused.unfuse(state.losses, state.outputs) if fused else (state.losses, state.outputs)
+        loss = summed_losses(losses, cfg.output_device)
+        return (loss, merge_outputs(outputs, cfg.merge_output)) if return_outputs else loss
 
     def _run_training_pass(self, state: PassState) -> None:
         try:
@@ -306,7 +303,7 @@ class RoundPipe(ForwardsAttributes):
         their bytes, of the next ``forward_backward(input_args=example_inputs, input_kwargs=kwargs)``,
         without running anything on a device (explain.py)."""
         self._check_open()
-        return explain(self._prepare.training(None), self._executor, self._planner, self.placement, example_inputs, kwargs)
+        return explain(self._prepare.training(None), self._executor, self._planner, self.placement, example_inputs, kwargs, self._fusion.microbatches)
 
     def _check_open(self, loading: bool = False) -> None:
         """Refuse calls after ``close()``; else raise what a step that this call waits on reported (versions.py)."""

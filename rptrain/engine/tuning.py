@@ -85,10 +85,10 @@ class Tuning:
     # Inside a whole call, run the microbatches as one batch where every layer treats each sample by itself
     # (fusion.py; BatchNorm keeps each microbatch's statistics): fewer, fuller kernels. The tutorial's loop
     # (ResNet-34, two microbatches of 64) took 10.45 against 14.41 ms a step (H100, one invocation, 2026-12-07,
-    # bench/README). Off by default: a fresh engine's first call measures its layers stage by stage with the
-    # microbatches apart, so a run resumed into a new engine would round differently from the uninterrupted
-    # run at that call (with a pinned ExecutePlan both run fused and resume stays exact).
-    fuse_microbatches: bool = False
+    # bench/README). Calls on the stage-by-stage path of the same single GPU (a fresh engine's measuring
+    # first call among them) run as one batch too (fused_call.py), so every path rounds alike and a run
+    # resumed into a new engine stays bit-exact. Several GPUs keep their microbatches apart.
+    fuse_microbatches: bool = True
     # torch.compile (inductor) the stage's layers inside the whole call's recording (CLI engine.compile):
     # fused elementwise kernels, paid for by compiling at the first recording of each call shape. Off: the
     # 20-epoch main job took 53.8 s without and 99.1 s with it (H200, one invocation at 5b07351, 2026-12-06:

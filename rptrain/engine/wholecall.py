@@ -141,6 +141,7 @@ class WholeCallGraphs:
         self._stream: Optional[torch.cuda.Stream] = None
         self._compiled: dict[tuple, Callable] = {}  # the layers' ids -> their forward, compiled once
         self.microbatches: Optional[str] = None  # how the newest recording runs its microbatches: as one batch, or why apart
+        self.joined = False  # whether the newest call replayed a recording that runs its microbatches as one batch
         self._apart: dict[tuple, Optional[str]] = {}  # the layers' ids and modes -> fusion.why_not
 
     def fused_sizes(self, layers: list, inputs: list, split: Optional[list]) -> Optional[list]:
@@ -187,6 +188,7 @@ class WholeCallGraphs:
             else:
                 self._recorded[key] = self._record(key, modules, inputs, labels, loss_fn, split)
         rec = self._recorded.get(key) if key is not None else None
+        self.joined = rec is not None and rec.sizes is not None
         if rec is None:
             self.fallback = why or self._failed.get(key, "not recorded")
             return None
