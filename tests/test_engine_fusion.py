@@ -183,45 +183,13 @@ def test_tracing_leaves_no_stand_in_behind():
     assert torch.equal(layer(torch.ones(2, 3)), torch.ones(2, 3))
 
 
-def test_resume_with_a_pinned_plan_is_exact():
-    """With the plan pinned there is no measuring first call: the uninterrupted and the resumed engine both run
-    every call fused, bit for bit alike (Tuning.fuse_microbatches says why it is off by default)."""
-    cfg = RoundPipeRunConfig(num_microbatch=3, execute_plan=ExecutePlan.single_stage(7))
-    batches = image_batches(count=5, batch=10)
-
-    def engine_and_opt():
-        engine = RoundPipe(model(), model_run_config=cfg, **sim(FUSE))
-        with OptimizerCtx():
-            opt = Adam(engine.parameters(), lr=1e-2)
-        return engine, opt
-
-    def train(engine, opt, part):
-        for x, y in part:
-            engine.forward_backward(input_args=(x,), label=y, loss_fn=nn.CrossEntropyLoss())
-            engine.step(lambda: (opt.step(), opt.zero_grad()))
-        engine.synchronize()
-
-    engine, opt = engine_and_opt()
-    train(engine, opt, batches[:3])
-    saved = copy.deepcopy({"model": engine.state_dict(), "optim": opt.state_dict()})
-    train(engine, opt, batches[3:])
-    resumed, opt2 = engine_and_opt()
-    resumed.load_state_dict(saved["model"])
-    opt2.load_state_dict(saved["optim"])
-    train(resumed, opt2, batches[3:])
-    assert whole_graphs(resumed).microbatches == "as one batch (fusion.py)"
-    for k, v in resumed.state_dict().items():
-        assert torch.equal(v, engine.state_dict()[k]), k
-    engine.close()
-    resumed.close()
-
-
 @pytest.mark.parametrize("where", WHERE)
-def test_resume_into_a_fresh_engine_is_exact(where):
-    """No pinned plan: each engine's first call measures its layers stage by stage with its microbatches
-    as one batch (fused_call.py), as the whole calls after it run them, so the resumed run ends bit for
-    bit where the uninterrupted one does (the engine's defaults)."""
-    cfg = RoundPipeRunConfig(num_microbatch=3)
+@pytest.mark.parametrize("plan", [None, ExecutePlan.single_stage(7)], ids=["planned", "pinned"])
+def test_resume_into_a_fresh_engine_is_exact(plan, where):
+    """The engine's defaults. Planned: each engine's first call measures its layers stage by stage with its
+    microbatches as one batch (fused_call.py), as the whole calls after it run them; pinned: every call is a
+    whole call. Either way the resumed run ends bit for bit where the uninterrupted one does."""
+    cfg = RoundPipeRunConfig(num_microbatch=3, execute_plan=plan)
     batches = image_batches(count=5, batch=10)
 
     def engine_and_opt():
@@ -238,7 +206,8 @@ def test_resume_into_a_fresh_engine_is_exact(where):
 
     engine, opt = engine_and_opt()
     train(engine, opt, batches[:1])
-    assert engine._fusion.microbatches == "as one batch (fused_call.py)"  # the measuring call
+    if plan is None:
+        assert engine._fusion.microbatches == "as one batch (fused_call.py)"  # the measuring call
     train(engine, opt, batches[1:3])
     saved = copy.deepcopy({"model": engine.state_dict(), "optim": opt.state_dict()})
     train(engine, opt, batches[3:])
