@@ -60,11 +60,26 @@ def _interpreters() -> int:
     return max(1, min(2, cores))
 
 
+# Seconds each of the longer invocations took on one core of the CI machine (2026-12-07, one interpreter, in
+# RUNS order); the rest took under 2.5 s. They are dealt out longest first, each to the least loaded
+# interpreter, so the interpreters end together (round-robin left one with 56 s and the other 31 s).
+SECONDS = {"cli_resnet": 23.4, "cli_timeline.py": 7.9, "optim_lowp.py": 7.0, "checkpoint_io.py": 6.4, "main_job.py": 5.8,
+           "lora_isolate_profile": 4.7, "llm_isolate": 4.2, "lora.py": 3.8, "host_step.py": 2.9}
+
+
+def _shares(count: int) -> list[dict]:
+    owner, loads = {}, [0.0] * count
+    for name in sorted(RUNS, key=lambda n: -SECONDS.get(n, 1.0)):
+        owner[name] = loads.index(min(loads))
+        loads[owner[name]] += SECONDS.get(name, 1.0)
+    return [{name: RUNS[name] for name in RUNS if owner[name] == i} for i in range(count)]  # each in RUNS order
+
+
 @pytest.fixture(scope="module")
 def tiny_runs() -> dict[str, tuple[int, list[str], str]]:
-    """name -> (exit code, stdout lines, stderr) of every RUNS invocation (RUNS dealt round-robin to the interpreters)."""
-    names, count = list(RUNS), _interpreters()
-    shares = [{name: RUNS[name] for name in names[i::count]} for i in range(count)]
+    """name -> (exit code, stdout lines, stderr) of every RUNS invocation (RUNS dealt out by SECONDS to the interpreters)."""
+    count = _interpreters()
+    shares = _shares(count)
     with ThreadPoolExecutor(count) as pool:
         outs = list(pool.map(lambda share: subprocess.run([sys.executable, "-c", RUN_ALL, json.dumps(share)], cwd=BENCH,
                                                           capture_output=True, text=True, timeout=900, env=ENV), shares))
