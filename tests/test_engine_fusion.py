@@ -267,6 +267,47 @@ def test_a_stage_by_stage_call_gives_each_microbatch_its_losses_and_outputs():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+class Scaled(nn.Module):
+    def forward(self, x, factor):
+        return x * factor
+
+
+def test_microbatches_whose_other_values_differ_run_apart():
+    """A split_input function may hand each microbatch its own number: joining them is not the batch."""
+    def split_with_factors(args, kwargs, n):
+        return [(part, 1.0 + i) for i, part in enumerate(args[0].split(4))], [{} for _ in range(n)]
+
+    cfg = RoundPipeRunConfig(num_microbatch=2, split_input=split_with_factors, execute_plan=ExecutePlan.from_cuts(2, [1], [1]))
+    engine = RoundPipe(nn.Sequential(Scaled(), nn.Linear(3, 2)), **sim())
+    x = torch.randn(8, 3)
+    loss = engine.forward_backward(input_args=(x, 1.0), label=torch.zeros(8, 2), loss_fn=nn.MSELoss(), run_config=cfg)
+    assert engine._fusion.microbatches == "apart: the microbatches' inputs differ in a value that is not a tensor"
+    with torch.no_grad():
+        linear = engine.model[1]
+        expected = sum(nn.MSELoss()(linear(part * (1.0 + i)), torch.zeros(4, 2)) for i, part in enumerate(x.split(4)))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    engine.close()
+
+
+class WithTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.ones(3))
+
+    def forward(self, x):
+        return x, self.table  # a tensor of its own beside the batch's
+
+
+def test_an_output_without_the_batch_dimension_is_one_clear_error():
+    cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=ExecutePlan.from_cuts(2, [1], [1]))
+    engine = RoundPipe(nn.Sequential(nn.Linear(3, 3), WithTable()), **sim())
+    with pytest.raises(ValueError, match=r"ran as one batch, but a stage output of shape \(3,\) has no batch dimension of 8 to cut; "
+                                         r"RoundPipe\(\.\.\., tuning=Tuning\(fuse_microbatches=False\)\) runs them apart"):
+        engine.forward_backward(input_args=(torch.randn(8, 3),), label=torch.zeros(8, 3), loss_fn=lambda out, y: (out[0] - y).square().mean(),
+                                run_config=cfg)
+    engine.close()
+
+
 def test_several_devices_keep_their_microbatches_apart():
     engine = RoundPipe(model(), devices=[SimulatedDevice(0), SimulatedDevice(1)], tuning=Tuning())
     x, y = image_batches(count=1, batch=8)[0]

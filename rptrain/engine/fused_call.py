@@ -34,7 +34,12 @@ class FusedLoss:
 
     def __call__(self, outputs: Any, labels: Sequence[Any]) -> list[Tensor]:
         flat, self.shapes = [], []
-        for part, label in zip(fusion.split(outputs, self.sizes), labels):
+        try:
+            parts = fusion.split(outputs, self.sizes)
+        except ValueError as e:  # e.g. a layer returning a tensor of its own beside the batch's
+            raise ValueError(f"rptrain: the microbatches ran as one batch, but {e}; "
+                             "RoundPipe(..., tuning=Tuning(fuse_microbatches=False)) runs them apart") from None
+        for part, label in zip(parts, labels):
             loss = self.loss_fn(part, label)
             items = loss_scalars(loss)
             self.shapes.append((isinstance(loss, Tensor), len(items)))
@@ -83,13 +88,18 @@ class CallFusion:
         self.joined = None if whole else False
         if whole or len(inputs) < 2:
             return None
-        why = self._why_not(inputs, input_requires_grad)
+        why, joined = self._why_not(inputs, input_requires_grad), None
+        if why is None:
+            try:
+                joined = merge_outputs(list(inputs))
+            except ValueError:  # a value other than a tensor differs between the microbatches
+                why = "the microbatches' inputs differ in a value that is not a tensor"
         self.microbatches = "as one batch (fused_call.py)" if why is None else f"apart: {why}"
         if why is not None:
             return None
         self.joined = True
         sizes = fusion.microbatch_sizes(inputs)
-        return FusedCall(sizes, FusedLoss(loss_fn, sizes), [merge_outputs(list(inputs))], [list(labels)])
+        return FusedCall(sizes, FusedLoss(loss_fn, sizes), [joined], [list(labels)])
 
     def _why_not(self, inputs: list, input_requires_grad: bool) -> Optional[str]:
         if not self.tuning.fuse_microbatches:
