@@ -366,19 +366,19 @@ if [[ $what == main-experts ]]; then  # issues 33 and 30 (about 2.5 minutes): th
   run 60 python3 bench/moe_experts.py --profile --model qwen3_30b_a3b
   grep '^{"bench": "\(main_job\|moe_experts\)' "$out/suite.log" > "$out/main-experts.jsonl"
 fi
-if [[ $what == h100-next ]]; then  # issues 29 and 30 on an H100 when no H200 comes (about 7 minutes): the host's CPU and the vector
-  # width gcc picks for it; the host step against fused fp32 AdamW at 16 threads, as built and with 512- and 256-bit vectors asked
-  # for; Qwen3-30B-A3B cut to 12 layers (fits 80 GB) LoRA against PEFT, timed (no profiler)
+if [[ $what == h100-next ]]; then  # issues 29 and 30 on an H100 when no H200 comes (about 6 minutes): the host's CPU and the vector
+  # width gcc picks for it; the host step (C++ v14, 512-bit vectors) against fused fp32 AdamW at 16 threads, one round (two builds
+  # and two rounds ran past 200 s on 2026-12-07); Qwen3-30B-A3B cut to 12 layers (fits 80 GB) LoRA against PEFT, timed (no profiler)
   { lscpu | grep -E "Model name|^CPU\(s\)|Thread"; gcc --version | head -1
     gcc -march=native -Q --help=target | grep -E "^ +-march=|prefer-vector-width="; } 2>&1 | tee -a "$out/suite.log"
-  run 200 python3 bench/optim_lowp.py --device cpu --numel 100000000 --rounds 2 --steps 4 --only fused_fp32 lowmem_compiled \
-    --cflags="-mprefer-vector-width=512" --cflags="-mprefer-vector-width=256"
+  run 120 python3 bench/optim_lowp.py --device cpu --numel 100000000 --rounds 1 --steps 4 --only fused_fp32 lowmem_compiled
   run 200 python3 bench/lora.py --model qwen3_30b_a3b@12 --impl rptrain peft --seq 4096 --batch 4 --steps 3 --warmup 2 --timeout 85
   grep '^{"bench": "\(optim_lowp\|lora\)' "$out/suite.log" > "$out/h100-next.jsonl"
 fi
-if [[ $what == fuse ]]; then  # issue 33 (about 5 minutes): a whole call's microbatches as one batch (engine/fusion.py): its CUDA
-  # tests, then the tutorial's loop (two microbatches, loss and outputs read on the CPU every step) and the CLI's way (metrics on the
-  # GPU, bf16, channels-last) with the microbatches as one batch and apart, beside the whole-step-graphed plain loop; each its own process
+if [[ $what == fuse ]]; then  # issue 33 (about 6.5 minutes): a call's microbatches as one batch (engine/fusion.py, fused_call.py, on by
+  # default): its CUDA tests, then the tutorial's loop (two microbatches, loss and outputs read on the CPU every step) and the CLI's way
+  # (metrics on the GPU, bf16, channels-last) by default and apart, beside the whole-step-graphed plain loop; each its own process; then
+  # the 20-epoch main job with its setup's log lines (where the setup's seconds go)
   run 100 python3 -m pytest -q -rf -p no:cacheprovider tests/test_engine_fusion.py tests/test_engine_whole_call.py -m "cuda or not cuda"
   run 60 python3 bench/resnet.py --impl graphed --memory-format channels_last --steps 60
   for flag in "" --no-fuse; do
@@ -386,7 +386,8 @@ if [[ $what == fuse ]]; then  # issue 33 (about 5 minutes): a whole call's micro
     run 60 python3 bench/resnet.py --impl rptrain --steps 60 --read-interval 25 --data-on-device --metrics-on-device --bf16 \
       --memory-format channels_last --microbatches 2 --profile $flag
   done
-  grep '^{"bench": "resnet34' "$out/suite.log" > "$out/fuse.jsonl"
+  run 100 python3 bench/main_job.py
+  grep '^{"bench": "\(resnet34\|main_job\)' "$out/suite.log" > "$out/fuse.jsonl"
 fi
 if [[ $what == timeline ]]; then  # issue 33 (about 4.5 minutes): the background checkpoint's slow log window, on one timeline with the
   # garbage collections, the checkpoint write's parts, the slow steps and the metrics writes: as it is, re-reading every manifest each save
