@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from reference import DEVICE, split
+from reference import DEVICE, ran_as_one_batch, split
 from rptrain import ExecutePlan, GradScaler, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.optim import Adam
 
@@ -112,8 +112,7 @@ def train_scaled_against_reference(engine: RoundPipe, is_async: bool, clip=None)
         engine.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: scaler.scale(loss_fn(o, t)), run_config=cfg)
         engine.step(step, is_async=is_async)
         scaler.update()
-        fused = (engine._fusion.microbatches or "").startswith("as one batch")  # one GPU: the reference joins them as well
-        skipped.append(ref.iteration(x, y, 2, clip=clip, fused=fused))
+        skipped.append(ref.iteration(x, y, 2, clip=clip, fused=ran_as_one_batch(engine)))  # one GPU: the reference joins them as well
     assert skipped[2] and not any(skipped[:2])
     engine.synchronize()
     state = engine.state_dict()

@@ -57,14 +57,18 @@ class FusedLoss:
 
 
 @dataclass
-class FusedCall:
-    sizes: list[int]
-    loss_fn: FusedLoss
-    inputs: list  # one microbatch: the joined batch
-    labels: list  # one label: every microbatch's, in a list
+class CallParts:
+    """What a training call runs: its microbatches as split (``sizes`` None), or one microbatch joining them."""
+
+    inputs: list  # the microbatches (Args), or one: the joined batch
+    labels: list  # their labels, or one: every microbatch's, in a list
+    loss_fn: Callable  # the user's, or a FusedLoss over it
+    sizes: Optional[list[int]] = None  # the joined microbatches' sizes
 
     def unfuse(self, losses: list, outputs: list) -> tuple[list, list]:
-        """The one microbatch's losses and outputs given back per microbatch."""
+        """The call's losses and outputs per microbatch."""
+        if self.sizes is None:
+            return losses, outputs
         per_micro = self.loss_fn.per_microbatch(losses[0])
         return per_micro, (fusion.split(outputs[0], self.sizes) if outputs[0] is not None else [None] * len(self.sizes))
 
@@ -73,22 +77,29 @@ class CallFusion:
     """Decides, per training call, whether it runs as one batch here."""
 
     def __init__(self, layers: Sequence[nn.Module], tuning: Tuning, cuda: bool, num_devices: int, reducing: bool):
-        self.layers, self.tuning = list(layers), tuning
+        self.layers = list(layers)
         # Where the microbatches stay apart whatever the call: the CPU engine (one microbatch by default), several
         # GPUs (their microbatches are the pipeline's parallelism), data-parallel processes (not measured here).
         self.here = ("no GPU" if not cuda else f"{num_devices} GPUs: their microbatches are the pipeline's parallelism"
                      if num_devices > 1 else "gradients are averaged across processes" if reducing else None)
-        self._apart: dict[tuple, Optional[str]] = {}  # the layers' ids and modes -> fusion.why_not
+        self._verdicts = fusion.Verdicts(tuning)
         self.microbatches: Optional[str] = None  # how the newest stage-by-stage call ran them: as one batch, or why apart
         self.joined: Optional[bool] = None  # whether the newest call ran as one batch here (None: it took the whole-call path)
 
-    def fuse(self, inputs: list, labels: list, loss_fn: Callable, whole: bool, input_requires_grad: bool) -> Optional[FusedCall]:
-        """``inputs``: the call's microbatches (Args) as split from the caller's tensors; ``whole``: the
-        call takes the whole-call path, which fuses inside its recording itself."""
-        self.joined = None if whole else False
-        if whole or len(inputs) < 2:
-            return None
-        why, joined = self._why_not(inputs, input_requires_grad), None
+    def prepare(self, inputs: list, labels: list, loss_fn: Callable, whole: Callable[[], bool], input_requires_grad: bool) -> CallParts:
+        """``inputs``: the call's microbatches (Args) as split from the caller's tensors; ``whole()``: whether
+        the call takes the whole-call path, which joins them inside its recording itself (asked only where
+        this GPU may join them)."""
+        given = CallParts(list(inputs), list(labels), loss_fn)
+        self.joined = False
+        if len(inputs) < 2:
+            return given
+        if self.here is None and whole():
+            self.joined = None
+            return given
+        sizes, joined, why = None, None, self.here or ("inputs need gradients" if input_requires_grad else None)
+        if why is None:
+            sizes, why = self._verdicts.sizes(self.layers, inputs, inputs)
         if why is None:
             try:
                 joined = merge_outputs(list(inputs))
@@ -96,24 +107,6 @@ class CallFusion:
                 why = "the microbatches' inputs differ in a value that is not a tensor"
         self.microbatches = "as one batch (fused_call.py)" if why is None else f"apart: {why}"
         if why is not None:
-            return None
+            return given
         self.joined = True
-        sizes = fusion.microbatch_sizes(inputs)
-        return FusedCall(sizes, FusedLoss(loss_fn, sizes), [joined], [list(labels)])
-
-    def _why_not(self, inputs: list, input_requires_grad: bool) -> Optional[str]:
-        if not self.tuning.fuse_microbatches:
-            return "off (Tuning.fuse_microbatches=False)"
-        if self.here is not None:
-            return self.here
-        if self.tuning.compile_stages:
-            return "the stage is compiled (Tuning.compile_stages)"
-        if input_requires_grad:
-            return "inputs need gradients"
-        sizes = fusion.microbatch_sizes(inputs)
-        if sizes is None or 0 in sizes or not fusion.cut_along_batch(list(inputs)):
-            return "the microbatches' inputs are not the batch cut along its first dimension"
-        key = tuple((id(m), m.training) for layer in self.layers for m in layer.modules())
-        if key not in self._apart:
-            self._apart[key] = fusion.why_not(self.layers)
-        return self._apart[key]
+        return CallParts([joined], [list(labels)], FusedLoss(loss_fn, sizes), sizes)

@@ -145,6 +145,33 @@ def cut_along_batch(values: list) -> bool:
     return True
 
 
+class Verdicts:
+    """Whether a call's microbatches may run as one batch: the switches, the inputs' cut and the layers
+    (each set of layers traced once per train/eval modes). The whole call (wholecall.py) and the other
+    calls on one GPU (fused_call.py) ask here, so both decide alike."""
+
+    def __init__(self, tuning: Any):
+        self.tuning = tuning
+        self._layers: dict[tuple, Optional[str]] = {}  # the layers' ids and modes -> why_not
+
+    def sizes(self, layers: Sequence[nn.Module], inputs: list, split: Optional[list]) -> tuple[Optional[list[int]], Optional[str]]:
+        """(the microbatches' sizes, None) where they may run as one batch, else (None, why not). ``inputs``:
+        the microbatches as the layers get them; ``split``: as the caller's split made them, where
+        ``cut_along_batch`` can still see the cut (None: unknown, so apart)."""
+        if not self.tuning.fuse_microbatches:
+            return None, "off (Tuning.fuse_microbatches=False)"
+        if self.tuning.compile_stages:
+            return None, "the stage is compiled (Tuning.compile_stages)"
+        sizes = microbatch_sizes(inputs)
+        if sizes is None or 0 in sizes or split is None or not cut_along_batch(split):
+            return None, "the microbatches' inputs are not the batch cut along its first dimension"
+        key = tuple((id(m), m.training) for layer in layers for m in layer.modules())
+        if key not in self._layers:
+            self._layers[key] = why_not(layers)
+        why = self._layers[key]
+        return (sizes, None) if why is None else (None, why)
+
+
 def microbatch_sizes(inputs: list) -> Optional[list[int]]:
     """Each microbatch's size (dimension 0 of every tensor it holds), or None where a microbatch's
     tensors disagree on it or one has none."""

@@ -227,14 +227,13 @@ class RoundPipe(ForwardsAttributes):
         firsts = [Args(a, k) for a, k in micro]
         inputs = [float_tensors(a) for a in firsts]
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for i in inputs for t in i)
-        whole = self._executor.call_path(call.jobs, self._executor.facts(cfg.num_microbatch, call.profile, call.offload)).whole
-        fused = self._fusion.fuse(firsts, labels, loss_fn, whole, needs_grad)  # one batch, as a whole call would (fused_call.py)
+        whole = lambda: self._executor.call_path(call.jobs, self._executor.facts(cfg.num_microbatch, call.profile, call.offload)).whole
+        parts = self._fusion.prepare(firsts, labels, loss_fn, whole, needs_grad)  # as split, or as one batch (fused_call.py)
         state = PassState(
-            call.jobs, 1 if fused else cfg.num_microbatch, fused.inputs if fused else firsts, version,
-            labels=fused.labels if fused else labels, loss_fn=fused.loss_fn if fused else loss_fn, **window,
+            call.jobs, len(parts.inputs), parts.inputs, version, labels=parts.labels, loss_fn=parts.loss_fn, **window,
             preserve_rng=cfg.preserve_rng_state, want_outputs=return_outputs, output_device=cfg.output_device,
             profile=call.profile, offload=call.offload, input_requires_grad=needs_grad, recompute_follows=True,
-            fused_sizes=fused.sizes if fused else None,
+            fused_sizes=parts.sizes,
         )
         self._run_training_pass(state)
         if call.profile:
@@ -242,7 +241,7 @@ class RoundPipe(ForwardsAttributes):
         if state.input_requires_grad:  # e.g. an encoder's packed output: its backward runs now
             pairs = [(t, g) for i, grads in zip(inputs, state.input_grads) for t, g in zip(i, grads or ()) if t.requires_grad and g is not None]
             torch.autograd.backward([t for t, _ in pairs], [g.to(t.device) for t, g in pairs])
-        losses, outputs = fused.unfuse(state.losses, state.outputs) if fused else (state.losses, state.outputs)
+        losses, outputs = parts.unfuse(state.losses, state.outputs)
         loss = summed_losses(losses, cfg.output_device)
         return (loss, merge_outputs(outputs, cfg.merge_output)) if return_outputs else loss
 

@@ -142,7 +142,7 @@ class WholeCallGraphs:
         self._compiled: dict[tuple, Callable] = {}  # the layers' ids -> their forward, compiled once
         self.microbatches: Optional[str] = None  # how the newest recording runs its microbatches: as one batch, or why apart
         self.joined = False  # whether the newest call replayed a recording that runs its microbatches as one batch
-        self._apart: dict[tuple, Optional[str]] = {}  # the layers' ids and modes -> fusion.why_not
+        self._verdicts = fusion.Verdicts(tuning)
 
     def fused_sizes(self, layers: list, inputs: list, split: Optional[list]) -> Optional[list]:
         """The microbatches' sizes where the call may run them as one batch (fusion.py), else None
@@ -151,20 +151,9 @@ class WholeCallGraphs:
         if len(inputs) < 2:
             self.microbatches = "one"
             return None
-        sizes = fusion.microbatch_sizes(inputs)
-        if not self.tuning.fuse_microbatches:
-            why = "off (Tuning.fuse_microbatches=False)"
-        elif self.tuning.compile_stages:
-            why = "the stage is compiled (Tuning.compile_stages)"
-        elif sizes is None or split is None or not fusion.cut_along_batch(split):
-            why = "the microbatches' inputs are not the batch cut along its first dimension"
-        else:
-            key = tuple((id(m), m.training) for layer in layers for m in layer.modules())
-            if key not in self._apart:
-                self._apart[key] = fusion.why_not(layers)
-            why = self._apart[key]
+        sizes, why = self._verdicts.sizes(layers, inputs, split)
         self.microbatches = "as one batch (fusion.py)" if why is None else f"apart: {why}"
-        return sizes if why is None else None
+        return sizes
 
     def _forward(self, layers: list) -> Optional[Callable[[Any], Any]]:
         """The stage compiled (``Tuning.compile_stages``; inductor, compiled by the first warm-up call and
