@@ -28,22 +28,29 @@ from cifar_fixture import write_fake_cifar  # noqa: E402  (the real format's wri
 STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]")
 
 
-def phases(log: str, started: float, ended: float) -> dict[str, float]:
-    """Where the wall time went, from the run log's timestamps (millisecond resolution, local time).
+FIRST_STEP = re.compile(r"Epoch 1/\d+: ")
+
+
+def stamped(log: str) -> list[tuple[float, str]]:
+    """The run log's timestamped lines (millisecond resolution, local time) as (seconds, line)."""
+    out = []
+    for line in log.splitlines():
+        m = STAMP.match(line)
+        if m:
+            out.append((time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000, line))
+    return out
+
+
+def phases(stamps: list[tuple[float, str]], started: float, ended: float) -> dict[str, float]:
+    """Where the wall time went, from the run log's ``stamped`` lines.
 
     to_log: imports and Hydra before the first log line; setup: the first line to the first step's
     line (model, data, engine); first_epoch: the first step's line to the first epoch's end; epochs: the
     rest of the epochs; end: the last epoch's line to ``done``; exit: ``done`` to the process's exit.
     """
-    stamps = []
-    for line in log.splitlines():
-        m = STAMP.match(line)
-        if m:
-            t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
-            stamps.append((t, line))
     if not stamps:
         return {}
-    first_step = next((t for t, line in stamps if re.search(r"Epoch 1/\d+: ", line)), stamps[0][0])
+    first_step = next((t for t, line in stamps if FIRST_STEP.search(line)), stamps[0][0])
     epoch_ends = [t for t, line in stamps if re.search(r"Epoch \d+/\d+ took", line)]
     done = next((t for t, line in stamps if "] done: " in line), stamps[-1][0])
     out = {"to_log": stamps[0][0] - started, "setup": first_step - stamps[0][0]}
@@ -53,19 +60,14 @@ def phases(log: str, started: float, ended: float) -> dict[str, float]:
     return {k: round(v, 2) for k, v in out.items()}
 
 
-def setup_steps(log: str) -> list[list]:
-    """The setup's log lines up to the first step's, each as [seconds since the line before, its first words]:
-    which part of the setup (model and data, engine, optimizer and checkpoint check, first step) took the time."""
+def setup_steps(stamps: list[tuple[float, str]]) -> list[list]:
+    """The setup's ``stamped`` lines up to the first step's, each as [seconds since the line before, its first
+    words]: which part of the setup (model and data, engine, optimizer and checkpoint check, first step) took the time."""
     out, before = [], None
-    for line in log.splitlines():
-        m = STAMP.match(line)
-        if not m:
-            continue
-        t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
-        text = line[m.end():].split("] ", 1)[-1]
-        out.append([round(t - before, 2) if before is not None else 0.0, text[:48]])
+    for t, line in stamps:
+        out.append([round(t - before, 2) if before is not None else 0.0, line.split("] ", 1)[-1][:48]])
         before = t
-        if re.search(r"Epoch 1/\d+: ", line):
+        if FIRST_STEP.search(line):
             break
     return out
 
@@ -111,8 +113,8 @@ def main() -> None:
         summary = json.loads((run_dir / "summary.json").read_text())
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         epochs = [r for r in records if r.get("kind") == "epoch"]
-        log = (run_dir / "rptrain.log").read_text()
-        spent, setup = phases(log, started, ended), setup_steps(log)
+        stamps = stamped((run_dir / "rptrain.log").read_text())
+        spent, setup = phases(stamps, started, ended), setup_steps(stamps)
     emit(bench="main_job", device=args.device, epochs=args.epochs, num_train=args.num_train, num_test=args.num_test,
          overrides=" ".join(args.overrides), dataset_written_s=round(written_s, 1), wall_s=round(wall_s, 2), phases_s=spent, setup_lines_s=setup,
          epoch_wall_s=[round(r["epoch_wall_time"], 2) for r in epochs],
