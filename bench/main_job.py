@@ -83,6 +83,49 @@ def windows(records: list[dict], epoch: int) -> list[dict]:
     return out
 
 
+# --stacks: every thread's Python stack sampled at a fixed interval while the command sets up (a sampling
+# profiler that sees the engine's worker threads too, which cProfile does not)
+SAMPLED = """import runpy, sys, threading, time, traceback
+every, until, path = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+def sample():
+    me, end = threading.get_ident(), time.monotonic() + until
+    with open(path, "w") as out:
+        while time.monotonic() < end:
+            for ident, frame in sys._current_frames().items():
+                if ident != me:
+                    out.write("Thread\\n" + "".join(reversed(traceback.format_stack(frame))))
+            time.sleep(every)
+threading.Thread(target=sample, daemon=True).start()
+sys.argv = ["rptrain", *sys.argv[4:]]
+runpy.run_module("rptrain.cli.main", run_name="__main__", alter_sys=True)
+"""
+IDLE = (" in wait", " in get", " in _wait_for_tstate_lock", " in select", " in accept", " in poll", " in _worker")
+
+
+def _short(frame: str) -> str:
+    """'File "/x/rptrain/engine/a.py" line 3 in f' -> 'engine/a.py:3 f' (outside rptrain: the file's name alone)"""
+    m = re.match(r'File "(.*)" line (\d+) in (.*)', frame)
+    if not m:
+        return frame
+    path = m.group(1)
+    where = path.split("/rptrain/", 1)[1] if "/rptrain/" in path else path.rsplit("/", 1)[-1]
+    return f"{where}:{m.group(2)} {m.group(3)}"
+
+
+def hot_frames(dump: str, top: int = 12) -> list[list]:
+    """The sampled stacks' busiest places: per thread sample, its innermost frame and the innermost rptrain
+    frame above it, counted; threads waiting on a lock, queue or socket are left out."""
+    counts: dict[str, int] = {}
+    for stack in dump.split("Thread\n")[1:]:
+        frames = [line.strip().replace(",", "") for line in stack.splitlines() if line.strip().startswith("File ")]
+        if not frames or any(frames[0].endswith(idle) for idle in IDLE):
+            continue
+        ours = next((f for f in frames if "/rptrain/" in f), "")
+        key = f"{_short(frames[0])} <- {_short(ours)}"
+        counts[key] = counts.get(key, 0) + 1
+    return [[n, k] for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
+
+
 TINY = ["model=resnet18", "model.widths=[8,16,32,64]", "model.stem_channels=8", "trainer.batch_size=16"]
 
 
@@ -92,6 +135,9 @@ def main() -> None:
     p.add_argument("--num-train", type=int, default=50000)
     p.add_argument("--num-test", type=int, default=10000)
     p.add_argument("--timeout", type=float, default=540)
+    p.add_argument("--stacks", type=float, default=0.0, metavar="SECONDS",
+                   help="sample every thread's stack this often during the first --stacks-for seconds (hot_frames)")
+    p.add_argument("--stacks-for", type=float, default=30.0)
     p.add_argument("overrides", nargs="*", help="extra overrides for the command (e.g. engine.compile=true)")
     args = p.parse_args()
     if args.tiny:
@@ -101,7 +147,9 @@ def main() -> None:
         data = write_fake_cifar(Path(tmp) / "data", "cifar100", n_train=args.num_train, n_test=args.num_test)
         written_s = time.perf_counter() - start
         run_dir = Path(tmp) / "run"
-        argv = [sys.executable, "-m", "rptrain.cli.main", "model=resnet34", "data=cifar100", f"data.root={data}",
+        dump = Path(tmp) / "stacks.txt"
+        runner = (["-c", SAMPLED, str(args.stacks), str(args.stacks_for), str(dump)] if args.stacks else ["-m", "rptrain.cli.main"])
+        argv = [sys.executable, *runner, "model=resnet34", "data=cifar100", f"data.root={data}",
                 "data.download=false", "data.verify_checksums=false", f"trainer.epochs={args.epochs}", "trainer.progress=false",
                 f"hydra.run.dir={run_dir}", *(TINY if args.tiny else []), *args.overrides]
         start, started = time.perf_counter(), time.time()
@@ -115,6 +163,7 @@ def main() -> None:
         epochs = [r for r in records if r.get("kind") == "epoch"]
         stamps = stamped((run_dir / "rptrain.log").read_text())
         spent, setup = phases(stamps, started, ended), setup_steps(stamps)
+        hot = hot_frames(dump.read_text(errors="replace")) if args.stacks else None
     emit(bench="main_job", device=args.device, epochs=args.epochs, num_train=args.num_train, num_test=args.num_test,
          overrides=" ".join(args.overrides), dataset_written_s=round(written_s, 1), wall_s=round(wall_s, 2), phases_s=spent, setup_lines_s=setup,
          epoch_wall_s=[round(r["epoch_wall_time"], 2) for r in epochs],
@@ -122,7 +171,8 @@ def main() -> None:
          first_epoch_windows_s=[round(r["step_wall_time"] * r["_steps"], 2) for r in windows(records, 1)],
          eval_s=[round(r["eval_time"], 3) for r in records if r.get("kind") == "eval"],
          steady_epoch_samples_per_s=round(epochs[-1]["epoch_samples_per_s"], 1) if epochs else None,
-         summary={k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
+         summary={k: v for k, v in summary.items() if isinstance(v, (int, float, str))},
+         **({"hot_frames": hot} if hot is not None else {}))
 
 
 if __name__ == "__main__":
