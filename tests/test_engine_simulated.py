@@ -165,3 +165,25 @@ def test_a_streamed_engine_plans_with_its_transfer_rate(rate):
     assert_state_close(engine.state_dict(), ref.state())
     resident, _ = train_both(convnet(), image_batches(1), 2, devices=sims(1), tuning=Tuning(transfer_rate=rate))
     assert resident._executor.resident and resident._planner.transfer_rate is None
+
+
+def test_a_joined_measuring_call_offloads_as_one_measured_apart():
+    """A first call measured with its microbatches joined (fused_call.py) measured the whole batch's saved
+    inputs; the offload decision counts them once, so it is the same as an engine that measured them apart."""
+    import dataclasses
+
+    from rptrain import RoundPipeRunConfig
+
+    two = RoundPipeRunConfig(num_microbatch=2)
+    streamed = dict(model_run_config=two, gpu_state=False)  # stages that save their inputs
+    joined, _ = train_both(convnet(), image_batches(1), 2, devices=sims(1, SMALL), **streamed)
+    apart, _ = train_both(convnet(), image_batches(1), 2, devices=sims(1, SMALL), tuning=Tuning(fuse_microbatches=False), **streamed)
+    assert joined._planner.measured_joined and not apart._planner.measured_joined
+    apart._planner.plan = joined._planner.plan  # the joined measurement's larger graphs cut other stages: compare one plan
+    decisions = []
+    for share in (k / 20 for k in range(1, 21)):  # from offloading to keeping the saved inputs (about the 50 kB cap)
+        for engine in (joined, apart):
+            engine._planner.tuning = dataclasses.replace(engine._planner.tuning, offload_share=share)
+        decisions.append((joined._prepare.training(None).offload, apart._prepare.training(None).offload))
+    assert all(a == b for a, b in decisions) and {a for a, _ in decisions} == {True, False}, decisions
+    joined.close(), apart.close()

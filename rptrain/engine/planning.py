@@ -29,6 +29,7 @@ class Planner:
         self.plan: Optional[ExecutePlan] = None  # the planner's choice (None until planned)
         self.costs: Optional[list[LayerCost]] = None  # measured by the first call on a GPU
         self.activation_bytes: Optional[dict[int, int]] = None  # measured: one microbatch's output per layer
+        self.measured_joined = False  # whether that microbatch was a call's microbatches joined (fused_call.py): the whole batch
         self.memory_cap = 0
 
     def static_costs(self) -> list[LayerCost]:
@@ -77,7 +78,8 @@ class Planner:
         if self.activation_bytes is None:
             return False
         saved = sum(self.activation_bytes.get(c - 1, 0) for job in jobs if job.kind is JobKind.FORWARD for c in job.checkpoints)
-        return saved * num_microbatch > self.tuning.offload_share * self.memory_cap
+        # Measured joined, the bytes are already the whole batch's: apart or joined, a call keeps every microbatch's inputs.
+        return saved * (1 if self.measured_joined else num_microbatch) > self.tuning.offload_share * self.memory_cap
 
     def measured(self, state: PassState) -> None:
         """Turn a measured one-layer-per-stage call into layer costs and a plan."""
@@ -105,6 +107,7 @@ class Planner:
         self.costs = costs
         self.plan = same_on_all_ranks(self.reducer, plan_stages(costs, len(self.devices), cap, self.transfer_rate))
         self.activation_bytes, self.memory_cap = dict(state.activation_bytes), cap or 0
+        self.measured_joined = state.fused_sizes is not None
 
 
 def same_on_all_ranks(reducer: Any, value: Any) -> Any:
