@@ -11,9 +11,9 @@ from test_cli_helpers import error_lines, explain, rptrain_here
 from torch import nn
 
 from rptrain import OptimizerCtx, RoundPipe
-from rptrain.engine import DoesNotFit, ExecutePlan, LayerCost
+from rptrain.engine import DoesNotFit
 from rptrain.engine.fit import parse_size
-from rptrain.engine.placement import GPU, HOST, Run, StateBytes, gpu_working_set, place
+from rptrain.engine.placement import GPU, HOST, Run, StateBytes, place
 from rptrain.models import build_model
 from rptrain.optim import AdamW
 
@@ -63,18 +63,6 @@ def test_everything_on_the_host_and_the_budgets():
     tight = place(RUNS, StateBytes(), gpu_free=1_499, host_budget=16_999, **kw)
     assert not tight.fits and tight.short() == {GPU: 1, HOST: 1}
     assert "DOES NOT FIT" in str(tight)
-
-
-def test_gpu_working_set_from_the_plan():
-    costs = [LayerCost(param_bytes=100 * (i + 1), grad_bytes=10 * (i + 1), forward_time=1.0, backward_time=1.0,
-                     activation_bytes=7, saved_bytes=20) for i in range(4)]
-    plan = ExecutePlan.from_cuts(4, forward=[2, 3], backward=[1, 3])  # forward [0,2) [2,3) [3,4); backward [0,1) [1,3) [3,4)
-    compute, activations = gpu_working_set(costs, plan, num_microbatch=3, resident=False)
-    # the largest stage's weights twice (layers 1-2: 500 bytes) + the largest backward stage's gradients
-    # three times (layers 1-2: 50); outputs of layers 1 and 2 for 3 microbatches + the largest graph (2 x 27)
-    assert compute == 2 * 500 + 3 * 50
-    assert activations == 2 * 7 * 3 + 2 * 27
-    assert gpu_working_set(costs, plan, 3, resident=True)[0] == 2 * 1_000 + 3 * 50
 
 
 def test_default_host_budget(monkeypatch):

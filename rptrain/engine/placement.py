@@ -6,8 +6,8 @@ optimizer state; they live together (GPU or host) and its optimizer step runs wh
 frozen run has only its weights, stored once.
 
 Policy (``place``): keep as much state on the GPU as fits, the rest on the host. The GPU's budget
-for state is its free memory less what the schedule needs there anyway (the compute copy and the
-activations, ``gpu_working_set``). Layers go to the GPU in layer order while their runs fit, and the
+for state is its free memory less what the schedule needs there anyway (the compute copy, and a share
+kept for activations: fit.py's ``gpu_reserve``). Layers go to the GPU in layer order while their runs fit, and the
 first that does not fit ends the GPU share: the engine keeps the GPU share as one prefix of each flat
 tensor (gpushare.py). The backward produces the earliest layers' gradients last, so the host keeps
 the later layers, whose gradients arrive first.
@@ -178,25 +178,3 @@ def place(runs: Iterable[Run], state: StateBytes, *, gpu_free: int, host_budget:
         totals[where]["optimizer"] += int(n * state.optimizer)
         placed.append(RunPlace(run, where))
     return Placement(tuple(placed), totals, gpu_free, host_budget, dict(sources or {}), tuple(notes), single_version)
-
-
-def gpu_working_set(costs: Sequence, plan, num_microbatch: int, resident: bool) -> tuple[int, int]:
-    """(compute bytes, activation bytes) the schedule keeps on one GPU, estimated from the plan and
-    the layer costs (plan.LayerCost; sizes are known before the first call, activations after it).
-
-    compute: resident, two versions of every weight (the live copy and the upload slot); otherwise
-    the largest stage's weights twice (it runs while the next one uploads). Either way plus the
-    largest backward stage's gradients three times (the gradient, its fp32 copy for download, and
-    the accumulator), as plan.backward_memory counts them.
-    activations: each forward stage's output (except the last's) for every microbatch, kept for
-    the backward stages' recompute, plus the largest backward stage's autograd graph for one
-    microbatch (the stage's saved tensors and outputs; microbatches run its backward one by one)."""
-    weights = lambda a, b: sum(c.param_bytes for c in costs[a:b])
-    if resident:
-        compute = 2 * weights(0, len(costs))
-    else:
-        compute = 2 * max(weights(a, b) for a, b in (*plan.forward, *plan.backward))
-    compute += 3 * max(sum(c.grad_bytes for c in costs[a:b]) for a, b in plan.backward)
-    kept = sum(costs[b - 1].activation_bytes for _, b in plan.forward[:-1]) * num_microbatch
-    graph = max(sum(c.saved_bytes + c.activation_bytes for c in costs[a:b]) for a, b in plan.backward)
-    return compute, kept + graph
