@@ -179,6 +179,8 @@ def test_a_joined_measuring_call_offloads_as_one_measured_apart():
     joined, _ = train_both(convnet(), image_batches(1), 2, devices=sims(1, SMALL), **streamed)
     apart, _ = train_both(convnet(), image_batches(1), 2, devices=sims(1, SMALL), tuning=Tuning(fuse_microbatches=False), **streamed)
     assert joined._planner.measured_joined and not apart._planner.measured_joined
+    x = image_batches(1)[0][0]
+    assert "for the joined batch)" in joined.explain(x) and "per microbatch)" in apart.explain(x)  # what the saved bytes are
     apart._planner.plan = joined._planner.plan  # the joined measurement's larger graphs cut other stages: compare one plan
     decisions = []
     for share in (k / 20 for k in range(1, 21)):  # from offloading to keeping the saved inputs (about the 50 kB cap)

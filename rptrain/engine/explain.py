@@ -72,5 +72,5 @@ def _stage(executor: Executor, planner: Planner, item: Lowered) -> str:
     measured = planner.activation_bytes  # known after a GPU call measured the layers
     saved = sum(measured.get(c - 1, 0) for c in job.checkpoints) if measured is not None and job.kind.value == "forward" else 0
     if saved:  # the inputs of layer 0 are the call's (shown below), not measured
-        line += f" ({human_bytes(saved)} per microbatch)"
+        line += f" ({human_bytes(saved)} {'for the joined batch' if planner.measured_joined else 'per microbatch'})"
     return line + (", CUDA graphs" if item.graphed else "")
