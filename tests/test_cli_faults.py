@@ -87,6 +87,39 @@ def test_nan_loss_skipped_leaves_the_weights_finite(tmp_path, nan_at_step_3, cap
     intact(run, 6)
 
 
+OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free. "
+       "Process 12 has 78.12 GiB memory in use. Of the allocated memory 75.00 GiB is allocated by PyTorch. If reserved but "
+       "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_out_of_gpu_memory_is_one_line_with_what_to_lower(tmp_path, monkeypatch, capsys, microbatches):
+    """torch.OutOfMemoryError in the fifth step (torch's several sentences, as CUDA raises it): one line with the
+    request and the free memory, what to lower (with two microbatches of a convolution model on one GPU, that
+    they may run apart), exit 2, status failed, the step-4 checkpoint kept."""
+    real_step, steps = ImageTask.train_step, [0]
+
+    def train_step(self, *args, **kwargs):
+        steps[0] += 1
+        if steps[0] == 5:
+            raise torch.OutOfMemoryError(OOM)
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(ImageTask, "train_step", train_step)
+    monkeypatch.setattr("rptrain.train.loop.Trainer._gpus", lambda self: 1)  # as on one GPU (this machine may have none)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    run = tmp_path / "oom"
+    code, out, err = run_main([*RUN, f"run_config.num_microbatch={microbatches}", f"hydra.run.dir={run}"], capsys)
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("rptrain: error: out of GPU memory at step 5 (Tried to allocate 2.00 GiB; GPU 0 has a total "
+                               "capacity of 79.19 GiB of which 1.06 GiB is free): lower trainer.batch_size, or "), lines[0]
+    assert "engine.max_gpu_memory" in lines[0] and "last checkpoint (step 4" in lines[0] and "PYTORCH_CUDA_ALLOC_CONF" not in lines[0]
+    assert ("engine.fuse_microbatches=false" in lines[0]) == (microbatches == 2), lines[0]
+    assert status(run)["state"] == "failed" and "out of GPU memory" in status(run)["error"]
+    intact(run, 4)
+
+
 def test_full_disk_during_a_run(tmp_path, monkeypatch, capsys):
     """The disk fills up while the step-4 checkpoint is written: one line naming that file and
     ENOSPC (not torch's "enforce fail ... unexpected pos"), status failed, step 2's checkpoint kept."""

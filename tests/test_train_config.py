@@ -198,3 +198,17 @@ def test_model_group_maps_onto_the_registry_builder(make):
     torch.manual_seed(0)
     theirs = registry_build("resnet18", num_classes=10, widths=(8, 16, 32, 64))
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_engine_switches_reach_the_engines_tuning(make, fuse):
+    """engine.compile and engine.fuse_microbatches are the engine's Tuning.compile_stages and fuse_microbatches."""
+    from rptrain.train.dist import Dist
+    from rptrain.train.setup import build_engine
+
+    cfg = make("model=resnet18", "model.widths=[4,4,4,4]", "model.stem_channels=4", f"engine.fuse_microbatches={str(fuse).lower()}")
+    engine = build_engine(cfg, build_model(cfg, torch.float32), Dist())
+    try:
+        assert engine._tuning.fuse_microbatches is fuse and engine._tuning.compile_stages is False
+    finally:
+        engine.close()

@@ -24,9 +24,14 @@ class NonFiniteLoss(ValueError):
     """A NaN/inf training loss without a GradScaler, with trainer.on_nonfinite=stop."""
 
 
+class OutOfGpuMemory(RuntimeError):
+    """The GPU ran out of memory during the run (out_of_memory.py says what to lower)."""
+
+
 # DataError comes from rptrain.data (missing dataset, bad text corpus, ...), DoesNotFit from the engine
 # (the training state needs more memory than engine.max_host_memory / max_gpu_memory allow).
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, DataError, OutputError, NonFiniteLoss, DoesNotFit)
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, DataError, OutputError, NonFiniteLoss, DoesNotFit,
+                                                 OutOfGpuMemory)
 
 
 def one_line(text: str) -> str:

@@ -29,7 +29,9 @@ from .dist import Dist, peer_errors
 from .export import export_run, exportable
 from .kernels import CudnnSearch, cudnn_benchmark
 from .lora import export_adapter, wants_adapter
+from .errors import OutOfGpuMemory
 from .meters import Meter
+from .out_of_memory import out_of_gpu_memory
 from .samples import write_samples
 from .setup import Components, build_components
 from .signals import SIGNALS, Interrupted, StopNow, StopRequest
@@ -86,14 +88,27 @@ class Trainer:
                 raise self._stopped_now(now.request) from None
             summary = c.report.summary(c.progress, self.cfg, self.overrides, c.checkpoints.fingerprint["params"], c.checkpoints.path, c.resume)
             del c
-        except BaseException:
+        except BaseException as err:
+            # the user's to fix: one line with what to lower (read before the cleanup lets go of the run's parts)
+            oom = self._out_of_memory(err) if isinstance(err, torch.OutOfMemoryError) else None
             self._cleanup_after_error()
+            if oom is not None:
+                raise oom from None
             raise
         self.cleanup()
         # Sweeps run every job in this process: the next job must start from a clean slate.
         summary["threads_before"], summary["threads_after"] = threads_before, threading.active_count()
         summary["engine_released"] = engine_ref() is None
         return summary
+
+    def _out_of_memory(self, err: torch.OutOfMemoryError) -> OutOfGpuMemory:
+        c = self.c
+        step, kept = (c.progress.step, c.checkpoints.kept()) if c is not None else (None, "no checkpoint was written yet")
+        return out_of_gpu_memory(err, self.cfg, step, kept, self._gpus())
+
+    def _gpus(self) -> int:
+        """The GPUs this process computes on."""
+        return len(self.c.engine.devices) if self.c is not None else torch.cuda.device_count()
 
     def setup(self) -> Components:
         self.c = build_components(self.cfg, self.run_dir, self.overrides, self.console, self.dist, self.on_record)

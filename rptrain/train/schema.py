@@ -391,6 +391,7 @@ class EngineConfig:
 
     cuda_graphs: bool = True
     compile: bool = False  # torch.compile the stage inside the whole-call graph (Tuning.compile_stages: engine/wholecall.py)
+    fuse_microbatches: bool = True  # one GPU: a call's microbatches as one batch where exact (Tuning.fuse_microbatches: engine/fused_call.py)
     threads: Optional[int] = None  # PyTorch's intra-op threads; None: the cores free to the process (train/threads.py)
     optimizer_threads: Optional[int] = None  # None: the engine's default
     channels_last: Optional[bool] = None  # None: on for convolution models on CUDA (train/memory_format.py)

@@ -83,7 +83,7 @@ def build_engine(cfg: DictConfig, model: torch.nn.Sequential, d: Dist, materiali
                          optimizer_threads=cfg.engine.optimizer_threads,
                          max_host_memory=cfg.engine.max_host_memory, max_gpu_memory=cfg.engine.max_gpu_memory,
                          gpu_state=cfg.engine.gpu_state, single_version=cfg.engine.single_version, memory_format=choose_memory_format(cfg.engine.channels_last, model, d.devices),
-                         tuning=Tuning(compile_stages=cfg.engine.compile),
+                         tuning=Tuning(compile_stages=cfg.engine.compile, fuse_microbatches=cfg.engine.fuse_microbatches),
                          keep_user_weights=False,  # the run reads weights through state_dict(): no host copy of a resident model
                          materialise=materialise)
 

@@ -1,0 +1,31 @@
+"""A GPU out of memory during a run: one line with torch's numbers and the settings that lower the need.
+
+torch's message spans several sentences (every process on the GPU, the allocator's reserve, a pointer to its
+documentation); the line keeps what was asked for and what was free, then names the run's own levers.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from .errors import OutOfGpuMemory, one_line
+from .model import IMAGE, model_kind
+from .validate import num_microbatch
+
+_KEPT = ("Tried to allocate", "GPU")  # torch's sentences with the request and the card's capacity and free memory
+
+
+def out_of_gpu_memory(err: BaseException, cfg: DictConfig, step: Optional[int], kept: str, gpus: int) -> OutOfGpuMemory:
+    """The error the CLI prints for ``err`` (a torch.OutOfMemoryError) at ``step`` (None: before the first step)."""
+    sentences = [part.rstrip(".") for part in one_line(err).split(". ")]
+    numbers = "; ".join(part for part in sentences if part.startswith(_KEPT)) or sentences[0]
+    where = f"at step {step + 1}" if step is not None else "before the first step"
+    image = model_kind(cfg.model) == IMAGE
+    levers = ["lower trainer.batch_size" + ("" if image else " or data.max_seq_len")]
+    # Only convolution models' layers are traced as joinable (engine/fusion.py); a decoder's microbatches run apart anyway.
+    if image and num_microbatch(cfg) > 1 and gpus == 1 and cfg.engine.fuse_microbatches:
+        levers.append(f"engine.fuse_microbatches=false (the {num_microbatch(cfg)} microbatches then run apart, "
+                      "each with only its own activations)")
+    levers.append("engine.max_gpu_memory below the free memory, so the engine plans for less")
+    return OutOfGpuMemory(f"out of GPU memory {where} ({numbers}): {', or '.join(levers)}; {kept}")
