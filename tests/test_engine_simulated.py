@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference import assert_state_close
+from reference import assert_state_close, ran_as_one_batch
 from rptrain import ExecutePlan, Tuning
 from rptrain.engine.simulated import OrderingError, SimulatedDevice
 from test_engine_equivalence import convnet, image_batches, train_both
@@ -189,3 +189,17 @@ def test_a_joined_measuring_call_offloads_as_one_measured_apart():
         decisions.append((joined._prepare.training(None).offload, apart._prepare.training(None).offload))
     assert all(a == b for a, b in decisions) and {a for a, _ in decisions} == {True, False}, decisions
     joined.close(), apart.close()
+
+
+def test_microbatches_whose_joined_layer_is_over_the_memory_cap_run_apart_after_the_measuring_call():
+    """The first call measures the microbatches joined; where one layer's joined graph is over the GPU's cap but
+    one microbatch's is not, the plan is made for the microbatches apart and every later call runs them apart
+    (the engine trains as with Tuning(fuse_microbatches=False) rather than refusing the model), matching PyTorch."""
+    from rptrain import RoundPipeRunConfig
+
+    two = RoundPipeRunConfig(num_microbatch=2)
+    engine, ref = train_both(convnet(), image_batches(3), 2, devices=sims(1, SMALL), model_run_config=two)
+    assert engine._planner.keeps_apart and not ran_as_one_batch(engine)
+    assert "apart: a layer's activations for the joined batch do not fit the GPU's memory cap" in engine.explain(image_batches(1)[0][0])
+    assert_state_close(engine.state_dict(), ref.state())
+    engine.close()

@@ -83,6 +83,7 @@ class CallFusion:
         self.here = ("no GPU" if not cuda else f"{num_devices} GPUs: their microbatches are the pipeline's parallelism"
                      if num_devices > 1 else "gradients are averaged across processes" if reducing else None)
         self._verdicts = fusion.Verdicts(tuning)
+        self.apart: Optional[str] = None  # why every call from now on keeps them apart (the planner's measurement)
         self.microbatches: Optional[str] = None  # how the newest stage-by-stage call ran them: as one batch, or why apart
         self.joined: Optional[bool] = None  # whether the newest call ran as one batch here (None: it took the whole-call path)
 
@@ -97,7 +98,7 @@ class CallFusion:
         if self.here is None and whole():
             self.joined = None
             return given
-        sizes, joined, why = None, None, self.here or ("inputs need gradients" if input_requires_grad else None)
+        sizes, joined, why = None, None, self.here or self.apart or ("inputs need gradients" if input_requires_grad else None)
         if why is None:
             sizes, why = self._verdicts.sizes(self.layers, inputs, inputs)
         if why is None:

@@ -91,6 +91,10 @@ class ExecutePlan:
             raise ValueError(f"ExecutePlan covers {self.num_layers} layers but the model has {num_layers}")
 
 
+class LayerTooLarge(ValueError):
+    """One layer alone needs more than the device memory cap."""
+
+
 @dataclass(frozen=True)
 class LayerCost:
     """What the planner knows about one layer. Times are for one call (all microbatches)."""
@@ -147,7 +151,7 @@ def _partition(costs: list[Cost], fits, a: int, b: int, min_parts: int) -> list[
     min_parts = min(min_parts, b - a)
     fewest = _min_parts(costs, fits, a, b, float("inf"))
     if fewest is None:
-        raise ValueError("a single layer does not fit in the device memory cap; give the engine more memory or split the layer")
+        raise LayerTooLarge("a single layer does not fit in the device memory cap; give the engine more memory or split the layer")
     lo, hi = max(_part_cost(costs, i, i + 1) for i in range(a, b)), _part_cost(costs, a, b)
     best = fewest
     for _ in range(60):  # bisection on the costliest part
@@ -208,7 +212,7 @@ def plan_stages(costs: Sequence[LayerCost], num_devices: int = 1, memory_cap: Op
     share = _part_cost(fused_cost, 0, n) / num_devices if num_devices > 1 else float("inf")
     start = n - 1
     if not fits_bwd(start, n):
-        raise ValueError(f"the last layer alone does not fit in the device memory cap of {memory_cap} bytes")
+        raise LayerTooLarge(f"the last layer alone does not fit in the device memory cap of {memory_cap} bytes")
     while start > 0 and fits_bwd(start - 1, n) and _part_cost(fused_cost, start - 1, n) <= share:
         start -= 1
     min_parts = max(num_devices - 1, 1)

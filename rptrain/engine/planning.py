@@ -6,6 +6,7 @@ also decide whether saved activations move to host memory (``Tuning.offload_shar
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 from . import timer
@@ -13,7 +14,7 @@ from .config import ResolvedRunConfig
 from .device import Device
 from .host import HostState
 from .passstate import PassState
-from .plan import ExecutePlan, LayerCost, plan_stages
+from .plan import ExecutePlan, LayerCost, LayerTooLarge, plan_stages
 from .schedule import JobKind
 from .tuning import Tuning
 
@@ -30,6 +31,7 @@ class Planner:
         self.costs: Optional[list[LayerCost]] = None  # measured by the first call on a GPU
         self.activation_bytes: Optional[dict[int, int]] = None  # measured: one microbatch's output per layer
         self.measured_joined = False  # whether that microbatch was a call's microbatches joined (fused_call.py): the whole batch
+        self.keeps_apart: Optional[str] = None  # why later calls must run their microbatches apart (the joined batch is too large)
         self.memory_cap = 0
 
     def static_costs(self) -> list[LayerCost]:
@@ -104,10 +106,23 @@ class Planner:
         ]
         cap = self._cap()
         timer.report(costs)  # rptrain.timer.ModelTimer.VERBOSE: the original library's per-layer printout
+        joined, share = state.fused_sizes, 1.0
+        try:
+            plan = plan_stages(costs, len(self.devices), cap, self.transfer_rate)
+        except LayerTooLarge:
+            if joined is None:
+                raise
+            # Measured with the microbatches joined, one layer's graph is over the cap; apart, each holds only its
+            # own microbatch's. Plan for that, and the calls after this one run them apart (roundpipe.py).
+            share = max(joined) / sum(joined)
+            costs = [dataclasses.replace(c, activation_bytes=int(c.activation_bytes * share), saved_bytes=int(c.saved_bytes * share))
+                     for c in costs]
+            plan = plan_stages(costs, len(self.devices), cap, self.transfer_rate)
+            self.keeps_apart, joined = "a layer's activations for the joined batch do not fit the GPU's memory cap", None
         self.costs = costs
-        self.plan = same_on_all_ranks(self.reducer, plan_stages(costs, len(self.devices), cap, self.transfer_rate))
-        self.activation_bytes, self.memory_cap = dict(state.activation_bytes), cap or 0
-        self.measured_joined = state.fused_sizes is not None
+        self.plan = same_on_all_ranks(self.reducer, plan)
+        self.activation_bytes, self.memory_cap = {i: int(b * share) for i, b in state.activation_bytes.items()}, cap or 0
+        self.measured_joined = joined is not None
 
 
 def same_on_all_ranks(reducer: Any, value: Any) -> Any:

@@ -238,6 +238,7 @@ class RoundPipe(ForwardsAttributes):
         self._run_training_pass(state)
         if call.profile:
             self._planner.measured(state)
+            self._fusion.apart = self._planner.keeps_apart
         if state.input_requires_grad:  # e.g. an encoder's packed output: its backward runs now
             pairs = [(t, g) for i, grads in zip(inputs, state.input_grads) for t, g in zip(i, grads or ()) if t.requires_grad and g is not None]
             torch.autograd.backward([t for t, _ in pairs], [g.to(t.device) for t, g in pairs])
