@@ -15,7 +15,7 @@ from torch import nn
 from reference import assert_state_close
 from rptrain import ExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig, Tuning
 from rptrain.engine import fusion
-from rptrain.engine.batching import merge_outputs
+from rptrain.engine.batching import join_cut, merge_outputs
 from rptrain.engine.simulated import SimulatedDevice
 from rptrain.models import build_model
 from rptrain.optim import Adam
@@ -100,6 +100,19 @@ def test_join_and_split_keep_each_microbatch():
     assert fusion.microbatch_sizes([(parts[0], torch.zeros(2))]) is None
     with pytest.raises(ValueError, match="no batch dimension of 10"):
         fusion.split(torch.zeros(3), [4, 3, 3])
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_a_stage_by_stage_call_joins_the_callers_batch_without_copying_it(layout):
+    """fused_call.py joins the microbatches cut from the caller's batch as that batch's own storage (a pinned
+    batch stays pinned for its upload), in either layout; a number that differs keeps them apart."""
+    batch = torch.randn(10, 3, 4, 4).contiguous(memory_format=layout)
+    parts = [(p, {"scale": 2.0}) for p in batch.split([4, 3, 3])]
+    joined, extra = join_cut(parts)
+    assert joined.data_ptr() == batch.data_ptr() and joined.stride() == batch.stride() and torch.equal(joined, batch)
+    assert extra == {"scale": 2.0}
+    with pytest.raises(ValueError, match="float value differs"):
+        join_cut([(batch[:4], 1.0), (batch[4:], 2.0)])
 
 
 def test_batch_norm_uses_each_microbatch_statistics_in_order():

@@ -259,6 +259,27 @@ def merge_outputs(outputs: list[Any], spec: Any = None) -> Any:
     return pytree.tree_unflatten([_merge_leaf(c, s) for c, s in zip(columns, specs)], treespec)
 
 
+def join_cut(parts: list[Any]) -> Any:
+    """Microbatches cut from one batch along dimension 0 (``fusion.cut_along_batch`` holds) as that batch: each
+    tensor the view of the slices' storage, not a copy, so a pinned batch stays pinned for its upload; every
+    other value must be the same in each microbatch (ValueError otherwise)."""
+    flat = [pytree.tree_flatten(p) for p in parts]
+    leaves, treespec = flat[0]
+    if any(s != treespec for _, s in flat):
+        raise ValueError("the microbatches differ in structure")
+    joined = []
+    for column in zip(*(f for f, _ in flat)):
+        first = column[0]
+        if isinstance(first, Tensor):
+            rows = sum(t.shape[0] for t in column)
+            joined.append(first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset()))
+        elif _same(list(column)):
+            joined.append(first)
+        else:
+            raise ValueError(f"a {type(first).__name__} value differs between the microbatches")
+    return pytree.tree_unflatten(joined, treespec)
+
+
 def summed_losses(losses: list, device: torch.device) -> Any:
     """The microbatches' losses summed: a tensor, or a list of sums when ``loss_fn`` returned several."""
     if isinstance(losses[0], torch.Tensor):

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 from torch import Tensor, nn
 
 from . import fusion
-from .batching import merge_outputs
+from .batching import join_cut
 from .compute import loss_scalars
 from .tuning import Tuning
 
@@ -103,7 +103,7 @@ class CallFusion:
             sizes, why = self._verdicts.sizes(self.layers, inputs, inputs)
         if why is None:
             try:
-                joined = merge_outputs(list(inputs))
+                joined = join_cut(list(inputs))  # the caller's batch itself: cut_along_batch held (Verdicts.sizes)
             except ValueError:  # a value other than a tensor differs between the microbatches
                 why = "the microbatches' inputs differ in a value that is not a tensor"
         self.microbatches = "as one batch (fused_call.py)" if why is None else f"apart: {why}"
