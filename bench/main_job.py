@@ -94,6 +94,7 @@ def sample():
             for ident, frame in sys._current_frames().items():
                 if ident != me:
                     out.write("Thread\\n" + "".join(reversed(traceback.format_stack(frame))))
+            out.flush()  # a daemon thread: the process may end at any sample
             time.sleep(every)
 threading.Thread(target=sample, daemon=True).start()
 sys.argv = ["rptrain", *sys.argv[4:]]

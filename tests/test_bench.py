@@ -22,7 +22,7 @@ RUNS = {**{script: [script] for script in SCRIPTS}, "resnet_diagnostics": ["resn
         "--optimizer-threads", "1", "2"], "llm_isolate": ["llm.py", "--isolate"],
         "lora_isolate_profile": ["lora.py", "--isolate", "--profile", "--impl", "rptrain"], "llm_qwen3": ["llm.py", "--model", "qwen3_8b"],
         "attention_dists": ["attention.py", "--dist", "uniform", "one"],
-        "cli_resnet": ["cli_resnet.py", "--no-compile"],
+        "cli_resnet": ["cli_resnet.py", "--no-compile"], "main_job.py": ["main_job.py", "--stacks", "0.05"],
         "llm_moe_lowmem": ["llm.py", "--model", "qwen3_30b_a3b", "gpt_oss_20b", "--master-dtype", "bf16", "--state-dtype", "int8"],
         "lora_moe_peft": ["lora.py", "--model", "qwen3_30b_a3b", "--impl", "rptrain", "peft"]}
 RUN_ALL = """
@@ -106,6 +106,13 @@ def records_of(tiny_runs, name: str) -> list[dict]:
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bench_runs_tiny_and_prints_json_lines(tiny_runs, script):
     records_of(tiny_runs, script)
+
+
+def test_main_job_samples_its_setup_stacks(tiny_runs):
+    """main_job.py --stacks: the command's threads sampled, the busiest places counted, rptrain's frames among them."""
+    [record] = [r for r in records_of(tiny_runs, "main_job.py") if r["bench"] == "main_job"]
+    hot = record["hot_frames"]
+    assert hot and all(n > 0 and " <- " in where for n, where in hot) and any(".py:" in where.split(" <- ")[1] for _, where in hot), hot
 
 
 @pytest.mark.slow
