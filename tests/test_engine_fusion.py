@@ -111,6 +111,8 @@ def test_a_stage_by_stage_call_joins_the_callers_batch_without_copying_it(layout
     joined, extra = join_cut(parts)
     assert joined.data_ptr() == batch.data_ptr() and joined.stride() == batch.stride() and torch.equal(joined, batch)
     assert extra == {"scale": 2.0}
+    apart = [(torch.randn(2, 3), {"scale": 2.0}), (torch.randn(3, 3), {"scale": 2.0})]  # not one tensor's slices: a copy
+    assert torch.equal(join_cut(apart)[0], torch.cat([apart[0][0], apart[1][0]]))
     with pytest.raises(ValueError, match="float value differs"):
         join_cut([(batch[:4], 1.0), (batch[4:], 2.0)])
 

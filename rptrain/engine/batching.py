@@ -259,10 +259,29 @@ def merge_outputs(outputs: list[Any], spec: Any = None) -> Any:
     return pytree.tree_unflatten([_merge_leaf(c, s) for c, s in zip(columns, specs)], treespec)
 
 
+def consecutive(slices: list[Tensor]) -> bool:
+    """Whether ``slices`` are consecutive dimension-0 slices of one tensor (the automatic split's cut)."""
+    first, offset = slices[0], slices[0].storage_offset()
+    for t in slices:
+        if (t.dim() == 0 or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != offset or t.shape[1:] != first.shape[1:] or t.stride() != first.stride()):
+            return False
+        offset += t.shape[0] * t.stride(0)
+    return True
+
+
+def _batch_of(slices: list[Tensor]) -> Tensor:
+    """The tensor ``slices`` were cut from along dimension 0, as a view; a copy where they are not consecutive."""
+    if not consecutive(slices):
+        return torch.cat(slices)
+    first = slices[0]
+    return first.as_strided((sum(t.shape[0] for t in slices), *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 def join_cut(parts: list[Any]) -> Any:
-    """Microbatches cut from one batch along dimension 0 (``fusion.cut_along_batch`` holds) as that batch: each
-    tensor the view of the slices' storage, not a copy, so a pinned batch stays pinned for its upload; every
-    other value must be the same in each microbatch (ValueError otherwise)."""
+    """Microbatches cut from one batch along dimension 0 as that batch: each tensor a view of the storage its
+    slices share, not a copy (so a pinned batch stays pinned for its upload), or their concatenation where they
+    are not consecutive slices; every other value must be the same in each microbatch (ValueError otherwise)."""
     flat = [pytree.tree_flatten(p) for p in parts]
     leaves, treespec = flat[0]
     if any(s != treespec for _, s in flat):
@@ -271,8 +290,7 @@ def join_cut(parts: list[Any]) -> Any:
     for column in zip(*(f for f, _ in flat)):
         first = column[0]
         if isinstance(first, Tensor):
-            rows = sum(t.shape[0] for t in column)
-            joined.append(first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset()))
+            joined.append(_batch_of(list(column)))
         elif _same(list(column)):
             joined.append(first)
         else:

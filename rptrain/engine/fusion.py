@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from .batching import iter_tensors
+from .batching import consecutive, iter_tensors
 
 # Modules that treat each sample (dimension 0) by itself, whatever their settings below.
 _PER_SAMPLE_MODULES = frozenset((
@@ -134,15 +134,7 @@ def cut_along_batch(values: list) -> bool:
     columns = [list(iter_tensors(v)) for v in values]
     if len({len(c) for c in columns}) != 1:
         return False
-    for column in zip(*columns):
-        first = column[0]
-        offset = first.storage_offset()
-        for t in column:
-            if (t.dim() == 0 or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                    or t.storage_offset() != offset or t.shape[1:] != first.shape[1:] or t.stride() != first.stride()):
-                return False
-            offset += t.shape[0] * t.stride(0)
-    return True
+    return all(consecutive(list(column)) for column in zip(*columns))
 
 
 class Verdicts:
