@@ -117,6 +117,26 @@ def test_a_stage_by_stage_call_joins_the_callers_batch_without_copying_it(layout
         join_cut([(batch[:4], 1.0), (batch[4:], 2.0)])
 
 
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_a_forward_without_gradients_runs_its_microbatches_as_one_batch(mode):
+    """model(x) under no_grad (an evaluation) on one GPU: one batch, the outputs those of the microbatches apart,
+    and in training mode BatchNorm's running statistics updated per microbatch, in order, as apart."""
+    model, two = convnet(), RoundPipeRunConfig(num_microbatch=2)
+    joined = RoundPipe(copy.deepcopy(model), devices=[SimulatedDevice(0)], model_run_config=two)
+    apart = RoundPipe(copy.deepcopy(model), devices=[SimulatedDevice(0)], model_run_config=two, tuning=Tuning(fuse_microbatches=False))
+    seen, run = [], joined._executor.run
+    joined._executor.run = lambda state: (seen.append((state.num_microbatch, state.fused_sizes)), run(state))[1]
+    x = image_batches(1)[0][0]
+    for engine in (joined, apart):
+        getattr(engine, mode)()
+    with torch.no_grad():
+        out, expected = joined(x), apart(x)
+    assert seen == [(1, [4, 4])]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert_state_close(joined.state_dict(), apart.state_dict())
+    joined.close(), apart.close()
+
+
 def test_batch_norm_uses_each_microbatch_statistics_in_order():
     torch.manual_seed(0)
     apart, together = nn.BatchNorm1d(3, momentum=None), nn.BatchNorm1d(3, momentum=None)  # a cumulative average: the order shows

@@ -69,8 +69,13 @@ class CallParts:
         """The call's losses and outputs per microbatch."""
         if self.sizes is None:
             return losses, outputs
-        per_micro = self.loss_fn.per_microbatch(losses[0])
-        return per_micro, (fusion.split(outputs[0], self.sizes) if outputs[0] is not None else [None] * len(self.sizes))
+        return self.loss_fn.per_microbatch(losses[0]), self.outputs_apart(outputs)
+
+    def outputs_apart(self, outputs: list) -> list:
+        """The call's outputs per microbatch."""
+        if self.sizes is None:
+            return outputs
+        return fusion.split(outputs[0], self.sizes) if outputs[0] is not None else [None] * len(self.sizes)
 
 
 class CallFusion:
@@ -86,6 +91,22 @@ class CallFusion:
         self.apart: Optional[str] = None  # why every call from now on keeps them apart (the planner's measurement)
         self.microbatches: Optional[str] = None  # how the newest stage-by-stage call ran them: as one batch, or why apart
         self.joined: Optional[bool] = None  # whether the newest call ran as one batch here (None: it took the whole-call path)
+
+    def prepare_forward(self, inputs: list) -> CallParts:
+        """A forward call that records nothing for a backward (an evaluation): its microbatches as one batch where
+        a training call's would be (the same rules; BatchNorm in training mode still per slice). Only the kernels'
+        size changes, so ``microbatches`` and ``joined``, which describe training calls, are left alone."""
+        given = CallParts(list(inputs), [None] * len(inputs), lambda outputs, label: outputs)
+        if len(inputs) < 2 or self.here is not None or self.apart is not None:
+            return given
+        sizes, why = self._verdicts.sizes(self.layers, inputs, inputs)
+        if why is not None:
+            return given
+        try:
+            joined = join_cut(list(inputs))
+        except ValueError:  # a value other than a tensor differs between the microbatches
+            return given
+        return CallParts([joined], [None], given.loss_fn, sizes)
 
     def prepare(self, inputs: list, labels: list, loss_fn: Callable, whole: Callable[[], bool], input_requires_grad: bool) -> CallParts:
         """``inputs``: the call's microbatches (Args) as split from the caller's tensors; ``whole()``: whether

@@ -199,10 +199,10 @@ class RoundPipe(ForwardsAttributes):
         micro = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
         if call.recorded:
             return run_recorded(call, self._prepare.backward_jobs(call), micro, self._versions, self._executor, self._run_training_pass)
-        version = self._versions.use()
-        state = PassState(call.jobs, cfg.num_microbatch, [Args(a, k) for a, k in micro], version, output_device=cfg.output_device)
+        version, parts = self._versions.use(), self._fusion.prepare_forward([Args(a, k) for a, k in micro])  # fused_call.py
+        state = PassState(call.jobs, len(parts.inputs), parts.inputs, version, output_device=cfg.output_device, fused_sizes=parts.sizes)
         self._executor.run(state)
-        return merge_outputs(state.outputs, cfg.merge_output)
+        return merge_outputs(parts.outputs_apart(state.outputs), cfg.merge_output)
 
     def forward_backward(self, input_args: Any = (), input_kwargs: Optional[dict] = None, label: Any = None,
                          loss_fn: Callable = lambda outputs, label: outputs, return_outputs: bool = False,
