@@ -308,7 +308,7 @@ def test_several_devices_match_one(devices):
     plan = ExecutePlan.from_cuts(10, [2, 4, 6, 8], [3, 5, 8])
     # Several devices keep the microbatches apart; one GPU would join them (fused_call.py), which only
     # rounds differently, yet Adam turns that into lr-sized steps where a gradient is near zero (seen:
-    # 1.5e-2 on an H100 with TF32). Compare like with like: the single device also runs them apart.
+    # 1.5e-2 on an H100, TF32 off). Compare like with like: the single device also runs them apart.
     apart = Tuning(fuse_microbatches=False)
     one, _ = train_both(convnet(), image_batches(), 3, plan=plan, devices=devices[:1], tuning=apart)
     several, ref = train_both(convnet(), image_batches(), 3, plan=plan, devices=devices)

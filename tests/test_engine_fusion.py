@@ -117,13 +117,14 @@ def test_a_stage_by_stage_call_joins_the_callers_batch_without_copying_it(layout
         join_cut([(batch[:4], 1.0), (batch[4:], 2.0)])
 
 
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("mode", ["eval", "train"])
-def test_a_forward_without_gradients_runs_its_microbatches_as_one_batch(mode):
+def test_a_forward_without_gradients_runs_its_microbatches_as_one_batch(mode, where):
     """model(x) under no_grad (an evaluation) on one GPU: one batch, the outputs those of the microbatches apart,
     and in training mode BatchNorm's running statistics updated per microbatch, in order, as apart."""
     model, two = convnet(), RoundPipeRunConfig(num_microbatch=2)
-    joined = RoundPipe(copy.deepcopy(model), devices=[SimulatedDevice(0)], model_run_config=two)
-    apart = RoundPipe(copy.deepcopy(model), devices=[SimulatedDevice(0)], model_run_config=two, tuning=Tuning(fuse_microbatches=False))
+    joined = RoundPipe(copy.deepcopy(model), model_run_config=two, **sim(Tuning(), where))
+    apart = RoundPipe(copy.deepcopy(model), model_run_config=two, **sim(Tuning(fuse_microbatches=False), where))
     seen, run = [], joined._executor.run
     joined._executor.run = lambda state: (seen.append((state.num_microbatch, state.fused_sizes)), run(state))[1]
     x = image_batches(1)[0][0]
@@ -133,7 +134,7 @@ def test_a_forward_without_gradients_runs_its_microbatches_as_one_batch(mode):
         out, expected = joined(x), apart(x)
     assert seen == [(1, [4, 4])]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
-    assert_state_close(joined.state_dict(), apart.state_dict())
+    assert_state_close({k: v.cpu() for k, v in joined.state_dict().items()}, {k: v.cpu() for k, v in apart.state_dict().items()})
     joined.close(), apart.close()
 
 
