@@ -212,3 +212,15 @@ def test_engine_switches_reach_the_engines_tuning(make, fuse):
         assert engine._tuning.fuse_microbatches is fuse and engine._tuning.compile_stages is False
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("data, length", [("text", "data.seq_len"), ("chat", "data.max_seq_len"), ("synthetic_tokens", "data.seq_len")])
+def test_out_of_gpu_memory_names_the_data_s_own_length_key(make, data, length):
+    """A language model's line names the length key its data config has; its microbatches are never joined
+    (its layers are not traced as joinable), so engine.fuse_microbatches is not offered."""
+    from rptrain.train.out_of_memory import out_of_gpu_memory
+
+    cfg = make("model=llama_tiny", f"data={data}", "run_config.num_microbatch=2")
+    line = str(out_of_gpu_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB. Other words."), cfg, 2, "kept", 1))
+    assert line.startswith(f"out of GPU memory at step 3 (Tried to allocate 1.00 GiB): lower trainer.batch_size or {length}, or "), line
+    assert "fuse_microbatches" not in line and line.endswith("; kept")

@@ -22,7 +22,8 @@ def out_of_gpu_memory(err: BaseException, cfg: DictConfig, step: Optional[int], 
     numbers = "; ".join(part for part in sentences if part.startswith(_KEPT)) or sentences[0]
     where = f"at step {step + 1}" if step is not None else "before the first step"
     image = model_kind(cfg.model) == IMAGE
-    levers = ["lower trainer.batch_size" + ("" if image else " or data.max_seq_len")]
+    length = next((f"data.{key}" for key in ("seq_len", "max_seq_len") if key in cfg.data), None)  # text / chat
+    levers = ["lower trainer.batch_size" + (f" or {length}" if length else "")]
     # Only convolution models' layers are traced as joinable (engine/fusion.py); a decoder's microbatches run apart anyway.
     if image and num_microbatch(cfg) > 1 and gpus == 1 and cfg.engine.fuse_microbatches:
         levers.append(f"engine.fuse_microbatches=false (the {num_microbatch(cfg)} microbatches then run apart, "
