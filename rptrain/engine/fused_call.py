@@ -97,16 +97,10 @@ class CallFusion:
         a training call's would be (the same rules; BatchNorm in training mode still per slice). Only the kernels'
         size changes, so ``microbatches`` and ``joined``, which describe training calls, are left alone."""
         given = CallParts(list(inputs), [None] * len(inputs), lambda outputs, label: outputs)
-        if len(inputs) < 2 or self.here is not None or self.apart is not None:
+        if len(inputs) < 2:
             return given
-        sizes, why = self._verdicts.sizes(self.layers, inputs, inputs)
-        if why is not None:
-            return given
-        try:
-            joined = join_cut(list(inputs))
-        except ValueError:  # a value other than a tensor differs between the microbatches
-            return given
-        return CallParts([joined], [None], given.loss_fn, sizes)
+        joined, sizes, why = self._join(inputs, self.here or self.apart)
+        return given if why is not None else CallParts([joined], [None], given.loss_fn, sizes)
 
     def prepare(self, inputs: list, labels: list, loss_fn: Callable, whole: Callable[[], bool], input_requires_grad: bool) -> CallParts:
         """``inputs``: the call's microbatches (Args) as split from the caller's tensors; ``whole()``: whether
@@ -119,16 +113,21 @@ class CallFusion:
         if self.here is None and whole():
             self.joined = None
             return given
-        sizes, joined, why = None, None, self.here or self.apart or ("inputs need gradients" if input_requires_grad else None)
-        if why is None:
-            sizes, why = self._verdicts.sizes(self.layers, inputs, inputs)
-        if why is None:
-            try:
-                joined = join_cut(list(inputs))  # the caller's batch itself: cut_along_batch held (Verdicts.sizes)
-            except ValueError:  # a value other than a tensor differs between the microbatches
-                why = "the microbatches' inputs differ in a value that is not a tensor"
+        joined, sizes, why = self._join(inputs, self.here or self.apart or ("inputs need gradients" if input_requires_grad else None))
         self.microbatches = "as one batch (fused_call.py)" if why is None else f"apart: {why}"
         if why is not None:
             return given
         self.joined = True
         return CallParts([joined], [list(labels)], FusedLoss(loss_fn, sizes), sizes)
+
+    def _join(self, inputs: list, why: Optional[str]) -> tuple[Any, Optional[list[int]], Optional[str]]:
+        """(the joined batch, the microbatches' sizes, None) where ``inputs`` may run as one batch, else (None, None,
+        why not); ``why``: a reason already known to keep them apart."""
+        if why is None:
+            sizes, why = self._verdicts.sizes(self.layers, inputs, inputs)
+        if why is None:
+            try:
+                return join_cut(list(inputs)), sizes, None  # the caller's batch itself: cut_along_batch held (Verdicts.sizes)
+            except ValueError:  # a value other than a tensor differs between the microbatches
+                why = "the microbatches' inputs differ in a value that is not a tensor"
+        return None, None, why

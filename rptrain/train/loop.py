@@ -26,10 +26,10 @@ from rich.console import Console
 
 from .console import ProgressBar, log, say
 from .dist import Dist, peer_errors
+from .errors import OutOfGpuMemory
 from .export import export_run, exportable
 from .kernels import CudnnSearch, cudnn_benchmark
 from .lora import export_adapter, wants_adapter
-from .errors import OutOfGpuMemory
 from .meters import Meter
 from .out_of_memory import out_of_gpu_memory
 from .samples import write_samples

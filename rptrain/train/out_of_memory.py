@@ -25,8 +25,9 @@ def out_of_gpu_memory(err: BaseException, cfg: DictConfig, step: Optional[int], 
     length = next((f"data.{key}" for key in ("seq_len", "max_seq_len") if key in cfg.data), None)  # text / chat
     levers = ["lower trainer.batch_size" + (f" or {length}" if length else "")]
     # Only convolution models' layers are traced as joinable (engine/fusion.py); a decoder's microbatches run apart anyway.
-    if image and num_microbatch(cfg) > 1 and gpus == 1 and cfg.engine.fuse_microbatches:
-        levers.append(f"engine.fuse_microbatches=false (the {num_microbatch(cfg)} microbatches then run apart, "
+    microbatches = num_microbatch(cfg)
+    if image and microbatches > 1 and gpus == 1 and cfg.engine.fuse_microbatches:
+        levers.append(f"engine.fuse_microbatches=false (the {microbatches} microbatches then run apart, "
                       "each with only its own activations)")
     levers.append("engine.max_gpu_memory below the free memory, so the engine plans for less")
     return OutOfGpuMemory(f"out of GPU memory {where} ({numbers}): {', or '.join(levers)}; {kept}")
