@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|overlap-32b|largest-peers|lora-moe|preset-8b-mb|preset-fp32|main-experts|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|h100-next|fuse|timeline|lowmem-acc|endrun|llm|h200-goals|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|overlap-32b|largest-peers|lora-moe|preset-8b-mb|preset-fp32|main-experts|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|h100-next|fuse|timeline|lowmem-acc|endrun|llm|h200-goals|recheck|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == moe-ft || $what == overlap-32b || $what == largest-peers || $what == h200-close || $what == preset-8b-mb || $what == preset-fp32 || $what == main-experts || $what == h100-next || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc || $what == timeline || $what == fuse || $what == h200-goals ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == moe-ft || $what == overlap-32b || $what == largest-peers || $what == h200-close || $what == preset-8b-mb || $what == preset-fp32 || $what == main-experts || $what == h100-next || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc || $what == timeline || $what == fuse || $what == h200-goals || $what == recheck ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -389,6 +389,13 @@ if [[ $what == fuse ]]; then  # issue 33 (about 6.5 minutes): a call's microbatc
   done
   run 100 python3 bench/main_job.py
   grep '^{"bench": "\(resnet34\|main_job\)' "$out/suite.log" > "$out/fuse.jsonl"
+fi
+if [[ $what == recheck ]]; then  # the engine on CUDA after CPU-only changes (about 5 minutes, either GPU): its CUDA tests, then the
+  # tutorial's loop by default beside the whole-step-graphed plain loop, each its own process
+  run 230 "${cuda_tests[@]}"
+  run 60 python3 bench/resnet.py --impl graphed --memory-format channels_last --steps 60
+  run 60 python3 bench/resnet.py --impl rptrain --steps 60
+  grep '^{"bench": "resnet34' "$out/suite.log" > "$out/recheck.jsonl"
 fi
 if [[ $what == timeline ]]; then  # issue 33 (about 4.5 minutes): the background checkpoint's slow log window, on one timeline with the
   # garbage collections, the checkpoint write's parts, the slow steps and the metrics writes: as it is, re-reading every manifest each save
