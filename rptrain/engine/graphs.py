@@ -41,6 +41,25 @@ def signature(value: Any) -> Optional[tuple]:
     return (spec, tuple(parts))
 
 
+class WarmupUndo:
+    """What a recording's warm-up runs change in its layers (buffers such as BatchNorm's running statistics,
+    accumulated gradients), copied before them and put back after, so a recorded call counts once."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.buffers = [b for m in modules for b in m.buffers()]
+        self.params = [p for m in modules for p in m.parameters()]
+        self.saved_buffers = [b.detach().clone() for b in self.buffers]
+        self.saved_grads = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for b, value in zip(self.buffers, self.saved_buffers):
+            b.copy_(value)
+        for p, value in zip(self.params, self.saved_grads):
+            if value is not None:
+                p.grad.copy_(value)
+
+
 class _Recorded:
     """One stage's forward and backward graphs (no backward: a forward-only graph) and the static tensors they read and write."""
 
@@ -151,10 +170,7 @@ class StageGraphs:
         return pytree.tree_unflatten([next(it) if c is None else c for c in rec.out_constants], rec.out_spec)
 
     def _record(self, modules: list[nn.Module], x: Any, call: Callable, grad: bool = True) -> Optional[_Recorded]:
-        params = [p for m in modules for p in m.parameters()]
-        buffers = [b for m in modules for b in m.buffers()]
-        saved_buffers = [b.detach().clone() for b in buffers]
-        saved_grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        undo = WarmupUndo(modules)
         rng_state = rng.get_state(self.device)
         try:
             return self._capture(modules, x, call) if grad else self._capture_forward(modules, x, call)
@@ -167,12 +183,7 @@ class StageGraphs:
         finally:
             if self._stream is not None:  # the caller's stream continues after the recording stream's work
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
-            with torch.no_grad():  # the warm-up runs updated statistics, gradients and random state
-                for b, value in zip(buffers, saved_buffers):
-                    b.copy_(value)
-                for p, value in zip(params, saved_grads):
-                    if value is not None:
-                        p.grad.copy_(value)
+            undo.restore()  # the warm-up runs updated statistics and gradients
             rng.set_state(rng_state, self.device)
 
     def _ensure_pool(self) -> None:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from . import fusion, rng
 from .batching import iter_tensors, map_tensors, merge_outputs, opaque_type
 from .compute import loss_scalars
-from .graphs import signature
+from .graphs import WarmupUndo, signature
 from .loss_key import closure_kept, loss_key
 from .passstate import call_layer
 from .scaler import recording_scalers, scaling_by_tensors
@@ -219,10 +219,7 @@ class WholeCallGraphs:
 
     def _record(self, key: tuple, modules: Any, inputs: list, labels: list, loss_fn: Callable, split: Optional[list]) -> Optional[Recorded]:
         layers = list(modules)
-        params = [p for m in layers for p in m.parameters()]
-        buffers = [b for m in layers for b in m.buffers()]
-        saved_buffers = [b.detach().clone() for b in buffers]
-        saved_grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        undo = WarmupUndo(layers)
         rng = self._rng()
         try:
             with closure_kept(loss_fn):  # warm-ups and the recording leave the closure as it was
@@ -234,12 +231,7 @@ class WholeCallGraphs:
         finally:
             if self._stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
-            with torch.no_grad():  # the warm-up calls updated statistics, gradients and random state
-                for b, value in zip(buffers, saved_buffers):
-                    b.copy_(value)
-                for p, value in zip(params, saved_grads):
-                    if value is not None:
-                        p.grad.copy_(value)
+            undo.restore()  # the warm-up calls updated statistics and gradients
             self._set_rng(rng)
 
     def _memory_budget(self) -> float:
