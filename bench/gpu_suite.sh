@@ -390,12 +390,13 @@ if [[ $what == fuse ]]; then  # issue 33 (about 6.5 minutes): a call's microbatc
   run 100 python3 bench/main_job.py
   grep '^{"bench": "\(resnet34\|main_job\)' "$out/suite.log" > "$out/fuse.jsonl"
 fi
-if [[ $what == recheck ]]; then  # the engine on CUDA after CPU-only changes (about 5 minutes, either GPU): its CUDA tests, then the
-  # tutorial's loop by default beside the whole-step-graphed plain loop, each its own process
+if [[ $what == recheck ]]; then  # the engine on CUDA after CPU-only changes (about 7 minutes, either GPU): its CUDA tests, the
+  # tutorial's loop by default beside the whole-step-graphed plain loop, then the main job with its setup's stacks; each its own process
   run 230 "${cuda_tests[@]}"
   run 60 python3 bench/resnet.py --impl graphed --memory-format channels_last --steps 60
   run 60 python3 bench/resnet.py --impl rptrain --steps 60
-  grep '^{"bench": "resnet34' "$out/suite.log" > "$out/recheck.jsonl"
+  run 110 python3 bench/main_job.py --stacks 0.05 --stacks-for 30  # the 20-epoch main job, where its setup's seconds go
+  grep '^{"bench": "\(resnet34\|main_job\)' "$out/suite.log" > "$out/recheck.jsonl"
 fi
 if [[ $what == timeline ]]; then  # issue 33 (about 4.5 minutes): the background checkpoint's slow log window, on one timeline with the
   # garbage collections, the checkpoint write's parts, the slow steps and the metrics writes: as it is, re-reading every manifest each save
