@@ -171,7 +171,7 @@ class HostState:
         self.keeps_user_weights = keep_user_weights
         # Layer by layer: each layer's own tensors go once copied (host_fill.py); the user's modules then
         # look at our storage (or placeholders).
-        self.user_params, self.frozen_params = fill(self, layers, materialise)
+        self.user_params = fill(self, layers, materialise)
         if self.gpu is not None:
             self.gpu.wait_queued()  # the uploads into its master are done before other streams read it
         self.show_version(0)

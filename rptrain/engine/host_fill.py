@@ -52,9 +52,9 @@ class _Frozen:
             flat[self.ends[key] :].zero_()
 
 
-def fill(host: "HostState", layers: Sequence[nn.Module], materialise: Optional[Callable[[int], None]]) -> tuple[list[Tensor], list[Tensor]]:
+def fill(host: "HostState", layers: Sequence[nn.Module], materialise: Optional[Callable[[int], None]]) -> list[Tensor]:
     """Copy every layer into ``host``'s flats, layer by layer (materialising each first when given);
-    returns the trainable and the frozen parameters, each in its layout's slot order."""
+    returns the trainable parameters in their layout's slot order."""
     kinds = {"params": owners(host.params), "frozen": owners(host.frozen_layout), "buffers": owners(host.buffer_layout)}
     by_layer: dict[int, list[tuple[str, int, str]]] = {}
     for kind, places in kinds.items():
@@ -62,7 +62,7 @@ def fill(host: "HostState", layers: Sequence[nn.Module], materialise: Optional[C
             by_layer.setdefault(layer, []).append((kind, index, name))
     frozen = _Frozen(host.frozen_layout, host.frozen)
     home = torch.device("cpu") if materialise is not None else None  # the user's module lives on the host
-    found: dict[str, list[Optional[Tensor]]] = {k: [None] * len(v) for k, v in kinds.items()}
+    trainable: list[Optional[Tensor]] = [None] * len(kinds["params"])
     with torch.no_grad():
         for i, layer in enumerate(layers):
             if materialise is not None:
@@ -71,6 +71,7 @@ def fill(host: "HostState", layers: Sequence[nn.Module], materialise: Optional[C
                 t = layer.get_buffer(name) if kind == "buffers" else layer.get_parameter(name)
                 if kind == "params":
                     _store_trainable(host, index, t, home)
+                    trainable[index] = t
                 elif kind == "frozen":
                     t.data = frozen.store(index, t)
                 else:
@@ -78,9 +79,8 @@ def fill(host: "HostState", layers: Sequence[nn.Module], materialise: Optional[C
                     view = host.buffer_layout.view(host.buffers, slot)
                     view.copy_(t.detach())
                     t.data = view
-                found[kind][index] = t
     frozen.finish()
-    return found["params"], found["frozen"]
+    return trainable  # type: ignore[return-value]  (every slot's owner is visited)
 
 
 def _store_trainable(host: "HostState", index: int, p: Tensor, home: Optional[torch.device]) -> None:
