@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_module
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rptrain.models import QWEN3_PRESETS, build_model
+from rptrain.models.hf_presets import preset_json
 from rptrain.train import schema
 from rptrain.train.errors import ConfigError
 from rptrain.train.export import export_weights
@@ -37,7 +38,8 @@ def test_qwen3_presets_have_the_published_shapes(make, name):
     ours = sum(p.numel() for p in build_model(name, device="meta").parameters())
     with torch.device("meta"):
         theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**preset))
-    assert type(theirs).__name__ == "Qwen3ForCausalLM" and ours == sum(p.numel() for p in theirs.parameters())
+    assert [type(theirs).__name__] == preset_json(name)["architectures"] == ["Qwen3ForCausalLM"]  # the family record's
+    assert ours == sum(p.numel() for p in theirs.parameters())
 
 
 TINY = {
@@ -70,7 +72,7 @@ def test_moe_presets_have_the_published_shapes(make, name):
     ours = build_model(name, device="meta")
     with torch.device("meta"):
         theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**preset))
-    assert type(theirs).__name__ == preset["architectures"][0]
+    assert [type(theirs).__name__] == preset_json(name)["architectures"]  # the family record's
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
     expected = {"qwen3_30b_a3b": 30.5e9, "gpt_oss_20b": 20.9e9}[name]  # the published totals
     assert abs(sum(p.numel() for p in ours.parameters()) / expected - 1) < 0.02

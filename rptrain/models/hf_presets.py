@@ -18,11 +18,12 @@ from torch import nn
 
 from rptrain.models.decoder import Device, build_decoder
 from rptrain.models.decoder_config import DecoderConfig
+from rptrain.models.families import FAMILIES
 from rptrain.models.hf_config import decoder_config
 from rptrain.models.llama_config import LlamaConfig
 from rptrain.models.registry import register_model
 
-_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, head_dim=128, hidden_act="silu",
+_QWEN3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, hidden_act="silu",
               rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960, attention_bias=False,
               use_sliding_window=False, sliding_window=None, initializer_range=0.02)  # token ids: the run's tokenizer's
 
@@ -40,12 +41,12 @@ QWEN3_PRESETS: dict[str, dict] = {
 # (GPT-OSS's bf16 layout: its published weights are MXFP4, which model=hf refuses).
 _GPT_OSS_LAYERS = 24
 MOE_PRESETS: dict[str, dict] = {
-    "qwen3_30b_a3b": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+    "qwen3_30b_a3b": dict(_QWEN3, model_type="qwen3_moe", hidden_size=2048,
                           intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
                           num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
                           mlp_only_layers=[], router_aux_loss_coef=0.001, output_router_logits=False, tie_word_embeddings=False,
                           max_window_layers=48),
-    "gpt_oss_20b": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+    "gpt_oss_20b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
                         intermediate_size=2880, num_hidden_layers=_GPT_OSS_LAYERS, num_attention_heads=64, num_key_value_heads=8,
                         head_dim=64, num_experts=32, num_experts_per_tok=4, sliding_window=128,
                         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(_GPT_OSS_LAYERS)],
@@ -55,13 +56,19 @@ MOE_PRESETS: dict[str, dict] = {
                         attention_bias=True, tie_word_embeddings=False, router_aux_loss_coef=0.9, output_router_logits=False,
                         hidden_act="silu", initializer_range=0.02),
 }
-PRESETS: dict[str, dict] = {**QWEN3_PRESETS, **MOE_PRESETS}  # every preset written as a config.json
+PRESETS: dict[str, dict] = {**QWEN3_PRESETS, **MOE_PRESETS}  # every preset written as a config.json (less its architectures)
+
+
+def _architectures(model_type: str) -> list[str]:
+    """config.json's architectures: the class its family record names (families.py)."""
+    return [FAMILIES[model_type].architecture]
 
 
 def preset_json(name: str, **fields) -> dict:
     """A preset's config.json with some fields replaced (None keeps the published value, e.g. vocab_size).
     A GPT-OSS preset with another num_hidden_layers gets its alternating layer_types to match."""
     raw = {**PRESETS[name], **{k: v for k, v in fields.items() if v is not None}}
+    raw["architectures"] = _architectures(raw["model_type"])
     if raw["model_type"] == "gpt_oss" and fields.get("num_hidden_layers") is not None:
         raw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(raw["num_hidden_layers"])]
     return raw
@@ -92,7 +99,7 @@ def llama_hf_config(cfg: LlamaConfig) -> dict:
         scaling = dict(rope_type="llama3", factor=factor, low_freq_factor=low, high_freq_factor=high,
                        original_max_position_embeddings=original)
     return dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=cfg.vocab_size, hidden_size=cfg.dim,
+        architectures=_architectures("llama"), model_type="llama", vocab_size=cfg.vocab_size, hidden_size=cfg.dim,
         intermediate_size=cfg.ffn_hidden, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, rope_scaling=scaling, attention_bias=False, mlp_bias=False,
