@@ -83,7 +83,6 @@ class ShardedLoader:
         self.shuffle, self.drop_last = shuffle, drop_last
         self.seed, self.rank, self.world_size = seed, rank, world_size
         shard = num_samples // world_size if drop_last else -(-num_samples // world_size)
-        self.shard_size = shard
         self.num_batches = shard // batch_size if drop_last else -(-shard // batch_size)
         if self.num_batches == 0:
             raise DataError(
