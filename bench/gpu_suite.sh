@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything worth running on a GPU machine in one go: the engine tests on CUDA, then the
-# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|overlap-32b|largest-peers|lora-moe|preset-8b-mb|preset-fp32|main-experts|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|h100-next|fuse|timeline|lowmem-acc|endrun|llm|h200-goals|recheck|all] ; logs go to
+# benchmarks at full size. Usage: bash bench/gpu_suite.sh [tests|resnet|core|next|refresh|final|last|cli|lora|attention|engine-ab|place|verify|peers|big|big-peers|big-trace|close|fused|cli-tests|graphed|whole-call|lowmem|lowmem-big|split-big|assist-14b|overlap-14b|overlap-big|moe-ft|overlap-32b|largest-peers|lora-moe|preset-8b-mb|preset-fp32|main-experts|h200-close|policy-8b|preset-8b|hostwork|hostwork-bf16|cli-bf16|experts|h100-next|fuse|timeline|lowmem-acc|endrun|llm|h200-goals|lora-goal|recheck|all] ; logs go to
 # $OUT (or ./gpu-logs). Every benchmark prints JSON lines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ run() {  # run SECONDS CMD...
   echo "[t=$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/suite.log"
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$out/suite.log" | grep -E '^\{|Error|error|passed|failed|skipped' | tail -12
 }
-if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == moe-ft || $what == overlap-32b || $what == largest-peers || $what == h200-close || $what == preset-8b-mb || $what == preset-fp32 || $what == main-experts || $what == h100-next || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc || $what == timeline || $what == fuse || $what == h200-goals || $what == recheck ]]; then
+if [[ $what == core || $what == next || $what == refresh || $what == final || $what == cli || $what == lora || $what == attention || $what == engine-ab || $what == place || $what == verify || $what == peers || $what == big || $what == big-peers || $what == big-trace || $what == close || $what == fused || $what == cli-tests || $what == graphed || $what == lowmem || $what == lowmem-big || $what == split-big || $what == assist-14b || $what == overlap-14b || $what == moe-ft || $what == overlap-32b || $what == largest-peers || $what == h200-close || $what == preset-8b-mb || $what == preset-fp32 || $what == main-experts || $what == h100-next || $what == overlap-big || $what == policy-8b || $what == preset-8b || $what == hostwork || $what == hostwork-bf16 || $what == cli-bf16 || $what == endrun || $what == whole-call || $what == lowmem-acc || $what == timeline || $what == fuse || $what == h200-goals || $what == lora-goal || $what == recheck ]]; then
   cd ..
   # Carried wheels (bench/README.md): the CLI's packages and the original RoundPipe library.
   if [[ -d .whl ]]; then
@@ -65,7 +65,7 @@ cli_resnet() {  # cli_resnet SECONDS ARGS...: issue 22's one invocation, its rec
 # modes moe and moe-more (run from the repository root; no carried wheels needed: transformers and peft are installed)
 moe_llm=(python3 bench/llm.py --seq 4096 --batch 4 --steps 3 --warmup 2 --trace-steps 0 --master-dtype bf16 --state-dtype int8)
 moe_lora=(python3 bench/lora.py --seq 4096 --batch 4 --steps 3 --warmup 2)
-[[ $what == moe || $what == moe-more || $what == experts || $what == lora-moe || $what == h200-goals ]] && cd "$root"
+[[ $what == moe || $what == moe-more || $what == experts || $what == lora-moe || $what == h200-goals || $what == lora-goal ]] && cd "$root"
 if [[ $what == experts ]]; then  # issue 30's expert compute (about 2.5 minutes): the MoE CUDA tests with the fused gating, then one
   # MoE layer against its grouped GEMMs alone, with its profile
   run 100 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider tests/test_models_gating.py tests/test_models_combine.py tests/test_models_hf_moe.py \
@@ -408,9 +408,11 @@ if [[ $what == timeline ]]; then  # issue 33 (about 4.5 minutes): the background
   run 40 python3 bench/checkpoint_gil.py --saves 4
   grep '^{"bench": "\(cli_timeline\|checkpoint_gil\)' "$out/suite.log" > "$out/timeline.jsonl"
 fi
-if [[ $what == h200-goals ]]; then  # issues 30 and 29 on the H200 in one call (about 9.5 minutes): Qwen3-30B-A3B LoRA against
-  # transformers + PEFT (goal 1.5x), then the 8 B preset against the same engine with fp32 master and moments (goal 1.1x)
+if [[ $what == h200-goals || $what == lora-goal ]]; then  # issues 30 and 29 on the H200 in one call (about 9.5 minutes): Qwen3-30B-A3B
+  # LoRA against transformers + PEFT (goal 1.5x), then the 8 B preset against the same engine with fp32 master and moments (goal 1.1x);
+  # lora-goal: the first alone (about 4 minutes)
   run 240 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain peft --timeout 115
+  [[ $what == lora-goal ]] && { grep '^{"bench": "lora' "$out/suite.log" > "$out/lora-goal.jsonl"; exit 0; }
   run 130 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8
   run 220 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype fp32 --state-dtype fp32
   grep '^{"bench": "\(lora\|llm\)' "$out/suite.log" > "$out/h200-goals.jsonl"
