@@ -390,11 +390,14 @@ if [[ $what == fuse ]]; then  # issue 33 (about 6.5 minutes): a call's microbatc
   run 100 python3 bench/main_job.py
   grep '^{"bench": "\(resnet34\|main_job\)' "$out/suite.log" > "$out/fuse.jsonl"
 fi
-if [[ $what == recheck ]]; then  # the engine on CUDA after CPU-only changes (about 7 minutes, either GPU): its CUDA tests, the
-  # tutorial's loop by default beside the whole-step-graphed plain loop, then the main job with its setup's stacks; each its own process
-  run 230 "${cuda_tests[@]}"
+if [[ $what == recheck ]]; then  # the engine on CUDA after CPU-only changes (about 7 minutes, either GPU): the CUDA tests of the
+  # fused and whole-call paths, the tutorial's loop by default beside the whole-step-graphed plain loop, the other engine tests, then the
+  # main job with its setup's stacks; each its own process (a short END keeps the first three)
+  focused=(tests/test_engine_fusion.py tests/test_engine_whole_call.py tests/test_engine_equivalence.py tests/test_engine_frozen.py)
+  run 120 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider "${focused[@]}"
   run 60 python3 bench/resnet.py --impl graphed --memory-format channels_last --steps 60
   run 60 python3 bench/resnet.py --impl rptrain --steps 60
+  run 230 "${cuda_tests[@]}" "${focused[@]/#/--ignore=}"
   run 110 python3 bench/main_job.py --stacks 0.05 --stacks-for 30  # the 20-epoch main job, where its setup's seconds go
   grep '^{"bench": "\(resnet34\|main_job\)' "$out/suite.log" > "$out/recheck.jsonl"
 fi
