@@ -397,7 +397,7 @@ if [[ $what == recheck ]]; then  # the engine on CUDA after CPU-only changes (ab
   run 120 python3 -m pytest -q -rf -p no:logging -p no:cacheprovider "${focused[@]}"
   run 60 python3 bench/resnet.py --impl graphed --memory-format channels_last --steps 60
   run 60 python3 bench/resnet.py --impl rptrain --steps 60
-  run 230 "${cuda_tests[@]}" "${focused[@]/#/--ignore=}"
+  run 230 "${cuda_tests[@]}" "${focused[@]/#/--deselect=}"
   run 110 python3 bench/main_job.py --stacks 0.05 --stacks-for 30  # the 20-epoch main job, where its setup's seconds go
   grep '^{"bench": "\(resnet34\|main_job\)' "$out/suite.log" > "$out/recheck.jsonl"
 fi
