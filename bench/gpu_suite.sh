@@ -415,10 +415,11 @@ if [[ $what == h200-goals || $what == lora-goal ]]; then  # issues 30 and 29 on 
   # LoRA against transformers + PEFT (goal 1.5x), then the 8 B preset against the same engine with fp32 master and moments (goal 1.1x);
   # lora-goal: the first alone (about 4 minutes)
   run 240 "${moe_lora[@]}" --model qwen3_30b_a3b --impl rptrain peft --timeout 115
-  [[ $what == lora-goal ]] && { grep '^{"bench": "lora' "$out/suite.log" > "$out/lora-goal.jsonl"; exit 0; }
-  run 130 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8
-  run 220 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype fp32 --state-dtype fp32
-  grep '^{"bench": "\(lora\|llm\)' "$out/suite.log" > "$out/h200-goals.jsonl"
+  if [[ $what == h200-goals ]]; then
+    run 130 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype bf16 --state-dtype int8
+    run 220 "${lowmem[@]}" --model llama_8b --impl rptrain --master-dtype fp32 --state-dtype fp32
+  fi
+  grep '^{"bench": "\(lora\|llm\)' "$out/suite.log" > "$out/$what.jsonl"
 fi
 if [[ $what == preset-fp32 ]]; then  # issue 29 on the H200 (about 6 minutes): the 8 B preset (bf16 master, 8-bit moments) against the
   # same engine with fp32 master and moments (goal: the preset >= 1.1x), each its own process, one invocation
