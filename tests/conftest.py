@@ -30,6 +30,8 @@ def pytest_collection_finish(session):
         return
     if not any(item.path.name in KERNEL_MODULES for item in session.items):
         return
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return  # under pytest-xdist every worker collects everything: the first one builds for all
     # The build as the tests would do it (same call, same cache; where the cache is warm, a check of a few seconds).
     # A failed build is the tests' business: they fall back or skip as they would have.
     _prebuild = subprocess.Popen([sys.executable, "-c", "from rptrain.optim import cpu_kernel; cpu_kernel.kernel()"],
