@@ -27,6 +27,16 @@ def test_eval_interval_is_honoured_and_a_short_warmup_is_warned_about(tmp_path):
            "(it ends at 8% of it)" in proc.stdout
 
 
+
+def test_a_training_set_smaller_than_one_batch_is_warned_about(tmp_path):
+    """Trained as the tutorial's DataLoader (drop_last=False) would, on batches of the 3 samples, but said once."""
+    args = [a for a in TINY if not a.startswith("data.num_train=")] + ["data.num_train=3", "trainer.max_steps=2"]
+    proc = rptrain_here([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert proc.stdout.count(">>> the training data has 3 samples, fewer than trainer.batch_size=16: every step trains on "
+                             "those 3; lower trainer.batch_size or add data") == 1
+
+
 @pytest.mark.parametrize("cores, cpus, load, free", [(2, 2, 0.1, 2), (2, 2, 1.0, 1), (2, 2, 6.9, 1), (8, 64, 32.0, 4), (16, 16, 3.4, 13)])
 def test_threads_follow_the_cores_free_to_the_process(monkeypatch, cores, cpus, load, free):
     """The affinity's cores less the load average's share of them (at least one), unless OMP_NUM_THREADS

@@ -174,6 +174,10 @@ def _train_parts(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
         loud(console, f">>> optim.schedule.warmup_steps={warmup} is more than the run's {total_steps} steps: the learning rate never "
                       f"reaches optim.optimizer.lr={cfg.optim.optimizer.lr:g} (it ends at {total_steps / warmup:.0%} of it); "
                       f"lower optim.schedule.warmup_steps or train longer")
+    samples = data.train.num_samples
+    if samples < t.batch_size and d.main:  # a DataLoader with drop_last=False does the same, silently
+        loud(console, f">>> the training data has {samples} samples, fewer than trainer.batch_size={t.batch_size}: every step "
+                      f"trains on those {samples}; lower trainer.batch_size or add data")
     scaler = build_scaler(cfg.precision)
     param_names = {name for name, _ in engine.named_parameters()}
     checkpoints = RunCheckpoints(cfg, run_dir, overrides, prints, d, param_names)
