@@ -4,9 +4,9 @@ TF32 is off and cuDNN is deterministic: the tolerances then hold on CPU and CUDA
 cpu_kernel.py's C++ loop is built once per machine (torch's extension cache, shared by every process of the
 session, ~/.cache/torch_extensions or TORCH_EXTENSIONS_DIR): on a fresh clone the build (about 35 s of one core)
 stood inside whichever test first loaded the kernel, test_bench's benchmark processes or test_optim_lowp. When
-tests that load it are collected, one background process builds it at the session's start, on the core the
-single-threaded tests leave idle; a process that needs the kernel meanwhile waits for that build on torch's file
-lock, so none builds twice. RPTRAIN_TEST_PREBUILD=0 switches this off."""
+tests that load it are collected, one background process builds it at the session's start (in the first
+pytest-xdist worker where the suite runs in several), beside the tests; a process that needs the kernel meanwhile
+waits for that build on torch's file lock, so none builds twice. RPTRAIN_TEST_PREBUILD=0 switches this off."""
 import os
 import signal
 import subprocess
