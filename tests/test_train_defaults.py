@@ -27,7 +27,6 @@ def test_eval_interval_is_honoured_and_a_short_warmup_is_warned_about(tmp_path):
            "(it ends at 8% of it)" in proc.stdout
 
 
-
 def test_a_training_set_smaller_than_one_batch_is_warned_about(tmp_path):
     """Trained as the tutorial's DataLoader (drop_last=False) would, on batches of the 3 samples, but said once."""
     args = [a for a in TINY if not a.startswith("data.num_train=")] + ["data.num_train=3", "trainer.max_steps=2"]
