@@ -1,6 +1,6 @@
 """Defaults a first fine-tune succeeds with: data=chat's own trainer/optim defaults (the command line still
-wins), evaluations (and samples) only where trainer.eval_interval puts them, and a warning for a warmup the
-run never finishes."""
+wins), evaluations (and samples) only where trainer.eval_interval puts them, and warnings for a warmup the
+run never finishes and for a training set smaller than one batch."""
 from __future__ import annotations
 
 import pytest
